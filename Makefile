@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make run` (set up, run the default experiment offline) and
+# `make test` (set up, run the test suite). The venv is rebuilt when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) -m runner $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check runner tests scripts
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check runner tests scripts
+	$(PY) -m ruff format --check runner tests scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache

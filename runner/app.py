@@ -1,0 +1,179 @@
+"""`run(cfg)`: the whole experiment as a plain function (the CLI and the tests both call it).
+
+config -> model, layers, hooks, method (all checked before any data is loaded) -> data -> per batch:
+hooks fire, the method computes rows -> Parquet tables in the output dir -> a per-layer summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from runner.data import NO_LABEL, Batch, build_dataset, make_loader, to_batch
+from runner.errors import RunnerError
+from runner.hooks import BoundHook, HookSession
+from runner.layers import Layer, resolve_layers
+from runner.methods import Runtime, build_method
+from runner.methods.hook_check import HookCheck
+from runner.models import build_model
+from runner.provenance import provenance
+from runner.results import Block, ResultWriter, to_host
+from runner.schema import RunConfig, to_run_config
+from runner.stats import STAT_NAMES
+
+log = logging.getLogger(__name__)
+
+# What the console summary reports per table: grouping columns and the value columns averaged.
+SUMMARY = {
+    "hooks": (["layer", "hook", "role", "call"], ["mean", "std", "frac_zero"]),
+    "gradcam": (["layer"], ["score", "cam_mean", "cam_max"]),
+    "hook_check": (["layer", "call"], ["max_abs_diff"]),
+}
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    tables: dict[str, Path]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RunnerError(f"device={name} was asked for, but no CUDA GPU is available. Use device=auto or device=cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise RunnerError(f"Unknown device '{name}'. Use auto, cpu, cuda or cuda:N.") from None
+
+
+def _default_output_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        raise RunnerError("No output directory: pass output_dir to run(), or set output.dir=PATH.")
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _bind_hooks(model: torch.nn.Module, config: RunConfig, target_layers: list[Layer] | None) -> list[BoundHook]:
+    bound = []
+    for i, spec in enumerate(config.hooks):
+        if spec.layers:
+            layers = resolve_layers(model, spec.layers)
+        elif target_layers is not None:
+            layers = target_layers
+        else:
+            raise RunnerError(
+                f"hooks[{i}] names no layers and `layers.include` is empty: give the hook `layers: [...]`."
+            )
+        bound.append(BoundHook(spec, layers))
+    return bound
+
+
+def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> RunResult:
+    """Run one experiment; raise RunnerError (and write nothing) when its input is wrong."""
+    config = to_run_config(cfg)
+    out = Path(output_dir or config.output.dir or _default_output_dir())
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
+    runtime = Runtime(device, config.precision)
+
+    bundle = build_model(config.model)
+    model = bundle.model.to(device)
+    target_layers = (
+        resolve_layers(model, config.layers.include, config.layers.exclude) if config.layers.include else None
+    )
+    if target_layers is None and config.method.name != "record":
+        raise RunnerError(f"method={config.method.name} needs target layers: set layers.include=[...].")
+    hooks = _bind_hooks(model, config, target_layers)
+    method = build_method(config.method, target_layers or [], runtime)
+
+    dataset = build_dataset(config.data, bundle.preprocess, config.seed)
+    loader = make_loader(dataset, config.data, pin_memory=device.type == "cuda")
+    run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+    identity = {
+        "run_id": run_id,
+        "experiment": config.name,
+        "model": config.model._target_ or config.model.name,
+        "method": config.method.name,
+    }
+    tensor_dir = out / "tensors"
+    had_tensor_dir = tensor_dir.exists()
+    log.info(
+        "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, identity["model"], len(dataset), device
+    )
+    try:
+        with HookSession(model, hooks, tensor_dir) as session, ResultWriter(out, provenance(config, run_id)) as writer:
+            method.setup(session, len(dataset))
+            first = 0
+            for index, raw in enumerate(tqdm(loader, desc=config.name, unit="batch", disable=not config.progress)):
+                batch = to_batch(raw, device, first)
+                session.begin_batch(batch.x.shape[0], index)
+                output = method.run_batch(model, batch, session)
+                samples = _sample_columns(batch, output.predicted, bundle.categories)
+                for table, columns in output.tables.items():
+                    writer.write(table, _with_ids(identity, samples, to_host(columns)))
+                recorded = session.end_batch()
+                if recorded is not None:
+                    recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
+                    writer.write("hooks", _with_ids(identity, samples, to_host(recorded)))
+                first += batch.x.shape[0]
+    except BaseException:
+        if not had_tensor_dir:
+            shutil.rmtree(tensor_dir, ignore_errors=True)
+        raise
+    if isinstance(method, HookCheck) and method.failures():
+        raise RunnerError(
+            f"Hook check failed (max abs difference above {config.method.tolerance}): {method.failures()}; see {out}."
+        )
+    _summarise(writer.paths)
+    log.info("results: %s", out)
+    return RunResult(out, writer.paths)
+
+
+def _sample_columns(batch: Batch, predicted: torch.Tensor, categories: list[str] | None) -> dict[str, np.ndarray]:
+    """Per-sample identifiers of a batch, moved to the host in one transfer."""
+    host = torch.stack([batch.labels.to(predicted.device), predicted]).cpu().numpy()  # (2, B)
+    names = [categories[p] if categories and 0 <= p < len(categories) else None for p in host[1]]
+    return {
+        "sample": np.arange(batch.first_index, batch.first_index + len(batch.sample_ids)),
+        "sample_id": np.array(batch.sample_ids, dtype=object),
+        "label": np.array([None if y == NO_LABEL else int(y) for y in host[0]], dtype=object),
+        "predicted": host[1],
+        "predicted_name": np.array(names, dtype=object),
+    }
+
+
+def _with_ids(identity: dict[str, str], samples: dict[str, np.ndarray], columns: dict[str, Any]) -> dict[str, Any]:
+    """Identifier columns first (run, experiment, model, method, sample...), then the table's own."""
+    local = np.asarray(columns.pop("sample_index"))
+    rows = len(local)
+    per_batch = local >= 0  # -1: a row about the whole batch (a tensor without a batch dimension)
+    picked = np.where(per_batch, local, 0)
+    ids: dict[str, Any] = {k: [v] * rows for k, v in identity.items()}
+    for name, values in samples.items():
+        column = values[picked].astype(object)
+        column[~per_batch] = None
+        ids[name] = column
+    return {**ids, **columns}
+
+
+def _summarise(paths: dict[str, Path]) -> None:
+    for table, path in paths.items():
+        keys, values = SUMMARY.get(table, (["layer"], []))
+        frame = pd.read_parquet(path, columns=keys + values)
+        summary = frame.groupby(keys, sort=False)[values].mean() if values else frame.groupby(keys).size()
+        with pd.option_context("display.width", 160, "display.max_rows", 60, "display.precision", 4):
+            log.info("%s (%d rows, per layer):\n%s", table, len(frame), summary)

@@ -1,0 +1,339 @@
+"""The hook session: the one owner of every hook handle in a run.
+
+Methods and the runner never call `register_*` themselves; they ask the session, which
+  - registers the four kinds from specs (pre, forward, backward, tensor), each with an action
+    (record statistics, or modify the value in flight: scale, zero, add_noise, clamp);
+  - counts calls per module per batch, so a module called twice per forward (EfficientNet's shared
+    `_swish`) yields rows with call index 0 and 1;
+  - keeps what in-place ops would overwrite intact: statistics are taken inside the hook, saved
+    tensors are cloned, captured activations are handed on to the model as a clone;
+  - turns `inplace=True` off on the model's modules while full backward hooks are registered
+    (torch refuses an in-place op on their outputs), and restores it afterwards;
+  - keeps state per batch only (`end_batch` returns it and drops it);
+  - removes every handle in `__exit__`, also when the run raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from runner.errors import RunnerError
+from runner.layers import Layer
+from runner.schema import HookAction, HookKind, HookSpec
+from runner.stats import STAT_NAMES, per_sample_stats
+
+log = logging.getLogger(__name__)
+
+GRADIENT_KINDS = (HookKind.backward, HookKind.tensor)
+
+
+@dataclass
+class BoundHook:
+    """A hook spec with its layers resolved."""
+
+    spec: HookSpec
+    layers: list[Layer]
+
+
+@dataclass
+class Capture:
+    """Per-batch copies of some layers' inputs and outputs, one list entry per call, for a method."""
+
+    names: list[str]
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    inputs: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.outputs = {n: [] for n in self.names}
+        self.inputs = {n: [] for n in self.names}
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply fn to every tensor in a (possibly nested) tuple/list, leaving other values alone."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def _roles(prefix: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """(role, tensor) pairs: `output` for a lone tensor, `output.0`, `output.1`, ... for a tuple."""
+    if torch.is_tensor(value):
+        return [(prefix, value)]
+    if isinstance(value, (tuple, list)):
+        return [(f"{prefix}.{i}", v) for i, v in enumerate(value) if torch.is_tensor(v)]
+    return []
+
+
+def _modifier(spec: HookSpec) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function a modifying hook applies to each tensor it sees."""
+    action = spec.action
+    if action is HookAction.scale:
+        return lambda t: t * spec.factor
+    if action is HookAction.zero:
+        return torch.zeros_like
+    if action is HookAction.clamp:
+        if spec.min is None and spec.max is None:
+            raise RunnerError("A `clamp` hook needs `min`, `max` or both, e.g. {kind: forward, action: clamp, min: 0}.")
+        return lambda t: t.clamp(min=spec.min, max=spec.max)
+    if action is HookAction.add_noise:
+        generators: dict[torch.device, torch.Generator] = {}
+
+        def add_noise(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in generators:  # seeded once per device: the same seed gives the same noise
+                generators[t.device] = torch.Generator(device=t.device).manual_seed(spec.seed)
+            noise = torch.randn(t.shape, generator=generators[t.device], device=t.device, dtype=t.dtype)
+            return t + spec.std * noise
+
+        return add_noise
+    raise RunnerError(f"Hook action '{action}' is not a modification.")
+
+
+class HookSession:
+    """Registers hooks from specs and captures for methods; removes them all on exit."""
+
+    def __init__(self, model: nn.Module, hooks: list[BoundHook], tensor_dir: Path | None = None) -> None:
+        self.model = model
+        self.hooks = hooks
+        self.tensor_dir = tensor_dir
+        self._handles: list[RemovableHandle] = []
+        self._counted: set[str] = set()
+        self._calls: dict[str, int] = defaultdict(int)
+        self._backward_seen: dict[str, int] = defaultdict(int)
+        self._inplace_restore: list[nn.Module] = []
+        self._captures: list[Capture] = []
+        self._batch_size = 0
+        self._batch_index = -1
+        self._records: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        self._saved: dict[str, torch.Tensor] = {}
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def __enter__(self) -> HookSession:
+        try:
+            if any(h.spec.kind is HookKind.backward for h in self.hooks):
+                self._disable_inplace()
+            for bound in self.hooks:
+                for name, module in bound.layers:
+                    self._register(bound.spec, name, module)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every handle, restore in-place flags, drop every tensor held."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in self._inplace_restore:
+            module.inplace = True  # type: ignore[assignment]
+        self._inplace_restore.clear()
+        for capture in self._captures:
+            capture.clear()
+        self._records.clear()
+        self._saved.clear()
+
+    @property
+    def needs_input_grad(self) -> bool:
+        """Whether gradients must flow all the way to the input, so backward and tensor hooks fire everywhere."""
+        return any(h.spec.kind in GRADIENT_KINDS for h in self.hooks)
+
+    def _disable_inplace(self) -> None:
+        for module in self.model.modules():
+            if getattr(module, "inplace", False) is True:
+                module.inplace = False  # type: ignore[assignment]
+                self._inplace_restore.append(module)
+        if self._inplace_restore:
+            log.info("backward hooks: in-place ops turned off on %d modules for this run", len(self._inplace_restore))
+
+    # ---- per batch ------------------------------------------------------------------------------
+    def begin_batch(self, batch_size: int, batch_index: int) -> None:
+        self._batch_size = batch_size
+        self._batch_index = batch_index
+        self._calls.clear()
+        self._backward_seen.clear()
+        self._records.clear()
+        self._saved.clear()
+        for capture in self._captures:
+            capture.clear()
+
+    def end_batch(self) -> dict[str, Any] | None:
+        """This batch's recorded rows as columns (stats still on the device), then forget them."""
+        if self.tensor_dir is not None and self._saved:
+            self._write_tensors()
+        if not self._records:
+            return None
+        ids: dict[str, list[Any]] = defaultdict(list)
+        for key, _, index in self._records:
+            for column, value in key.items():
+                ids[column].extend([value] * len(index))
+        stats = torch.cat([s for _, s, _ in self._records])  # (rows, len(STAT_NAMES))
+        columns: dict[str, Any] = dict(ids)
+        columns["sample_index"] = torch.cat([i for _, _, i in self._records])
+        columns["stats"] = stats
+        self._records.clear()
+        for capture in self._captures:
+            capture.clear()
+        return columns
+
+    # ---- captures for methods ---------------------------------------------------------------------
+    def capture(self, layers: list[Layer], differentiable: bool = True, inputs: bool = False) -> Capture:
+        """Keep each layer's output per call (as a tensor gradients can be taken to), and optionally its inputs.
+
+        The model continues on a clone of the output, so an in-place op after the layer cannot
+        overwrite what was captured (VGG's conv -> ReLU(inplace=True)).
+        """
+        capture = Capture([n for n, _ in layers])
+        capture.clear()
+        self._captures.append(capture)
+        for name, module in layers:
+            self._count_calls(name, module)
+            if inputs:
+                self._handles.append(module.register_forward_pre_hook(self._input_keeper(capture, name)))
+            self._handles.append(module.register_forward_hook(self._output_keeper(capture, name, differentiable)))
+        return capture
+
+    @staticmethod
+    def _input_keeper(capture: Capture, name: str) -> Callable[..., None]:
+        def keep(module: nn.Module, args: tuple[Any, ...]) -> None:
+            capture.inputs[name].append(map_tensors(args, lambda t: t.detach().clone()))
+
+        return keep
+
+    @staticmethod
+    def _output_keeper(capture: Capture, name: str, differentiable: bool) -> Callable[..., Any]:
+        def keep(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not torch.is_tensor(output):
+                raise RunnerError(
+                    f"Layer '{name}' ({type(module).__name__}) returns {type(output).__name__}, not a tensor;"
+                    " pick a layer whose output is one tensor."
+                )
+            act = output
+            if differentiable and not act.requires_grad and torch.is_grad_enabled():
+                act = act.detach().requires_grad_()  # frozen weights: start the graph here, truncating backward
+            capture.outputs[name].append(act)
+            return act.clone()
+
+        return keep
+
+    # ---- hooks from specs -------------------------------------------------------------------------
+    def _count_calls(self, name: str, module: nn.Module) -> None:
+        if name in self._counted:
+            return
+        self._counted.add(name)
+
+        def count(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._calls[name] += 1
+
+        self._handles.append(module.register_forward_pre_hook(count, prepend=True))
+
+    def _register(self, spec: HookSpec, name: str, module: nn.Module) -> None:
+        self._count_calls(name, module)
+        modify = None if spec.action is HookAction.record else _modifier(spec)
+        kind = spec.kind
+
+        def handle(role_prefix: str, value: Any, call: int) -> Any:
+            """Record or modify `value`; return the replacement, or None to leave it as it is."""
+            if modify is None:
+                for role, tensor in _roles(role_prefix, value):
+                    self._record(spec, name, module, role, call, tensor)
+                return None
+            return map_tensors(value, modify)
+
+        if kind is HookKind.pre:
+
+            def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+                return handle("input", args, self._calls[name] - 1)
+
+            self._handles.append(module.register_forward_pre_hook(pre_hook))
+        elif kind is HookKind.forward:
+
+            def forward_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+                return handle("output", output, self._calls[name] - 1)
+
+            self._handles.append(module.register_forward_hook(forward_hook))
+        elif kind is HookKind.backward:
+
+            def backward_hook(module: nn.Module, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> Any:
+                # Backward runs in reverse: the first backward call belongs to the last forward call.
+                call = self._calls[name] - 1 - self._backward_seen[name]
+                self._backward_seen[name] += 1
+                if modify is None:
+                    handle("grad_output", tuple(grad_output), call)
+                return handle("grad_input", tuple(grad_input), call)
+
+            self._handles.append(module.register_full_backward_hook(backward_hook))
+        elif kind is HookKind.tensor:
+
+            def tensor_hook_installer(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                call = self._calls[name] - 1
+                for role, tensor in _roles("grad", output):
+                    if tensor.requires_grad:
+                        # Registered before any in-place successor runs: torch then hands this hook the
+                        # gradient with respect to the value as the module produced it.
+                        tensor.register_hook(lambda g, role=role, call=call: handle(role, g, call))
+
+            self._handles.append(module.register_forward_hook(tensor_hook_installer))
+        else:  # pragma: no cover - the schema's Enum makes this unreachable
+            raise RunnerError(f"Unknown hook kind '{kind}'. Use one of: {', '.join(k.value for k in HookKind)}.")
+
+    def _record(self, spec: HookSpec, name: str, module: nn.Module, role: str, call: int, tensor: torch.Tensor) -> None:
+        stats, per_sample = per_sample_stats(tensor, self._batch_size)
+        # Per-sample rows carry the shape of one sample; a tensor without a batch dimension, its own.
+        shape = tensor.shape[1:] if per_sample else tensor.shape
+        index = torch.arange(self._batch_size) if per_sample else torch.tensor([-1])
+        key = {
+            "layer": name,
+            "module_type": type(module).__name__,
+            "hook": spec.kind.value,
+            "role": role,
+            "call": call,
+            "shape": "x".join(map(str, shape)),
+            "tensor_file": None,
+            "tensor_key": None,
+        }
+        if spec.save_tensors:
+            tensor_key = f"{name}|{spec.kind.value}|{role}|{call}"
+            self._saved[tensor_key] = tensor.detach().clone()  # a clone: a later in-place op must not change it
+            key["tensor_file"] = self._tensor_file_name()
+            key["tensor_key"] = tensor_key
+        self._records.append((key, stats, index))
+
+    def _tensor_file_name(self) -> str:
+        return f"batch-{self._batch_index:06d}.safetensors"
+
+    def _write_tensors(self) -> None:
+        from safetensors.torch import save_file
+
+        assert self.tensor_dir is not None
+        self.tensor_dir.mkdir(parents=True, exist_ok=True)
+        path = self.tensor_dir / self._tensor_file_name()
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous().cpu() for k, v in self._saved.items()}, str(tmp))
+        tmp.replace(path)  # atomic: a killed run leaves no half file under the final name
+        self._saved.clear()
+
+
+def count_hooks(model: nn.Module) -> int:
+    """How many module hooks are registered anywhere in the model (0 after a clean run)."""
+    total = 0
+    for module in model.modules():
+        total += len(module._forward_hooks) + len(module._forward_pre_hooks)
+        total += len(module._backward_hooks) + len(getattr(module, "_backward_pre_hooks", {}))
+    return total
+
+
+__all__ = ["STAT_NAMES", "BoundHook", "Capture", "HookSession", "count_hooks", "map_tensors"]

