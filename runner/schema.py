@@ -12,6 +12,9 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import RunnerError
 
 
 class HookKind(str, Enum):
@@ -149,5 +152,15 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """The typed config for library code; a DictConfig is validated against the schema on the way."""
     if isinstance(cfg, RunConfig):
         return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
+    # to_object would silently drop it; merging plain values into the schema refuses it instead.
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = f" (key: {e.full_key})" if getattr(e, "full_key", None) else ""
+        raise RunnerError(
+            f"Config error{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}."
+            " `python -m runner --cfg job` prints every valid key."
+        ) from None

@@ -1,0 +1,71 @@
+"""Shared fixtures: Hydra composition of the real config tree, tiny offline models, small inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from torch import nn
+
+from runner.schema import RunConfig, register_configs, to_run_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+
+def make_config(*overrides: str) -> RunConfig:
+    """Compose conf/ exactly as the CLI does (same defaults, same schema), with overrides."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["progress=false", *overrides])
+    return to_run_config(cfg)
+
+
+class TinyNet(nn.Module):
+    """conv -> ReLU(inplace) -> conv -> ReLU(inplace) -> pool -> linear: the in-place trap in miniature."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(inplace=True)
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.features(x)).flatten(1))
+
+
+class SharedActivation(nn.Module):
+    """One activation module called twice per forward (as EfficientNet's `_swish`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(self.act(x))))
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return frozen(TinyNet())
+
+
+@pytest.fixture(scope="session")
+def vgg16() -> nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return frozen(torchvision.models.vgg16(weights=None))

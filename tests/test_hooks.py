@@ -1,0 +1,207 @@
+"""The hook session: four kinds, actions that flow forward and backward, call indices, in-place safety, hygiene."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runner.hooks import BoundHook, HookSession, count_hooks
+from runner.layers import resolve_layers
+from runner.schema import HookAction, HookKind, HookSpec
+from runner.stats import STAT_NAMES, per_sample_stats
+from tests.conftest import SharedActivation, frozen
+
+
+def bind(model: nn.Module, *specs: tuple[HookSpec, list[str]]) -> list[BoundHook]:
+    return [BoundHook(spec, resolve_layers(model, layers)) for spec, layers in specs]
+
+
+def rows(columns: dict) -> list[dict]:
+    """Recorded columns as a list of row dicts (stats by name) for easy assertions."""
+    stats = columns["stats"]
+    return [
+        {
+            **{k: columns[k][i] for k in ("layer", "hook", "role", "call")},
+            "sample_index": int(columns["sample_index"][i]),
+            **dict(zip(STAT_NAMES, stats[i].tolist(), strict=True)),
+        }
+        for i in range(len(columns["layer"]))
+    ]
+
+
+def test_forward_record_keeps_pre_relu_values_on_vgg_inplace(vgg16: nn.Module) -> None:
+    """features.28 is a conv followed by ReLU(inplace=True): the record must be the conv output."""
+    x = torch.randn(2, 3, 32, 32)
+    with HookSession(vgg16, bind(vgg16, (HookSpec(kind=HookKind.forward), ["features.28"]))) as session:
+        session.begin_batch(2, 0)
+        with torch.no_grad():
+            vgg16(x)
+        recorded = rows(session.end_batch())
+    with torch.no_grad():
+        direct = vgg16.features[:29](x)  # the sub-network up to and including the conv, run directly
+    expected, _ = per_sample_stats(direct, 2)
+    assert [r["sample_index"] for r in recorded] == [0, 1]
+    assert all(r["min"] < 0 for r in recorded), "pre-ReLU values have negative entries"
+    got = torch.tensor([[r[s] for s in STAT_NAMES] for r in recorded])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_hook_on_vgg_does_not_crash_and_restores_inplace(vgg16: nn.Module) -> None:
+    x = torch.randn(2, 3, 32, 32, requires_grad=True)
+    specs = bind(vgg16, (HookSpec(kind=HookKind.backward), ["features.28"]))
+    with HookSession(vgg16, specs) as session:
+        session.begin_batch(2, 0)
+        logits = vgg16(x)
+        torch.autograd.grad(logits[:, 0].sum(), x)
+        recorded = rows(session.end_batch())
+    assert {r["role"] for r in recorded} == {"grad_input.0", "grad_output.0"}
+    assert vgg16.features[29].inplace is True, "in-place flags are restored after the session"
+    assert count_hooks(vgg16) == 0
+
+
+def test_all_four_kinds_record(tiny: nn.Module) -> None:
+    kinds = [HookKind.pre, HookKind.forward, HookKind.backward, HookKind.tensor]
+    specs = bind(tiny, *[(HookSpec(kind=k), ["features.2"]) for k in kinds])
+    x = torch.randn(3, 3, 8, 8, requires_grad=True)
+    with HookSession(tiny, specs) as session:
+        session.begin_batch(3, 0)
+        torch.autograd.grad(tiny(x)[:, 1].sum(), x)
+        recorded = rows(session.end_batch())
+    roles = {(r["hook"], r["role"]) for r in recorded}
+    assert roles == {
+        ("pre", "input.0"),
+        ("forward", "output"),
+        ("backward", "grad_input.0"),
+        ("backward", "grad_output.0"),
+        ("tensor", "grad"),
+    }
+    assert len(recorded) == 5 * 3  # one row per sample per role
+    grad_output = [r for r in recorded if r["role"] == "grad_output.0"]
+    tensor_grad = [r for r in recorded if r["hook"] == "tensor"]
+    for a, b in zip(grad_output, tensor_grad, strict=True):  # two routes to d(score)/d(output) agree
+        assert a["l2_norm"] == pytest.approx(b["l2_norm"], rel=1e-5)
+
+
+def test_forward_modification_flows_into_later_layers_and_backward() -> None:
+    torch.manual_seed(0)
+    model = frozen(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)))
+    x = torch.randn(2, 4, requires_grad=True)
+    spec = HookSpec(kind=HookKind.forward, action=HookAction.scale, factor=3.0)
+    with HookSession(model, bind(model, (spec, ["0"]))) as session:
+        session.begin_batch(2, 0)
+        patched = model(x)
+        (grad_patched,) = torch.autograd.grad(patched[:, 0].sum(), x)
+    expected = model[1](3.0 * model[0](x))
+    torch.testing.assert_close(patched, expected)
+    (grad_plain,) = torch.autograd.grad(model(x)[:, 0].sum(), x)
+    torch.testing.assert_close(grad_patched, 3.0 * grad_plain)  # linear net: the gradient scales too
+
+
+@pytest.mark.parametrize(
+    ("kind", "layer"),
+    [(HookKind.tensor, "1"), (HookKind.backward, "1")],
+)
+def test_gradient_scale_reaches_earlier_layers(kind: HookKind, layer: str) -> None:
+    torch.manual_seed(0)
+    model = frozen(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)))
+    x = torch.randn(2, 4, requires_grad=True)
+    (plain,) = torch.autograd.grad(model(x)[:, 0].sum(), x)
+    spec = HookSpec(kind=kind, action=HookAction.scale, factor=-2.0)
+    with HookSession(model, bind(model, (spec, [layer]))) as session:
+        session.begin_batch(2, 0)
+        (scaled,) = torch.autograd.grad(model(x)[:, 0].sum(), x)
+    torch.testing.assert_close(scaled, -2.0 * plain)
+
+
+def test_pre_hook_zero_and_clamp_change_inputs() -> None:
+    torch.manual_seed(0)
+    model = frozen(nn.Sequential(nn.Linear(4, 3)))
+    x = torch.randn(5, 4)
+    with HookSession(model, bind(model, (HookSpec(kind=HookKind.pre, action=HookAction.zero), ["0"]))) as session:
+        session.begin_batch(5, 0)
+        out = model(x)
+    torch.testing.assert_close(out, model[0].bias.expand(5, 3))
+    clamp = HookSpec(kind=HookKind.pre, action=HookAction.clamp, min=0.0)
+    with HookSession(model, bind(model, (clamp, ["0"]))) as session:
+        session.begin_batch(5, 0)
+        out = model(x)
+    torch.testing.assert_close(out, model(x.clamp(min=0)))
+
+
+def test_add_noise_is_seeded() -> None:
+    model = frozen(nn.Sequential(nn.Identity()))
+    x = torch.zeros(2, 10)
+    outs = []
+    for seed in (7, 7, 8):
+        spec = HookSpec(kind=HookKind.forward, action=HookAction.add_noise, std=0.5, seed=seed)
+        with HookSession(model, bind(model, (spec, ["0"]))) as session:
+            session.begin_batch(2, 0)
+            outs.append(model(x))
+    torch.testing.assert_close(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
+    assert 0.2 < float(outs[0].std()) < 0.8
+
+
+def test_module_called_twice_gets_call_indices() -> None:
+    torch.manual_seed(0)
+    model = frozen(SharedActivation())
+    x = torch.randn(2, 4, requires_grad=True)
+    x0 = x[0].detach()
+    specs = bind(model, (HookSpec(kind=HookKind.forward), ["act"]), (HookSpec(kind=HookKind.backward), ["act"]))
+    with HookSession(model, specs) as session:
+        session.begin_batch(2, 0)
+        torch.autograd.grad(model(x).sum(), x)
+        recorded = rows(session.end_batch())
+    forward = {r["call"]: r for r in recorded if r["hook"] == "forward" and r["sample_index"] == 0}
+    assert set(forward) == {0, 1}
+    assert forward[0]["mean"] == pytest.approx(float(torch.tanh(x0).mean()), rel=1e-5)
+    assert forward[1]["mean"] == pytest.approx(float(torch.tanh(model.a(torch.tanh(x0))).mean()), rel=1e-5)
+    # Backward of call 1 fires first. d(sum of outputs)/d(call 1's output) is the column sum of b's weight,
+    # so that is what the row labelled call 1 must hold.
+    grad_out = {r["call"]: r for r in recorded if r["role"] == "grad_output.0" and r["sample_index"] == 0}
+    assert set(grad_out) == {0, 1}
+    expected = float(torch.linalg.vector_norm(model.b.weight.sum(0)))
+    assert grad_out[1]["l2_norm"] == pytest.approx(expected, rel=1e-5)
+    assert grad_out[0]["l2_norm"] != pytest.approx(expected, rel=1e-3)
+
+
+def test_handles_removed_also_when_the_run_raises(tiny: nn.Module) -> None:
+    specs = bind(tiny, *[(HookSpec(kind=k), ["features.0"]) for k in HookKind])
+    with pytest.raises(RuntimeError, match="boom"):
+        with HookSession(tiny, specs) as session:
+            session.capture(resolve_layers(tiny, ["features.2"]))
+            assert count_hooks(tiny) > 0
+            raise RuntimeError("boom")
+    assert count_hooks(tiny) == 0
+    assert all(m.inplace for m in tiny.modules() if hasattr(m, "inplace"))
+
+
+def test_state_is_per_batch(tiny: nn.Module) -> None:
+    specs = bind(tiny, (HookSpec(kind=HookKind.forward), ["features.0"]))
+    with HookSession(tiny, specs) as session:
+        capture = session.capture(resolve_layers(tiny, ["features.2"]))
+        for index in range(3):
+            session.begin_batch(2, index)
+            with torch.enable_grad():
+                tiny(torch.randn(2, 3, 8, 8))
+            assert len(capture.outputs["features.2"]) == 1
+            columns = session.end_batch()
+            assert len(columns["layer"]) == 2  # this batch's rows only
+            assert capture.outputs["features.2"] == [], "captures are dropped at the end of each batch"
+
+
+def test_saved_tensors_are_clones_of_pre_inplace_values(tiny: nn.Module, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    spec = HookSpec(kind=HookKind.forward, save_tensors=True)
+    x = torch.randn(2, 3, 8, 8)
+    with HookSession(tiny, bind(tiny, (spec, ["features.0"])), tensor_dir=tmp_path) as session:
+        session.begin_batch(2, 0)
+        with torch.no_grad():
+            tiny(x)
+        columns = session.end_batch()
+    saved = load_file(str(tmp_path / columns["tensor_file"][0]))[columns["tensor_key"][0]]
+    with torch.no_grad():
+        torch.testing.assert_close(saved, tiny.features[0](x))
+    assert float(saved.min()) < 0  # the in-place ReLU after it did not overwrite the saved copy
