@@ -1,0 +1,107 @@
+"""Models: real embedded weights, strict checkpoints, clear errors, never a silent random fallback."""
+
+from __future__ import annotations
+
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.data import standard_transform
+from runner.errors import RunnerError
+from runner.models import build_model, load_checkpoint
+from runner.schema import ModelConfig, ResizeMode
+from tests.conftest import TinyNet
+
+
+def test_embedded_efficientnet_lite0_is_really_pretrained() -> None:
+    import skimage.data
+    from PIL import Image
+
+    bundle = build_model(ModelConfig(name="efficientnet_lite0", weights="embedded"))
+    x = standard_transform(224, ResizeMode.square)(Image.fromarray(skimage.data.chelsea()))[None]
+    probs = bundle.model(x).softmax(-1)
+    assert int(probs.argmax()) == 285 and bundle.categories[285] == "Egyptian cat"
+    assert float(probs.max()) > 0.5  # random weights would give ~1/1000
+    assert all(not p.requires_grad for p in bundle.model.parameters())
+
+
+def test_unknown_model_suggests_names() -> None:
+    with pytest.raises(RunnerError, match="Unknown model 'vgg61'.*vgg16"):
+        build_model(ModelConfig(name="vgg61"))
+
+
+def test_unknown_weights_name_lists_valid_ones() -> None:
+    with pytest.raises(RunnerError, match="no weights 'IMAGENET9'.*IMAGENET1K_V1"):
+        build_model(ModelConfig(name="resnet18", weights="IMAGENET9"))
+
+
+def test_unavailable_torchvision_weights_name_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Offline with an empty hub cache: stop with the file to place and the override, never random weights."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    with pytest.raises(RunnerError) as info:
+        build_model(ModelConfig(name="resnet18", weights="DEFAULT"))
+    message = str(info.value)
+    assert str(tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth") in message
+    assert "model.weights=null" in message
+
+
+def test_random_init_only_when_asked() -> None:
+    bundle = build_model(ModelConfig(name="resnet18", weights=None))
+    assert bundle.preprocess is None and bundle.categories is None
+
+
+def test_target_model_and_checkpoint_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    source = TinyNet()
+    path = tmp_path / "tiny.pt"
+    torch.save({"state_dict": source.state_dict()}, path)
+    cfg = ModelConfig(_target_="tests.conftest.TinyNet", weights=None, checkpoint=str(path))
+    model = build_model(cfg).model
+    x = torch.randn(1, 3, 8, 8)
+    torch.testing.assert_close(model(x), source.eval()(x))
+
+
+def test_safetensors_checkpoint(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    source = TinyNet()
+    save_file(source.state_dict(), str(tmp_path / "tiny.safetensors"))
+    target = TinyNet()
+    load_checkpoint(target, tmp_path / "tiny.safetensors")
+    assert torch.equal(target.fc.weight, source.fc.weight)
+
+
+def test_missing_checkpoint_file() -> None:
+    with pytest.raises(RunnerError, match="Checkpoint file not found: /nowhere/model.pt"):
+        load_checkpoint(TinyNet(), "/nowhere/model.pt")
+
+
+def test_mismatched_checkpoint_lists_keys(tmp_path: Path) -> None:
+    state = TinyNet().state_dict()
+    state.pop("fc.bias")
+    state["head.weight"] = torch.zeros(1)
+    state["fc.weight"] = torch.zeros(2, 2)
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(RunnerError) as info:
+        load_checkpoint(TinyNet(), tmp_path / "bad.pt")
+    message = str(info.value)
+    assert "missing keys: fc.bias" in message
+    assert "unexpected keys: head.weight" in message
+    assert "fc.weight (2, 2) vs model (5, 8)" in message
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self) -> tuple:
+            return (print, ("pwned",))
+
+    torch.save({"x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(RunnerError, match="Cannot read checkpoint"):
+        load_checkpoint(TinyNet(), tmp_path / "evil.pt")
