@@ -1,0 +1,75 @@
+"""The real CLI in a subprocess: exit codes, one clear message, `--cfg job`, and a real multirun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_VGG = ["experiment=gradcam_vgg16", "model.weights=null", "data.image_size=32", "data.photos=[chelsea,coffee]"]
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args, "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
+    done = cli(*SMALL_VGG, f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert f"results: {tmp_path}" in done.stderr
+    frame = pd.read_parquet(tmp_path / "gradcam.parquet")
+    assert len(frame) == 2 * 13
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("layers.include=[features.99]", "Layer 'features.99' does not exist"),
+        ("model.name=vgg61", "Unknown model 'vgg61'"),
+        ("model.checkpoint=/nowhere/x.pt", "Checkpoint file not found: /nowhere/x.pt"),
+        ("+model.nmae=vgg16", "Key 'nmae' not in 'ModelConfig'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, message: str) -> None:
+    done = cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list(tmp_path.glob("*.parquet*"))
+    assert "Traceback" in (tmp_path / "__main__.log").read_text()  # the detail is kept in the run's log
+
+
+def test_misspelled_key_fails_at_start(tmp_path: Path) -> None:
+    done = cli(*SMALL_VGG, "data.bach_size=2", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert "bach_size" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    done = cli("--cfg", "job", "experiment=gradcam_vgg16")
+    assert done.returncode == 0
+    assert "name: vgg16" in done.stdout and "features.*:Conv2d" in done.stdout
+
+
+def test_multirun_sweep(tmp_path: Path) -> None:
+    done = cli(
+        "-m",
+        *SMALL_VGG,
+        "data.photos=[chelsea]",
+        "method.target=predicted,fixed",
+        "method.class_ids=[7]",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert done.returncode == 0, done.stderr
+    frames = [pd.read_parquet(tmp_path / str(i) / "gradcam.parquet") for i in (0, 1)]
+    assert (frames[1]["target"] == 7).all()
+    assert len(frames[0]) == len(frames[1]) == 13

@@ -1,0 +1,154 @@
+"""End to end through run(): composed configs in, Parquet tables out, no hook left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import runner.app as app
+from runner.errors import RunnerError
+from runner.hooks import count_hooks
+from runner.results import read_metadata
+from tests.conftest import make_config
+
+VGG_OFFLINE = ["model.weights=null", "data.image_size=32", "data.photos=[chelsea,coffee,rocket]", "data.batch_size=2"]
+
+
+@pytest.fixture
+def built_models(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every model a run builds, so tests can inspect it after the run."""
+    seen: list = []
+    original = app.build_model
+
+    def spy(cfg):  # noqa: ANN001, ANN202
+        bundle = original(cfg)
+        seen.append(bundle.model)
+        return bundle
+
+    monkeypatch.setattr(app, "build_model", spy)
+    return seen
+
+
+def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_models: list) -> None:
+    result = app.run(make_config("experiment=gradcam_vgg16", *VGG_OFFLINE), tmp_path)
+    frame = pd.read_parquet(result.tables["gradcam"])
+    assert len(frame) == 3 * 13
+    assert frame.groupby("layer").size().eq(3).all()
+    assert set(frame["sample_id"]) == {"chelsea", "coffee", "rocket"}
+    assert frame.loc[frame.sample_id == "chelsea", "label"].iloc[0] == 285
+    for column in (
+        "run_id",
+        "experiment",
+        "model",
+        "method",
+        "layer",
+        "module_type",
+        "predicted",
+        "target",
+        "score",
+        "cam_mean",
+        "cam_max",
+        "map_height",
+        "map_width",
+        "map",
+    ):
+        assert column in frame.columns
+    assert (frame["module_type"] == "Conv2d").all() and (frame["experiment"] == "gradcam_vgg16").all()
+    assert (frame["map"].map(len) == frame["map_height"] * frame["map_width"]).all()
+    assert (frame["target"] == frame["predicted"]).all()
+    meta = read_metadata(result.tables["gradcam"])
+    assert "name: gradcam_vgg16" in meta["config"] and meta["versions"]["torch"] and meta["git_commit"]
+    assert count_hooks(built_models[0]) == 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_hooks_vgg16_rows_for_all_four_kinds(tmp_path: Path, built_models: list) -> None:
+    result = app.run(make_config("experiment=hooks_vgg16", *VGG_OFFLINE), tmp_path)
+    frame = pd.read_parquet(tmp_path / "hooks.parquet")
+    assert set(frame["hook"]) == {"pre", "forward", "backward", "tensor"}
+    conv28 = frame[(frame.layer == "features.28") & (frame.hook == "forward")]
+    assert len(conv28) == 3 and (conv28["min"] < 0).all()  # the conv output before the in-place ReLU
+    assert set(frame.loc[frame.hook == "backward", "role"]) == {"grad_input.0", "grad_output.0"}
+    assert frame.groupby(["layer", "hook", "role", "call"]).size().eq(3).all()  # one row per sample
+    assert "gradcam" not in result.tables
+    assert count_hooks(built_models[0]) == 0
+    relus = [m for m in built_models[0].modules() if type(m).__name__ == "ReLU"]
+    assert relus and all(m.inplace for m in relus)  # turned off for the backward hooks, then restored
+
+
+def test_default_experiment_on_the_embedded_model(tmp_path: Path) -> None:
+    """The real default: pretrained EfficientNet-Lite0, real photos, four hook kinds, Grad-CAM."""
+    result = app.run(make_config("data.photos=[chelsea,coffee]"), tmp_path)
+    cams = pd.read_parquet(result.tables["gradcam"])
+    assert len(cams) == 2 * 5
+    assert cams.set_index("sample_id")["predicted_name"].to_dict() == {"chelsea": "Egyptian cat", "coffee": "espresso"}
+    hooks = pd.read_parquet(result.tables["hooks"])
+    assert set(hooks["hook"]) == {"pre", "forward", "backward", "tensor"}
+    swish = hooks[(hooks.layer == "_blocks.15._swish") & (hooks.hook == "forward")]
+    assert sorted(swish["call"].unique()) == [0, 1]  # the shared activation, called twice per block
+
+
+def test_hook_check_passes_on_the_embedded_model(tmp_path: Path) -> None:
+    result = app.run(
+        make_config("experiment=check_hooks_effnet", "data.photos=[chelsea]", "data.image_size=64"), tmp_path
+    )
+    frame = pd.read_parquet(result.tables["hook_check"])
+    assert frame["passed"].all()
+    assert len(frame.query("layer == '_blocks.3._swish'")["call"].unique()) == 2
+    assert frame["layer"].nunique() == 1 + 16 + 16 + 1 + 1
+
+
+def test_bf16_is_close_to_fp32(tmp_path: Path) -> None:
+    overrides = ["data.photos=[chelsea]", "data.image_size=128", "hooks=[]"]
+    fp32 = pd.read_parquet(app.run(make_config(*overrides), tmp_path / "a").tables["gradcam"])
+    bf16 = pd.read_parquet(app.run(make_config(*overrides, "precision=bf16"), tmp_path / "b").tables["gradcam"])
+    assert (fp32["predicted"] == bf16["predicted"]).all()
+    assert ((fp32["score"] - bf16["score"]).abs() / fp32["score"].abs() < 0.05).all()
+
+
+def test_bad_layer_fails_before_data_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_data(*args: object) -> None:
+        raise AssertionError("data was loaded before the layers were checked")
+
+    monkeypatch.setattr(app, "build_dataset", no_data)
+    with pytest.raises(RunnerError, match="features.99"):
+        app.run(make_config("experiment=gradcam_vgg16", "layers.include=[features.99]", *VGG_OFFLINE), tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_failure_mid_run_leaves_no_results_and_no_hooks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built_models: list
+) -> None:
+    from runner.methods.gradcam import GradCAM
+
+    calls = {"n": 0}
+    original = GradCAM.run_batch
+
+    def fails_on_second_batch(self, *args):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("disk on fire")
+        return original(self, *args)
+
+    monkeypatch.setattr(GradCAM, "run_batch", fails_on_second_batch)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        app.run(make_config("experiment=gradcam_vgg16", "hooks=[{kind: backward}]", *VGG_OFFLINE), tmp_path)
+    assert calls["n"] == 2
+    assert list(tmp_path.iterdir()) == []  # no table, no temporary file, no tensor folder
+    assert count_hooks(built_models[0]) == 0
+
+
+def test_saved_tensors_sidecar(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    config = make_config(
+        "experiment=hooks_vgg16", *VGG_OFFLINE, "hooks=[{kind: forward, layers: [features.28], save_tensors: true}]"
+    )
+    app.run(config, tmp_path)
+    frame = pd.read_parquet(tmp_path / "hooks.parquet")
+    row = frame.iloc[0]
+    tensor = load_file(str(tmp_path / "tensors" / row["tensor_file"]))[row["tensor_key"]]
+    assert tensor.shape == (2, 512, 2, 2)
+    assert float(tensor[0].min()) == pytest.approx(row["min"])
