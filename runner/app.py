@@ -175,5 +175,7 @@ def _summarise(paths: dict[str, Path]) -> None:
         keys, values = SUMMARY.get(table, (["layer"], []))
         frame = pd.read_parquet(path, columns=keys + values)
         summary = frame.groupby(keys, sort=False)[values].mean() if values else frame.groupby(keys).size()
-        with pd.option_context("display.width", 160, "display.max_rows", 60, "display.precision", 4):
+        with pd.option_context(
+            "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
+        ):
             log.info("%s (%d rows, per layer):\n%s", table, len(frame), summary)
