@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -34,12 +35,14 @@ from runner.stats import STAT_NAMES
 
 log = logging.getLogger(__name__)
 
-# What the console summary reports per table: grouping columns and the value columns averaged.
-SUMMARY = {
-    "hooks": (["layer", "hook", "role", "call"], ["mean", "std", "frac_zero"]),
-    "gradcam": (["layer"], ["score", "cam_mean", "cam_max"]),
-    "hook_check": (["layer", "call"], ["max_abs_diff"]),
-}
+# What the console summary reports: per layer (and hook, role, call), the mean of these columns where present.
+SUMMARY_KEYS = ("layer", "hook", "role", "call")
+SUMMARY_VALUES = (
+    "mean", "std", "frac_zero",  # hooks
+    "score", "cam_mean", "cam_max", "deletion_auc", "random_deletion_auc", "insertion_auc",
+    "random_insertion_auc", "avg_drop", "random_avg_drop",  # CAM family
+    "spearman", "max_abs_diff",  # sanity, hook_check
+)  # fmt: skip
 
 
 @dataclass
@@ -57,6 +60,16 @@ def resolve_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise RunnerError(f"Unknown device '{name}'. Use auto, cpu, cuda or cuda:N.") from None
+
+
+def _pictures_on(config: RunConfig) -> bool:
+    """Pictures as configured; by default on for a single run, off in a sweep (one PNG per sample per job adds up)."""
+    if config.method.pictures is not None:
+        return config.method.pictures
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
 
 
 def _default_output_dir() -> Path:
@@ -88,7 +101,7 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     out = Path(output_dir or config.output.dir or _default_output_dir())
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
-    runtime = Runtime(device, config.precision)
+    runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None)
 
     bundle = build_model(config.model)
     model = bundle.model.to(device)
@@ -109,13 +122,15 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
         "model": config.model._target_ or config.model.name,
         "method": config.method.name,
     }
-    tensor_dir = out / "tensors"
-    had_tensor_dir = tensor_dir.exists()
+    side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
     log.info(
         "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, identity["model"], len(dataset), device
     )
     try:
-        with HookSession(model, hooks, tensor_dir) as session, ResultWriter(out, provenance(config, run_id)) as writer:
+        with (
+            HookSession(model, hooks, out / "tensors") as session,
+            ResultWriter(out, provenance(config, run_id)) as writer,
+        ):
             method.setup(session, len(dataset))
             first = 0
             for index, raw in enumerate(tqdm(loader, desc=config.name, unit="batch", disable=not config.progress)):
@@ -131,8 +146,8 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
                     writer.write("hooks", _with_ids(identity, samples, to_host(recorded)))
                 first += batch.x.shape[0]
     except BaseException:
-        if not had_tensor_dir:
-            shutil.rmtree(tensor_dir, ignore_errors=True)
+        for directory in side_dirs:  # written by this run: a failed run leaves no partial results
+            shutil.rmtree(directory, ignore_errors=True)
         raise
     if isinstance(method, HookCheck) and method.failures():
         raise RunnerError(
@@ -172,9 +187,11 @@ def _with_ids(identity: dict[str, str], samples: dict[str, np.ndarray], columns:
 
 def _summarise(paths: dict[str, Path]) -> None:
     for table, path in paths.items():
-        keys, values = SUMMARY.get(table, (["layer"], []))
+        present = set(pq.read_schema(path).names)
+        keys = [k for k in SUMMARY_KEYS if k in present]
+        values = [v for v in SUMMARY_VALUES if v in present]
         frame = pd.read_parquet(path, columns=keys + values)
-        summary = frame.groupby(keys, sort=False)[values].mean() if values else frame.groupby(keys).size()
+        summary = frame.groupby(keys, sort=False)[values].mean()
         with pd.option_context(
             "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
         ):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,7 @@ class HookSession:
         return any(h.spec.kind in GRADIENT_KINDS for h in self.hooks)
 
     def _disable_inplace(self) -> None:
-        for module in self.model.modules():
-            if getattr(module, "inplace", False) is True:
-                module.inplace = False  # type: ignore[assignment]
-                self._inplace_restore.append(module)
+        self._inplace_restore = disable_inplace(self.model)
         if self._inplace_restore:
             log.info("backward hooks: in-place ops turned off on %d modules for this run", len(self._inplace_restore))
 
@@ -325,6 +323,25 @@ class HookSession:
         save_file({k: v.contiguous().cpu() for k, v in self._saved.items()}, str(tmp))
         tmp.replace(path)  # atomic: a killed run leaves no half file under the final name
         self._saved.clear()
+
+
+def disable_inplace(model: nn.Module) -> list[nn.Module]:
+    """Set `inplace=False` on every module that has it on; return them, for restoring."""
+    switched = [m for m in model.modules() if getattr(m, "inplace", False) is True]
+    for module in switched:
+        module.inplace = False  # type: ignore[assignment]
+    return switched
+
+
+@contextmanager
+def inplace_disabled(model: nn.Module) -> Iterator[None]:
+    """In-place ops off inside the block (same values, one more buffer each), restored after, also on error."""
+    switched = disable_inplace(model)
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.inplace = True  # type: ignore[assignment]
 
 
 def count_hooks(model: nn.Module) -> int:

@@ -49,11 +49,12 @@ class ResizeMode(str, Enum):
 
 
 class TargetMode(str, Enum):
-    """Which class a gradient method explains."""
+    """Which class a method explains: the prediction, the data set's label, given ids, or the top k classes."""
 
     predicted = "predicted"
     label = "label"
     fixed = "fixed"
+    topk = "topk"
 
 
 @dataclass
@@ -113,12 +114,34 @@ class HookSpec:
 
 
 @dataclass
+class FaithfulnessConfig:
+    """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
+
+    enabled: bool = False
+    steps: int = 20  # deletion/insertion curve points (plus the start)
+    chunk: int = 64  # images per batched forward while scoring perturbed inputs
+    seed: int = 0  # the random-map baseline
+
+
+@dataclass
 class MethodConfig:
-    # gradcam | record (hooks only) | hook_check (hooks' captures vs. running each module directly)
+    # CAM family: gradcam | gradcampp | xgradcam | hirescam | layercam | eigencam | scorecam;
+    # captum (a captum layer method, `captum`); sanity (model randomisation check);
+    # record (hooks only); hook_check (hooks' captures vs. running each module directly)
     name: str = "gradcam"
     target: TargetMode = TargetMode.predicted
     class_ids: list[int] = field(default_factory=list)  # target=fixed: one id for all, or one per sample
+    top_k: int = 1  # target=topk: explain the k highest-scoring classes of each sample
     store_maps: bool = True  # put each map (at the layer's resolution) in its row
+    token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
+    faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
+    pictures: Optional[bool] = None  # overlay PNGs per sample; null: on for single runs, off in sweeps
+    feature_grid_layer: Optional[str] = None  # also a grid of this layer's first feature maps per sample
+    score_chunk: int = 64  # scorecam: masked inputs per batched forward
+    captum: str = "LayerGradientXActivation"  # method=captum: the captum.attr layer method
+    captum_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {n_steps: 16} for integrated gradients
+    inner: str = "gradcam"  # method=sanity: the CAM method whose maps are compared
+    randomize: list[str] = field(default_factory=list)  # method=sanity: layers re-initialised in the copy
     tolerance: float = 1e-5  # hook_check: max abs difference allowed
 
 

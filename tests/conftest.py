@@ -18,7 +18,8 @@ register_configs()
 def make_config(*overrides: str) -> RunConfig:
     """Compose conf/ exactly as the CLI does (same defaults, same schema), with overrides."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["progress=false", *overrides])
+        # Pictures off unless a test asks for them: they cost a second per sample and are tested on their own.
+        cfg = compose(config_name="config", overrides=["progress=false", "method.pictures=false", *overrides])
     return to_run_config(cfg)
 
 
@@ -69,3 +70,16 @@ def vgg16() -> nn.Module:
 
     torch.manual_seed(0)
     return frozen(torchvision.models.vgg16(weights=None))
+
+
+def tiny_vit() -> nn.Module:
+    """A 2-layer ViT on 32x32 inputs (4x4 patches of 8 px, plus a class token); torchvision zero-inits
+    the head, which would make every gradient zero, so the head gets random weights."""
+    import torchvision
+
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=10
+    )
+    nn.init.normal_(vit.heads.head.weight)
+    return vit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -37,10 +38,11 @@ class Method(Protocol):
 
 @dataclass
 class Runtime:
-    """How passes run: the device and the autocast precision."""
+    """How passes run (device, autocast precision), and where pictures go (None: no pictures)."""
 
     device: torch.device
     precision: Precision
+    pictures_dir: Path | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision is Precision.bf16:
@@ -63,7 +65,7 @@ def check_targets(cfg: MethodConfig, num_samples: int) -> None:
 def select_targets(cfg: MethodConfig, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The class each sample's score is taken for, (B,) int64 on the logits' device."""
     num_classes = logits.shape[1]
-    if cfg.target is TargetMode.predicted:
+    if cfg.target in (TargetMode.predicted, TargetMode.topk):
         return logits.argmax(dim=1)
     if cfg.target is TargetMode.label:
         targets = batch.labels
@@ -80,6 +82,15 @@ def select_targets(cfg: MethodConfig, logits: torch.Tensor, batch: Batch) -> tor
     if bool(((targets < 0) | (targets >= num_classes)).any()):
         raise RunnerError(f"Target class ids {targets.tolist()} are outside the model's {num_classes} classes.")
     return targets
+
+
+def select_target_sets(cfg: MethodConfig, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """(B, K) classes to explain per sample: the top k for target=topk, else one."""
+    if cfg.target is TargetMode.topk:
+        if not 1 <= cfg.top_k <= logits.shape[1]:
+            raise RunnerError(f"method.top_k={cfg.top_k} must be between 1 and the model's {logits.shape[1]} classes.")
+        return logits.topk(cfg.top_k, dim=1).indices
+    return select_targets(cfg, logits, batch)[:, None]
 
 
 def forward(
@@ -100,7 +111,11 @@ def forward(
 
 
 def gradients(
-    score: torch.Tensor, tensors: Sequence[torch.Tensor], x: torch.Tensor, session: HookSession
+    score: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    session: HookSession,
+    retain_graph: bool = False,
 ) -> list[torch.Tensor]:
     """d(score)/d(tensors) in one autograd pass, parameters untouched (no .grad is written anywhere).
 
@@ -110,5 +125,5 @@ def gradients(
     wanted = list(tensors) + ([x] if session.needs_input_grad else [])
     if not wanted:
         return []
-    grads = torch.autograd.grad(score.sum(), wanted, allow_unused=True)
+    grads = torch.autograd.grad(score.sum(), wanted, allow_unused=True, retain_graph=retain_graph)
     return list(grads[: len(tensors)])

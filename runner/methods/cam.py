@@ -1,0 +1,206 @@
+"""The CAM family's shared pass: every target layer from one forward and one backward per target.
+
+For a layer with activations A (B, C, H, W) and the target class's logit y, a CAM method maps
+(A, dy/dA) to a (B, H, W) map at the layer's own resolution. Most variants only choose channel
+weights w (B, C) and return ReLU(sum_c w_c A_c); the rest override `cam` itself.
+
+All layers' activations come from one forward; all their gradients from one
+`torch.autograd.grad(y, [A_1 .. A_L])` per target with frozen parameters, so backward stops at the
+earliest layer and no weight gradient is computed. The activations are the modules' true outputs:
+the session hands the model a clone, so an in-place ReLU after a conv cannot overwrite them.
+Token models (ViT, (B, T, D) outputs) are reshaped to the patch grid after dropping `token_prefix`
+leading tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runner import faithfulness, pictures
+from runner.data import Batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.base import (
+    BatchOutput,
+    Columns,
+    Runtime,
+    check_targets,
+    forward,
+    gradients,
+    select_target_sets,
+)
+from runner.results import Block, Ragged
+from runner.schema import MethodConfig
+from runner.stats import STAT_NAMES, per_sample_stats
+
+
+@dataclass
+class CamContext:
+    """What a map may need beyond A and dA: Score-CAM re-runs the model on masked inputs."""
+
+    model: nn.Module
+    x: torch.Tensor  # (B, C, H, W) the input batch
+    target: torch.Tensor  # (B,) the class explained
+    runtime: Runtime
+
+
+def to_spatial(t: torch.Tensor, name: str, module_type: str, method: str, token_prefix: int) -> torch.Tensor:
+    """(B, C, H, W) view of a layer output: as is, or ViT tokens (B, T, D) -> (B, D, h, w) on the patch grid."""
+    if t.dim() == 4:
+        return t
+    if t.dim() == 3:
+        tokens = t[:, token_prefix:]  # (B, T', D)
+        side = math.isqrt(tokens.shape[1])
+        if side * side == tokens.shape[1]:
+            return tokens.transpose(1, 2).reshape(t.shape[0], t.shape[2], side, side)
+        raise RunnerError(
+            f"Layer '{name}' outputs {tuple(t.shape)}: after dropping {token_prefix} leading token(s),"
+            f" {tokens.shape[1]} tokens do not form a square patch grid. Set method.token_prefix."
+        )
+    raise RunnerError(
+        f"{method} needs spatial activations (batch, channels, height, width) or tokens (batch, tokens, dim),"
+        f" but layer '{name}' ({module_type}) outputs shape {tuple(t.shape)}. Pick convolutional layers,"
+        " e.g. layers.include=[Conv2d]."
+    )
+
+
+class CamMethod:
+    """Base of the CAM family: capture, gradient pass per target, maps, rows, faithfulness, pictures."""
+
+    name = "cam"
+    needs_gradients = True
+
+    def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+        self.cfg, self.layers, self.runtime = cfg, layers, runtime
+        self.module_types = {name: type(module).__name__ for name, module in layers}
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        check_targets(self.cfg, num_samples)
+        self.capture = session.capture(self.layers, differentiable=self.needs_gradients)
+        self.random = torch.Generator(device="cpu").manual_seed(self.cfg.faithfulness.seed)
+        grid = self.cfg.feature_grid_layer
+        if grid is not None and grid not in self.capture.names:
+            raise RunnerError(
+                f"method.feature_grid_layer='{grid}' must be one of the target layers: {self.capture.names}."
+            )
+
+    # ---- what variants change -------------------------------------------------------------------
+    def channel_weights(self, act: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """(B, C) weight of each channel."""
+        raise NotImplementedError
+
+    def cam(self, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
+        """(B, H, W) map from activations (B, C, H, W) and their gradients (None for gradient-free methods)."""
+        assert grad is not None
+        return torch.relu(torch.einsum("bc,bchw->bhw", self.channel_weights(act, grad), act))
+
+    # ---- the pass -------------------------------------------------------------------------------
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        logits, x = forward(model, batch, session, self.runtime, with_grad=self.needs_gradients)
+        target_sets = select_target_sets(self.cfg, logits, batch)  # (B, K)
+        for name in self.capture.names:
+            if not self.capture.outputs[name]:
+                raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
+        entries = [(n, c, a) for n in self.capture.names for c, a in enumerate(self.capture.outputs[n])]
+        probs = logits.detach().softmax(dim=1)
+        parts: list[Columns] = []
+        for rank in range(target_sets.shape[1]):
+            target = target_sets[:, rank]  # (B,)
+            score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            if self.needs_gradients:
+                last = rank == target_sets.shape[1] - 1
+                grads = gradients(score, [a for _, _, a in entries], x, session, retain_graph=not last)
+            else:
+                grads = [None] * len(entries)
+            ctx = CamContext(model, batch.x, target, self.runtime)
+            maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
+            parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
+        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: concat_columns(parts)})
+
+    def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
+        module_type = self.module_types[name]
+        a = to_spatial(act.detach().float(), name, module_type, self.name, self.cfg.token_prefix)
+        if self.needs_gradients and grad is None:
+            raise RunnerError(f"The target score does not depend on layer '{name}', so it has no gradient there.")
+        g = None if grad is None else to_spatial(grad.float(), name, module_type, self.name, self.cfg.token_prefix)
+        return self.cam(a, g, ctx)  # (B, h, w)
+
+    def _rows(
+        self,
+        entries: list[tuple[str, int, torch.Tensor]],
+        maps: list[torch.Tensor],
+        target: torch.Tensor,
+        rank: int,
+        score: torch.Tensor,
+        probs: torch.Tensor,
+        batch: Batch,
+        ctx: CamContext,
+    ) -> Columns:
+        b = target.shape[0]
+        n = len(entries)
+        sizes = [(m.shape[1], m.shape[2]) for m in maps]
+        columns: Columns = {
+            "layer": [name for name, _, _ in entries for _ in range(b)],
+            "module_type": [self.module_types[name] for name, _, _ in entries for _ in range(b)],
+            "call": [call for _, call, _ in entries for _ in range(b)],
+            "sample_index": torch.arange(b).repeat(n),
+            "target": target.repeat(n),
+            "target_rank": [rank] * (b * n),
+            "score": score.detach().repeat(n),
+            "probability": probs.gather(1, target[:, None]).squeeze(1).repeat(n),
+            "map_height": [h for h, _ in sizes for _ in range(b)],
+            "map_width": [w for _, w in sizes for _ in range(b)],
+            "cam": Block(torch.cat([per_sample_stats(m, b)[0] for m in maps]), [f"cam_{s}" for s in STAT_NAMES]),
+        }
+        if self.cfg.store_maps:
+            columns["map"] = Ragged(
+                torch.cat([m.reshape(-1) for m in maps]), [h * w for h, w in sizes for _ in range(b)]
+            )
+        needs_upsampled = self.cfg.faithfulness.enabled or self.runtime.pictures_dir is not None
+        if needs_upsampled:
+            size = batch.x.shape[-2:]
+            saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
+        if self.cfg.faithfulness.enabled:
+            random_maps = [torch.rand(m.shape, generator=self.random).to(m.device) for m in maps]
+            random_saliency = [faithfulness.upsample(m, size) for m in random_maps]
+            metrics = faithfulness.evaluate(
+                ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime
+            )
+            columns["faithfulness"] = metrics
+        if self.runtime.pictures_dir is not None and rank == 0:
+            pictures.write_overlays(
+                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name
+            )
+            grid = self.cfg.feature_grid_layer
+            if grid is not None:
+                act = dict((name, a) for name, _, a in entries)[grid]
+                pictures.write_feature_grid(
+                    self.runtime.pictures_dir,
+                    batch,
+                    grid,
+                    to_spatial(act.detach().float(), grid, self.module_types[grid], self.name, self.cfg.token_prefix),
+                )
+        return columns
+
+
+def concat_columns(parts: list[Columns]) -> Columns:
+    """Row-wise concatenation of column dicts with the same keys (lists, tensors, blocks, ragged)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: Columns = {}
+    for key, first in parts[0].items():
+        values = [p[key] for p in parts]
+        if isinstance(first, Block):
+            out[key] = Block(torch.cat([v.values for v in values]), first.names)
+        elif isinstance(first, Ragged):
+            out[key] = Ragged(torch.cat([v.values for v in values]), [n for v in values for n in v.lengths])
+        elif torch.is_tensor(first):
+            out[key] = torch.cat(values)
+        else:
+            out[key] = [item for v in values for item in v]
+    return out

@@ -1,0 +1,69 @@
+"""captum's layer attribution methods through the runner's tables (`method=captum method.captum=NAME`).
+
+captum takes one layer per call, so L layers cost L calls (the runner's CAM methods need one pass);
+what this adds is captum's breadth: LayerGradientXActivation, LayerIntegratedGradients,
+LayerConductance, LayerGradCam, ... Each layer's attribution (B, C, H, W) (or ViT tokens) is summed
+over channels into a signed map at the layer's resolution; rows are those of the CAM family.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.data import Batch
+from runner.errors import RunnerError, suggest
+from runner.hooks import HookSession, inplace_disabled
+from runner.methods.base import BatchOutput, check_targets, forward, select_target_sets
+from runner.methods.cam import CamContext, CamMethod, concat_columns, to_spatial
+
+SUPPORTED = (
+    "LayerGradientXActivation",
+    "LayerIntegratedGradients",
+    "LayerConductance",
+    "LayerGradCam",
+    "LayerActivation",
+)
+
+
+class CaptumLayer(CamMethod):
+    name = "captum"
+    needs_gradients = False
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        import captum.attr
+
+        check_targets(self.cfg, num_samples)
+        if self.cfg.captum not in SUPPORTED:
+            raise RunnerError(
+                f"method.captum='{self.cfg.captum}' is not supported.{suggest(self.cfg.captum, SUPPORTED)}"
+                f" Use one of: {', '.join(SUPPORTED)}."
+            )
+        self.attribution = getattr(captum.attr, self.cfg.captum)
+        self.random = torch.Generator(device="cpu").manual_seed(self.cfg.faithfulness.seed)
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        logits, _ = forward(model, batch, session, self.runtime, with_grad=False)
+        target_sets = select_target_sets(self.cfg, logits, batch)  # (B, K)
+        probs = logits.softmax(dim=1)
+        entries = [(name, 0, None) for name, _ in self.layers]
+        parts = []
+        for rank in range(target_sets.shape[1]):
+            target = target_sets[:, rank]
+            maps = []
+            for name, module in self.layers:
+                method = self.attribution(model, module)
+                # captum replaces layer outputs with leaf tensors; an in-place op after the layer would fail.
+                with self.runtime.autocast(), inplace_disabled(model):
+                    attr = method.attribute(batch.x, target=target, **self.cfg.captum_kwargs)
+                attr = attr[0] if isinstance(attr, tuple) else attr
+                spatial = to_spatial(
+                    attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix
+                )
+                maps.append(spatial.sum(dim=1))  # (B, h, w), signed
+            score = logits.gather(1, target[:, None]).squeeze(1)
+            ctx = CamContext(model, batch.x, target, self.runtime)
+            parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
+        columns = concat_columns(parts)
+        columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
+        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: columns})

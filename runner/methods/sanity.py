@@ -1,0 +1,107 @@
+"""Model-randomisation sanity check (Adebayo et al. 2018), per layer.
+
+A copy of the model has the layers in `method.randomize` (and everything inside them)
+re-initialised; the inner CAM method (`method.inner`) computes maps on both models for the same
+inputs and targets; each row holds the Spearman rank correlation between the two maps of one
+(sample, layer). A map that does not change when the weights it claims to explain are destroyed
+(correlation near 1) explains the input, not the model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from runner.data import Batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import resolve_layers
+from runner.methods.base import BatchOutput, Columns, Runtime
+from runner.methods.cam import CamMethod
+from runner.results import Ragged
+from runner.schema import MethodConfig, TargetMode
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rank correlation of two 1-D tensors (ties broken by position)."""
+    ra = a.argsort().argsort().float()
+    rb = b.argsort().argsort().float()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return (ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12)
+
+
+class Sanity:
+    name = "sanity"
+
+    def __init__(self, cfg: MethodConfig, layers, runtime: Runtime) -> None:
+        from runner.methods import CAM_METHODS
+
+        if cfg.inner not in CAM_METHODS:
+            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
+        if cfg.target is TargetMode.topk:
+            raise RunnerError("method=sanity compares one map per sample: use target predicted, label or fixed.")
+        if not cfg.randomize:
+            raise RunnerError(
+                "method=sanity needs method.randomize=[...]: the layers to re-initialise, e.g. [classifier]."
+            )
+        self.cfg, self.layers, self.runtime = cfg, layers, runtime
+        self.inner_class = CAM_METHODS[cfg.inner]
+        self.trained: CamMethod = self.inner_class(cfg, layers, Runtime(runtime.device, runtime.precision))
+        self.random: CamMethod | None = None
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self.trained.setup(session, num_samples)
+
+    def _randomised_copy(self, model: nn.Module) -> nn.Module:
+        clone = copy.deepcopy(model)
+        for module in clone.modules():  # the copy must not carry the session's hooks along
+            module._forward_hooks.clear()
+            module._forward_pre_hooks.clear()
+            module._backward_hooks.clear()
+        torch.manual_seed(self.cfg.faithfulness.seed)
+        for _, module in resolve_layers(clone, self.cfg.randomize):
+            for sub in module.modules():
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+                if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                    sub.reset_running_stats()
+        for p in clone.parameters():
+            p.requires_grad_(False)
+        return clone.eval()
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        if self.random is None:
+            self.copy = self._randomised_copy(model)
+            layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
+            self.random = self.inner_class(self.cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
+            self.random.setup(session, self.num_samples)
+        trained_output = self.trained.run_batch(model, batch, session)
+        trained = trained_output.tables[self.trained.name]
+        # The randomised model explains the trained model's targets, so both maps answer the same question.
+        self.random.cfg = _with_fixed_targets(self.cfg, trained["target"], batch)
+        randomised = self.random.run_batch(self.copy, batch, session).tables[self.random.name]
+        a, b = trained["map"], randomised["map"]
+        assert isinstance(a, Ragged) and isinstance(b, Ragged)
+        rho = torch.stack(
+            [spearman(x, y) for x, y in zip(a.values.split(a.lengths), b.values.split(b.lengths), strict=True)]
+        )
+        columns: Columns = {
+            key: trained[key]
+            for key in ("layer", "module_type", "call", "sample_index", "target", "map_height", "map_width")
+        }
+        columns["spearman"] = rho
+        columns["inner_method"] = [self.cfg.inner] * len(rho)
+        columns["randomized"] = [",".join(self.cfg.randomize)] * len(rho)
+        return BatchOutput(predicted=trained_output.predicted, tables={self.name: columns})
+
+
+def _with_fixed_targets(cfg: MethodConfig, targets: torch.Tensor, batch: Batch) -> MethodConfig:
+    """The config for the randomised model: explain exactly the classes the trained model's maps explain."""
+    fixed = copy.copy(cfg)
+    fixed.target = TargetMode.fixed
+    per_sample = targets[: len(batch.sample_ids)].tolist()
+    fixed.class_ids = [0] * batch.first_index + per_sample
+    return fixed

@@ -1,0 +1,75 @@
+"""Pictures per sample: the input beside each layer's map overlaid, and a grid of one layer's feature maps."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from runner.data import IMAGENET_MEAN, IMAGENET_STD, Batch
+
+
+def _figure_module():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _display(x: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) normalised input -> (H, W, 3) in [0, 1] for display (ImageNet statistics assumed)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device)[:, None, None]
+    std = torch.tensor(IMAGENET_STD, device=x.device)[:, None, None]
+    image = (x[:3] * std[: x.shape[0]] + mean[: x.shape[0]]).clamp(0, 1)
+    if image.shape[0] == 1:
+        image = image.expand(3, -1, -1)
+    return image.permute(1, 2, 0).cpu().numpy()
+
+
+def write_overlays(directory: Path, batch: Batch, layers: list[str], saliency: list[torch.Tensor], method: str) -> None:
+    """One PNG per sample: the input, then each layer's map (upsampled, in [0, 1]) over it."""
+    plt = _figure_module()
+    directory.mkdir(parents=True, exist_ok=True)
+    maps = [m.detach().cpu().numpy() for m in saliency]
+    for i, sample_id in enumerate(batch.sample_ids):
+        image = _display(batch.x[i].detach().float())
+        fig, axes = plt.subplots(1, len(layers) + 1, figsize=(2.2 * (len(layers) + 1), 2.5), squeeze=False)
+        axes[0, 0].imshow(image)
+        axes[0, 0].set_title(sample_id, fontsize=8)
+        for j, (layer, m) in enumerate(zip(layers, maps, strict=True), start=1):
+            axes[0, j].imshow(image)
+            axes[0, j].imshow(m[i], cmap="jet", alpha=0.5, vmin=0, vmax=1)
+            axes[0, j].set_title(layer, fontsize=7)
+        for ax in axes.flat:
+            ax.axis("off")
+        fig.suptitle(method, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(directory / f"{batch.first_index + i:06d}_{_safe(sample_id)}_{method}.png", dpi=80)
+        plt.close(fig)
+
+
+def write_feature_grid(directory: Path, batch: Batch, layer: str, act: torch.Tensor, channels: int = 16) -> None:
+    """One PNG per sample: the first `channels` feature maps of `layer` (activations (B, C, h, w))."""
+    plt = _figure_module()
+    directory.mkdir(parents=True, exist_ok=True)
+    shown = act[:, :channels].detach().cpu().numpy()
+    cols = 4
+    rows = (shown.shape[1] + cols - 1) // cols
+    for i, sample_id in enumerate(batch.sample_ids):
+        fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.6 * rows), squeeze=False)
+        for k, ax in enumerate(axes.flat):
+            if k < shown.shape[1]:
+                ax.imshow(shown[i, k], cmap="viridis")
+                ax.set_title(f"ch {k}", fontsize=6)
+            ax.axis("off")
+        fig.suptitle(f"{sample_id}: {layer}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(directory / f"{batch.first_index + i:06d}_{_safe(sample_id)}_features_{_safe(layer)}.png", dpi=80)
+        plt.close(fig)
