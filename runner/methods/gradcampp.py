@@ -1,6 +1,7 @@
 """Grad-CAM++ (Chattopadhay et al. 2018): pixel-wise weights alpha for the positive gradients.
 
-    alpha = g^2 / (2 g^2 + sum_{h,w} A * g^3)     (0 where g = 0)
+    alpha = g^2 / (2 g^2 + sum_{h,w} A * g^3 + eps)     (0 where g = 0; eps = 1e-6 as in pytorch-grad-cam,
+                                                        so tiny gradients get small weights, not 1/2)
     w_c   = sum_{h,w} alpha * ReLU(g)              cam = ReLU(sum_c w_c A_c)
 using the exponential-score closed form (higher derivatives as powers of the first), as the paper
 and pytorch-grad-cam do.
@@ -18,8 +19,6 @@ class GradCAMPlusPlus(CamMethod):
 
     def channel_weights(self, act: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         g2, g3 = grad.pow(2), grad.pow(3)
-        denominator = 2 * g2 + act.sum(dim=(2, 3), keepdim=True) * g3
-        alpha = torch.where(
-            grad != 0, g2 / torch.where(denominator != 0, denominator, torch.ones_like(denominator)), 0.0
-        )
+        alpha = g2 / (2 * g2 + act.sum(dim=(2, 3), keepdim=True) * g3 + 1e-6)
+        alpha = torch.where(grad != 0, alpha, torch.zeros_like(alpha))
         return (alpha * torch.relu(grad)).sum(dim=(2, 3))  # (B, C)
