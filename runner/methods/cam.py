@@ -166,7 +166,13 @@ class CamMethod:
             size = batch.x.shape[-2:]
             saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
         if self.cfg.faithfulness.enabled:
-            random_maps = [torch.rand(m.shape, generator=self.random).to(m.device) for m in maps]
+            # One random map per sample and resolution, shared by the layers of that resolution, so that
+            # layers are compared with the same baseline.
+            by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+            for m in maps:
+                if tuple(m.shape) not in by_shape:
+                    by_shape[tuple(m.shape)] = torch.rand(m.shape, generator=self.random).to(m.device)
+            random_maps = [by_shape[tuple(m.shape)] for m in maps]
             random_saliency = [faithfulness.upsample(m, size) for m in random_maps]
             metrics = faithfulness.evaluate(
                 ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime
