@@ -36,12 +36,13 @@ from runner.stats import STAT_NAMES
 log = logging.getLogger(__name__)
 
 # What the console summary reports: per layer (and hook, role, call), the mean of these columns where present.
-SUMMARY_KEYS = ("layer", "hook", "role", "call")
+SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call")
 SUMMARY_VALUES = (
     "mean", "std", "frac_zero",  # hooks
     "score", "cam_mean", "cam_max", "deletion_auc", "random_deletion_auc", "insertion_auc",
     "random_insertion_auc", "avg_drop", "random_avg_drop",  # CAM family
     "spearman", "max_abs_diff",  # sanity, hook_check
+    "restoration", "rank_correlation",  # patching
 )  # fmt: skip
 
 
@@ -115,6 +116,8 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
 
     dataset = build_dataset(config.data, bundle.preprocess, config.seed)
     loader = make_loader(dataset, config.data, pin_memory=device.type == "cuda")
+    if hasattr(method, "bind_dataset"):  # patching pairs a sample with another one of the data set
+        method.bind_dataset(dataset)
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     identity = {
         "run_id": run_id,

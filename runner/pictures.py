@@ -73,3 +73,37 @@ def write_feature_grid(directory: Path, batch: Batch, layer: str, act: torch.Ten
         fig.tight_layout()
         fig.savefig(directory / f"{batch.first_index + i:06d}_{_safe(sample_id)}_features_{_safe(layer)}.png", dpi=80)
         plt.close(fig)
+
+
+def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict) -> None:
+    """One PNG per (pair, direction): each layer's restoration over its grid of cells (exact where measured)."""
+    plt = _figure_module()
+    directory.mkdir(parents=True, exist_ok=True)
+    restoration = columns["restoration"].detach().cpu().numpy()
+    index = columns["sample_index"].cpu().numpy()
+    kinds = set(columns["patch_method"])
+    shown = "exact" if "exact" in kinds else "attribution"
+    for i, sample_id in enumerate(batch.sample_ids):
+        for direction in sorted(set(columns["direction"])):
+            rows = [
+                r for r in range(len(restoration))
+                if index[r] == i and columns["direction"][r] == direction and columns["patch_method"][r] == shown
+            ]  # fmt: skip
+            layers = list(dict.fromkeys(columns["layer"][r] for r in rows))
+            if not layers:
+                continue
+            fig, axes = plt.subplots(1, len(layers), figsize=(2.4 * len(layers), 2.6), squeeze=False)
+            for ax, layer in zip(axes[0], layers, strict=True):
+                cells = [r for r in rows if columns["layer"][r] == layer]
+                gh, gw = columns["grid_h"][cells[0]], columns["grid_w"][cells[0]]
+                grid = torch.full((gh, gw), float("nan"))
+                for r in cells:
+                    grid[columns["y"][r], columns["x"][r]] = float(restoration[r])
+                image = ax.imshow(grid.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+                ax.set_title(layer, fontsize=7)
+                ax.axis("off")
+            fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="restoration")
+            fig.suptitle(f"{sample_id} vs {columns['corrupted_id'][rows[0]]}: {direction} ({shown})", fontsize=8)
+            name = f"{batch.first_index + i:06d}_{_safe(sample_id)}_patching_{direction}.png"
+            fig.savefig(directory / name, dpi=80)
+            plt.close(fig)

@@ -123,11 +123,72 @@ class FaithfulnessConfig:
     seed: int = 0  # the random-map baseline
 
 
+class CorruptionKind(str, Enum):
+    """How the corrupted input of a patching pair is made from the clean one."""
+
+    noise = "noise"  # clean + Gaussian noise (std, seed)
+    blur = "blur"  # Gaussian blur (sigma)
+    occlusion = "occlusion"  # a box set to 0 (the data set's mean after normalisation)
+    pair = "pair"  # another sample of the data set (pair_with: its sample id or index)
+    none = "none"  # the clean input itself (an identity check)
+
+
+class PatchDirection(str, Enum):
+    denoising = "denoising"  # clean activations into the corrupted run: what restores the output?
+    noising = "noising"  # corrupted activations into the clean run: what breaks it?
+
+
+class PatchMetric(str, Enum):
+    logit = "logit"
+    prob = "prob"
+    logit_diff = "logit_diff"  # logit(target) - logit(contrast)
+
+
+class PatchUnit(str, Enum):
+    layer = "layer"  # the whole output
+    channel = "channel"
+    cell = "cell"  # a cell of a spatial grid, all channels
+    token = "token"  # a token of a (B, T, D) output (ViT)
+
+
+class PatchMode(str, Enum):
+    exact = "exact"
+    attribution = "attribution"  # first-order estimate for every unit: (a_source - a_base) . dM/da
+    attribution_topk = "attribution_topk"  # estimate all, patch the top_k exactly, report rank correlation
+
+
+@dataclass
+class CorruptionConfig:
+    kind: CorruptionKind = CorruptionKind.noise
+    std: float = 1.0  # noise, in normalised input units
+    seed: int = 0
+    sigma: float = 8.0  # blur, in pixels
+    box: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.75, 0.75])  # occlusion: y0, x0, y1, x1 as fractions
+    pair_with: Optional[str] = None  # pair: the other sample's id (e.g. coffee) or data set index
+
+
+@dataclass
+class PatchingConfig:
+    corruption: CorruptionConfig = field(default_factory=CorruptionConfig)
+    directions: list[PatchDirection] = field(default_factory=lambda: [PatchDirection.denoising])
+    metric: PatchMetric = PatchMetric.logit
+    contrast_class: Optional[int] = None  # logit_diff: the other class (default: the corrupted run's prediction)
+    units: PatchUnit = PatchUnit.cell
+    grid: list[int] = field(default_factory=lambda: [7, 7])  # cell: rows x columns of the layer's map
+    cell_size: Optional[int] = None  # cell: square cells of this many layer pixels instead of `grid`
+    mode: PatchMode = PatchMode.exact
+    top_k: int = 16  # attribution_topk: units patched exactly
+    chunk: Optional[int] = None  # patched variants per forward; null: automatic (64 on CPU, from free memory on GPU)
+    reuse_prefix: bool = True  # run the unpatched prefix once per chunk, at batch 1 (falls back if the model can't)
+    call: int = 0  # which call of a module used several times per forward is patched
+
+
 @dataclass
 class MethodConfig:
     # CAM family: gradcam | gradcampp | xgradcam | hirescam | layercam | eigencam | scorecam;
     # captum (a captum layer method, `captum`); sanity (model randomisation check);
-    # record (hooks only); hook_check (hooks' captures vs. running each module directly)
+    # patching (activation patching, exact or attribution); record (hooks only);
+    # hook_check (hooks' captures vs. running each module directly)
     name: str = "gradcam"
     target: TargetMode = TargetMode.predicted
     class_ids: list[int] = field(default_factory=list)  # target=fixed: one id for all, or one per sample
@@ -143,6 +204,7 @@ class MethodConfig:
     inner: str = "gradcam"  # method=sanity: the CAM method whose maps are compared
     randomize: list[str] = field(default_factory=list)  # method=sanity: layers re-initialised in the copy
     tolerance: float = 1e-5  # hook_check: max abs difference allowed
+    patching: PatchingConfig = field(default_factory=PatchingConfig)  # method=patching
 
 
 @dataclass

@@ -13,6 +13,7 @@ from runner.methods.gradcampp import GradCAMPlusPlus
 from runner.methods.hirescam import HiResCAM
 from runner.methods.hook_check import HookCheck
 from runner.methods.layercam import LayerCAM
+from runner.methods.patching import Patching
 from runner.methods.record import Record
 from runner.methods.sanity import Sanity
 from runner.methods.scorecam import ScoreCAM
@@ -22,7 +23,7 @@ from runner.schema import MethodConfig
 CAM_METHODS: dict[str, type[CamMethod]] = {
     m.name: m for m in (GradCAM, GradCAMPlusPlus, XGradCAM, HiResCAM, LayerCAM, EigenCAM, ScoreCAM)
 }
-METHODS = {**CAM_METHODS, **{m.name: m for m in (CaptumLayer, Sanity, Record, HookCheck)}}
+METHODS = {**CAM_METHODS, **{m.name: m for m in (CaptumLayer, Sanity, Patching, Record, HookCheck)}}
 
 
 def build_method(cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> Method:

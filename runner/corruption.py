@@ -1,0 +1,64 @@
+"""The corrupted half of a patching pair, made from the clean batch: noise, blur, occlusion, or a
+paired sample of the data set (the cat photo against the coffee photo)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+from torchvision.transforms.functional import gaussian_blur
+
+from runner.data import Batch
+from runner.errors import RunnerError
+from runner.schema import CorruptionConfig, CorruptionKind
+
+
+def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, list[str]]:
+    """(corrupted inputs (B, C, H, W), a description of each corrupted input)."""
+    x = batch.x
+    kind = cfg.kind
+    if kind is CorruptionKind.none:
+        return x.clone(), list(batch.sample_ids)
+    if kind is CorruptionKind.noise:
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + batch.first_index)
+        noise = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+        return x + cfg.std * noise, [f"{s}+noise(std={cfg.std:g})" for s in batch.sample_ids]
+    if kind is CorruptionKind.blur:
+        kernel = int(2 * round(3 * cfg.sigma) + 1)
+        kernel = min(kernel, 2 * (min(x.shape[-2:]) // 2) - 1)  # reflect padding needs kernel < size
+        return gaussian_blur(x, [kernel, kernel], [cfg.sigma, cfg.sigma]), [f"{s}+blur(sigma={cfg.sigma:g})" for s in batch.sample_ids]
+    if kind is CorruptionKind.occlusion:
+        if len(cfg.box) != 4 or not all(0 <= v <= 1 for v in cfg.box) or cfg.box[0] >= cfg.box[2] or cfg.box[1] >= cfg.box[3]:
+            raise RunnerError(f"corruption.box={cfg.box} must be [y0, x0, y1, x1] fractions of the image with y0<y1, x0<x1.")
+        h, w = x.shape[-2:]
+        y0, x0, y1, x1 = round(cfg.box[0] * h), round(cfg.box[1] * w), round(cfg.box[2] * h), round(cfg.box[3] * w)
+        out = x.clone()
+        out[..., y0:y1, x0:x1] = 0
+        return out, [f"{s}+occlusion{cfg.box}" for s in batch.sample_ids]
+    if kind is CorruptionKind.pair:
+        other, other_id = _paired_sample(cfg, dataset)
+        if other.shape != x.shape[1:]:
+            raise RunnerError(
+                f"Patching pair: '{other_id}' has shape {tuple(other.shape)} but the clean inputs have"
+                f" {tuple(x.shape[1:])}; both must be preprocessed to the same size (data.image_size, data.resize)."
+            )
+        return other.to(x.device, x.dtype).expand_as(x).clone(), [other_id] * x.shape[0]
+    raise RunnerError(f"Unknown corruption '{kind}'.")  # pragma: no cover - the schema's Enum
+
+
+def _paired_sample(cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, str]:
+    if dataset is None or cfg.pair_with is None:
+        raise RunnerError("corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee) or a data set index.")
+    size = len(dataset)  # type: ignore[arg-type]
+    if cfg.pair_with.isdigit():
+        index = int(cfg.pair_with)
+        if index >= size:
+            raise RunnerError(f"corruption.pair_with={index} is past the data set's {size} samples.")
+        x, _, sample_id = dataset[index]
+        return x, sample_id
+    ids = []
+    for i in range(size):
+        x, _, sample_id = dataset[i]
+        if sample_id == cfg.pair_with:
+            return x, sample_id
+        ids.append(sample_id)
+    raise RunnerError(f"corruption.pair_with='{cfg.pair_with}' is not a sample of the data set: {', '.join(ids[:20])}.")
