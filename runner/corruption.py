@@ -25,10 +25,19 @@ def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tup
     if kind is CorruptionKind.blur:
         kernel = int(2 * round(3 * cfg.sigma) + 1)
         kernel = min(kernel, 2 * (min(x.shape[-2:]) // 2) - 1)  # reflect padding needs kernel < size
-        return gaussian_blur(x, [kernel, kernel], [cfg.sigma, cfg.sigma]), [f"{s}+blur(sigma={cfg.sigma:g})" for s in batch.sample_ids]
+        return gaussian_blur(x, [kernel, kernel], [cfg.sigma, cfg.sigma]), [
+            f"{s}+blur(sigma={cfg.sigma:g})" for s in batch.sample_ids
+        ]
     if kind is CorruptionKind.occlusion:
-        if len(cfg.box) != 4 or not all(0 <= v <= 1 for v in cfg.box) or cfg.box[0] >= cfg.box[2] or cfg.box[1] >= cfg.box[3]:
-            raise RunnerError(f"corruption.box={cfg.box} must be [y0, x0, y1, x1] fractions of the image with y0<y1, x0<x1.")
+        if (
+            len(cfg.box) != 4
+            or not all(0 <= v <= 1 for v in cfg.box)
+            or cfg.box[0] >= cfg.box[2]
+            or cfg.box[1] >= cfg.box[3]
+        ):
+            raise RunnerError(
+                f"corruption.box={cfg.box} must be [y0, x0, y1, x1] fractions of the image with y0<y1, x0<x1."
+            )
         h, w = x.shape[-2:]
         y0, x0, y1, x1 = round(cfg.box[0] * h), round(cfg.box[1] * w), round(cfg.box[2] * h), round(cfg.box[3] * w)
         out = x.clone()
@@ -47,7 +56,9 @@ def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tup
 
 def _paired_sample(cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, str]:
     if dataset is None or cfg.pair_with is None:
-        raise RunnerError("corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee) or a data set index.")
+        raise RunnerError(
+            "corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee) or a data set index."
+        )
     size = len(dataset)  # type: ignore[arg-type]
     if cfg.pair_with.isdigit():
         index = int(cfg.pair_with)

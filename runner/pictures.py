@@ -92,6 +92,7 @@ def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict) -> Non
             layers = list(dict.fromkeys(columns["layer"][r] for r in rows))
             if not layers:
                 continue
+            scale = max(1e-6, max(abs(float(restoration[r])) for r in rows if restoration[r] == restoration[r]))
             fig, axes = plt.subplots(1, len(layers), figsize=(2.4 * len(layers), 2.6), squeeze=False)
             for ax, layer in zip(axes[0], layers, strict=True):
                 cells = [r for r in rows if columns["layer"][r] == layer]
@@ -99,7 +100,7 @@ def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict) -> Non
                 grid = torch.full((gh, gw), float("nan"))
                 for r in cells:
                     grid[columns["y"][r], columns["x"][r]] = float(restoration[r])
-                image = ax.imshow(grid.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+                image = ax.imshow(grid.numpy(), cmap="RdBu_r", vmin=-scale, vmax=scale)  # shared, symmetric scale
                 ax.set_title(layer, fontsize=7)
                 ax.axis("off")
             fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="restoration")

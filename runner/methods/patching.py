@@ -78,7 +78,9 @@ class Units:
         return mask
 
 
-def enumerate_units(name: str, shape: tuple[int, ...], kind: PatchUnit, grid: list[int], cell_size: int | None) -> Units:
+def enumerate_units(
+    name: str, shape: tuple[int, ...], kind: PatchUnit, grid: list[int], cell_size: int | None
+) -> Units:
     """The units of a layer whose per-sample activation has `shape`."""
     if kind is PatchUnit.layer:
         return Units(kind, shape, 1, [None], [None], [None], [None], [], None)
@@ -144,7 +146,9 @@ class Patching:
         for name in self.capture.names:
             calls = self.capture.outputs[name]
             if len(calls) <= self.p.call:
-                raise RunnerError(f"Layer '{name}' was called {len(calls)} time(s) per forward; method.patching.call={self.p.call}.")
+                raise RunnerError(
+                    f"Layer '{name}' was called {len(calls)} time(s) per forward; method.patching.call={self.p.call}."
+                )
             acts[name] = calls[self.p.call]  # (2B, ...)
         clean_logits, corrupted_logits = logits[:b].detach(), logits[b:].detach()
         target = select_targets(self.cfg, clean_logits, batch)  # (B,)
@@ -159,10 +163,16 @@ class Patching:
                 base_input = (corrupted if direction is PatchDirection.denoising else batch.x)[i : i + 1]
                 for name, _ in self.layers:
                     clean_act, corrupted_act = acts[name][i].detach(), acts[name][b + i].detach()
-                    base, source = (corrupted_act, clean_act) if direction is PatchDirection.denoising else (clean_act, corrupted_act)
+                    base, source = (
+                        (corrupted_act, clean_act)
+                        if direction is PatchDirection.denoising
+                        else (clean_act, corrupted_act)
+                    )
                     units = enumerate_units(name, tuple(base.shape), self.p.units, self.p.grid, self.p.cell_size)
                     ids = (i, direction, name, units, target[i], contrast[i], metric_clean[i], metric_corrupted[i])
-                    parts += self._unit_rows(model, base_input, base, source, ids, estimates.get((direction, name)), corrupted_ids[i])
+                    parts += self._unit_rows(
+                        model, base_input, base, source, ids, estimates.get((direction, name)), corrupted_ids[i]
+                    )
         columns = concat_columns(parts)
         if self.runtime.pictures_dir is not None and self.p.units is PatchUnit.cell:
             pictures.write_patching_heatmaps(self.runtime.pictures_dir, batch, columns)
@@ -209,7 +219,11 @@ class Patching:
         self.capture.active = False  # the variants' forwards need no capture
         for start in range(0, len(order), chunk):
             picked = order[start : start + chunk]
-            masks = torch.cat([units.masks(u, u + 1, base.device) for u in picked]) if units.kind is not PatchUnit.layer else units.masks(0, 1, base.device)
+            masks = (
+                torch.cat([units.masks(u, u + 1, base.device) for u in picked])
+                if units.kind is not PatchUnit.layer
+                else units.masks(0, 1, base.device)
+            )
             variants = base + masks * diff  # (n, ...)
             logits = self._run_variants(model, name, base_input, variants, replacement)
             n = variants.shape[0]
@@ -217,7 +231,9 @@ class Patching:
         self.capture.active = True
         return torch.cat(out)
 
-    def _run_variants(self, model: nn.Module, name: str, base_input: torch.Tensor, variants: torch.Tensor, replacement) -> torch.Tensor:
+    def _run_variants(
+        self, model: nn.Module, name: str, base_input: torch.Tensor, variants: torch.Tensor, replacement
+    ) -> torch.Tensor:
         n = variants.shape[0]
         try:
             replacement.value = variants
@@ -278,7 +294,9 @@ class Patching:
             assert estimates is not None
             order = estimates.argsort(descending=True)[: self.p.top_k].tolist()
         patched = self.patched_metrics(model, name, base_input, base, source, units, target, contrast, order)
-        exact = self._columns(i, direction, name, units, order, "exact", patched, target, contrast, m_clean, m_corrupted, corrupted_id)
+        exact = self._columns(
+            i, direction, name, units, order, "exact", patched, target, contrast, m_clean, m_corrupted, corrupted_id
+        )
         if estimates is not None:
             rho = spearman(estimates[order], patched - m_base) if len(order) > 1 else torch.tensor(float("nan"))
             exact["rank_correlation"] = rho.repeat(len(order))
@@ -286,7 +304,9 @@ class Patching:
         rows.append(exact)
         return rows
 
-    def _columns(self, i, direction, name, units, order, kind, patched, target, contrast, m_clean, m_corrupted, corrupted_id) -> Columns:
+    def _columns(
+        self, i, direction, name, units, order, kind, patched, target, contrast, m_clean, m_corrupted, corrupted_id
+    ) -> Columns:
         n = len(order)
         span = m_clean - m_corrupted
         return {
