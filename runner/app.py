@@ -19,8 +19,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import Subset
 from tqdm import tqdm
 
+from runner import distributed
 from runner.data import NO_LABEL, Batch, build_dataset, make_loader, to_batch
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
@@ -28,8 +30,8 @@ from runner.layers import Layer, resolve_layers
 from runner.methods import Runtime, build_method
 from runner.methods.hook_check import HookCheck
 from runner.models import build_model
-from runner.provenance import provenance
-from runner.results import Block, ResultWriter, to_host
+from runner.provenance import config_hash, provenance, swept_columns
+from runner.results import Block, ShardedWriter, to_host
 from runner.schema import RunConfig, to_run_config
 from runner.stats import STAT_NAMES
 
@@ -115,50 +117,84 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     method = build_method(config.method, target_layers or [], runtime)
 
     dataset = build_dataset(config.data, bundle.preprocess, config.seed)
-    loader = make_loader(dataset, config.data, pin_memory=device.type == "cuda")
     if hasattr(method, "bind_dataset"):  # patching pairs a sample with another one of the data set
         method.bind_dataset(dataset)
+    rank, world = distributed.rank_and_world()
+    distributed.init(device)
+    out = distributed.shared_directory(out)
+    shard_samples = config.output.shard_batches * config.data.batch_size
+    num_shards = -(-len(dataset) // shard_samples)
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     identity = {
         "run_id": run_id,
         "experiment": config.name,
         "model": config.model._target_ or config.model.name,
         "method": config.method.name,
+        **swept_columns(),
     }
-    side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
+    resume_key = {"config_hash": config_hash(config), "shard_samples": shard_samples, "num_samples": len(dataset)}
+    writer = ShardedWriter(out, provenance(config, run_id), resume_key, rank)
+    done = writer.completed_shards()
+    mine = [s for s in range(num_shards) if s % world == rank and s not in done]
+    if done:
+        log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done), num_shards, len(mine))
     log.info(
         "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, identity["model"], len(dataset), device
     )
+    side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
     try:
-        with (
-            HookSession(model, hooks, out / "tensors") as session,
-            ResultWriter(out, provenance(config, run_id)) as writer,
-        ):
+        with HookSession(model, hooks, out / "tensors") as session:
             method.setup(session, len(dataset))
-            first = 0
-            for index, raw in enumerate(tqdm(loader, desc=config.name, unit="batch", disable=not config.progress)):
-                batch = to_batch(raw, device, first)
-                session.begin_batch(batch.x.shape[0], index)
-                output = method.run_batch(model, batch, session)
-                samples = _sample_columns(batch, output.predicted, bundle.categories)
-                for table, columns in output.tables.items():
-                    writer.write(table, _with_ids(identity, samples, to_host(columns)))
-                recorded = session.end_batch()
-                if recorded is not None:
-                    recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
-                    writer.write("hooks", _with_ids(identity, samples, to_host(recorded)))
-                first += batch.x.shape[0]
+            progress = tqdm(total=sum(_shard_batches(s, shard_samples, len(dataset), config) for s in mine),
+                            desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
+            for shard in mine:
+                writer.begin_shard(shard)
+                _run_shard(shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle)
+                writer.commit_shard()
+                progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
+            progress.close()
+            writer.finish()
     except BaseException:
-        for directory in side_dirs:  # written by this run: a failed run leaves no partial results
-            shutil.rmtree(directory, ignore_errors=True)
+        writer.abort_shard()
+        if not writer.completed_shards():  # nothing to resume: leave nothing behind
+            for directory in side_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
         raise
     if isinstance(method, HookCheck) and method.failures():
         raise RunnerError(
             f"Hook check failed (max abs difference above {config.method.tolerance}): {method.failures()}; see {out}."
         )
-    _summarise(writer.paths)
-    log.info("results: %s", out)
-    return RunResult(out, writer.paths)
+    distributed.barrier()
+    tables = writer.tables()
+    if rank == 0:
+        _summarise(tables)
+        log.info("results: %s", out)
+    return RunResult(out, tables)
+
+
+def _shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
+    samples = min(shard_samples, total - shard * shard_samples)
+    return -(-samples // config.data.batch_size)
+
+
+def _run_shard(shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle) -> None:
+    """Every batch of one shard through the method; rows go to the shard's files."""
+    start = shard * shard_samples
+    indices = range(start, min(start + shard_samples, len(dataset)))
+    loader = make_loader(Subset(dataset, indices), config.data, pin_memory=device.type == "cuda")
+    first = start
+    for raw in loader:
+        batch = to_batch(raw, device, first)
+        session.begin_batch(batch.x.shape[0], first // config.data.batch_size)
+        output = method.run_batch(model, batch, session)
+        samples = _sample_columns(batch, output.predicted, bundle.categories)
+        for table, columns in output.tables.items():
+            writer.write(table, _with_ids(identity, samples, to_host(columns)))
+        recorded = session.end_batch()
+        if recorded is not None:
+            recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
+            writer.write("hooks", _with_ids(identity, samples, to_host(recorded)))
+        first += batch.x.shape[0]
 
 
 def _sample_columns(batch: Batch, predicted: torch.Tensor, categories: list[str] | None) -> dict[str, np.ndarray]:
@@ -190,7 +226,7 @@ def _with_ids(identity: dict[str, str], samples: dict[str, np.ndarray], columns:
 
 def _summarise(paths: dict[str, Path]) -> None:
     for table, path in paths.items():
-        present = set(pq.read_schema(path).names)
+        present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
         keys = [k for k in SUMMARY_KEYS if k in present]
         values = [v for v in SUMMARY_VALUES if v in present]
         frame = pd.read_parquet(path, columns=keys + values)

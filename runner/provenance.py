@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import platform
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from runner.schema import RunConfig
@@ -48,6 +51,27 @@ def hydra_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def config_hash(config: RunConfig) -> str:
+    """Identity of what a run computes: the config without the keys that only say how or where it runs."""
+    plain = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+    for key in ("progress", "output", "device"):
+        plain.pop(key, None)  # type: ignore[union-attr]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def swept_columns() -> dict[str, Any]:
+    """The job's command-line overrides as typed columns (`sweep.method.target`, ...): a sweep's jobs
+    then share one table that says which values produced each row."""
+    columns: dict[str, Any] = {}
+    for override in hydra_overrides():
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("hydra.") or key.startswith("hydra/") or not value:
+            continue
+        parsed = yaml.safe_load(value)
+        columns[f"sweep.{key}"] = parsed if isinstance(parsed, (bool, int, float, str)) else value
+    return columns
 
 
 def provenance(config: RunConfig, run_id: str) -> dict[str, Any]:

@@ -116,46 +116,117 @@ class TableWriter:
         if self._writer is not None:
             self._writer.close()
         self.tmp.unlink(missing_ok=True)
+        if self.path.parent.is_dir() and not any(self.path.parent.iterdir()):
+            self.path.parent.rmdir()  # a table folder this run made and filled with nothing
 
 
-class ResultWriter:
-    """All tables of a run, committed together when the run ends well, discarded when it fails."""
+class ShardedWriter:
+    """A run's tables as folders of shard files, `<table>.parquet/part-<shard>.parquet`.
 
-    def __init__(self, directory: Path, metadata: dict[str, Any]) -> None:
+    A shard is a fixed range of samples. Its tables are written under temporary names and renamed
+    together when the shard is complete; only then is the shard added to the manifest (itself
+    replaced atomically). A killed run therefore loses at most the shard in progress, and a run
+    started again on the same directory skips every shard the manifests list. Each rank of a
+    multi-process run keeps its own manifest, so ranks never write the same file.
+    """
+
+    def __init__(self, directory: Path, metadata: dict[str, Any], identity: dict[str, Any], rank: int = 0) -> None:
         self.directory = directory
         self.metadata = metadata
-        self.tables: dict[str, TableWriter] = {}
+        self.identity = identity  # what must match to resume: config hash, shard size, sample count
+        self.rank = rank
+        self.manifest_path = directory / ("manifest.json" if rank == 0 else f"manifest-rank{rank}.json")
+        self._open: dict[str, TableWriter] = {}
+        self._shard: int | None = None
+        self._manifest = {**identity, "shards": {}, "complete": False}
+        if self.manifest_path.exists():
+            self._manifest = self._load(self.manifest_path)
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        manifest = json.loads(path.read_text())
+        mismatched = [k for k, v in self.identity.items() if manifest.get(k) != v]
+        if mismatched:
+            from runner.errors import RunnerError
+
+            raise RunnerError(
+                f"{self.directory} holds results of a different run ({', '.join(mismatched)} differ), so it cannot be"
+                " resumed. Use a new output directory, or the same config to finish that run."
+            )
+        return manifest
+
+    def completed_shards(self) -> set[int]:
+        """Shards complete in any rank's manifest."""
+        done: set[int] = set()
+        for path in sorted(self.directory.glob("manifest*.json")):
+            done |= {int(s) for s in self._load(path)["shards"]}
+        return done
+
+    def begin_shard(self, shard: int) -> None:
+        self._shard = shard
+        self._open = {}
 
     def write(self, table: str, columns: dict[str, Any]) -> None:
-        if table not in self.tables:
-            self.tables[table] = TableWriter(self.directory / f"{table}.parquet", self.metadata)
-        self.tables[table].write(columns)
+        assert self._shard is not None, "begin_shard first"
+        if table not in self._open:
+            path = self.directory / f"{table}.parquet" / f"part-{self._shard:06d}.parquet"
+            self._open[table] = TableWriter(path, self.metadata)
+        self._open[table].write(columns)
 
-    def __enter__(self) -> ResultWriter:
-        return self
+    def commit_shard(self) -> None:
+        for writer in self._open.values():
+            writer.commit()
+        self._manifest["shards"][str(self._shard)] = {name: w.rows for name, w in self._open.items()}
+        self._save()
+        self._open, self._shard = {}, None
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        for writer in self.tables.values():
-            writer.commit() if exc_type is None else writer.abort()
+    def abort_shard(self) -> None:
+        for writer in self._open.values():
+            writer.abort()
+        self._open, self._shard = {}, None
 
-    @property
-    def paths(self) -> dict[str, Path]:
-        return {name: w.path for name, w in self.tables.items()}
+    def finish(self) -> None:
+        self._manifest["complete"] = True
+        self._save()
+
+    def _save(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._manifest, indent=1))
+        tmp.replace(self.manifest_path)
+
+    def tables(self) -> dict[str, Path]:
+        """Every table folder in the directory (of this run and of the runs it resumed)."""
+        return {p.name.removesuffix(".parquet"): p for p in sorted(self.directory.glob("*.parquet")) if p.is_dir()}
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The run's provenance stored in a table: composed config, overrides, versions, git commit."""
+    """The run's provenance stored in a table (a .parquet file or table folder): config, overrides, versions, commit."""
+    path = Path(path)
+    if path.is_dir():
+        path = sorted(path.glob("part-*.parquet"))[0]
     meta = pq.read_schema(path).metadata or {}
     return json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
 
 
 def load(path: str | Path, table: str | None = None) -> pd.DataFrame:
-    """A results table as a DataFrame: a .parquet file, or every `<table>.parquet` under a folder."""
+    """One table as one DataFrame, from a run, a sweep, or a folder of sweeps.
+
+    `path` may be a part file, a table folder (`gradcam.parquet/`), a run directory or any folder
+    above runs; `table` picks the table (needed when the runs hold more than one kind). Parts are
+    read one by one and concatenated by column name, so jobs whose swept columns differ still form
+    one table (missing values are null).
+    """
     path = Path(path)
     if path.is_file():
         return pd.read_parquet(path)
-    pattern = f"{table}.parquet" if table else "*.parquet"
-    files = sorted(path.rglob(pattern))
-    if not files:
-        raise FileNotFoundError(f"No {pattern} under {path}")
-    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    if path.name.endswith(".parquet"):
+        parts = sorted(path.glob("part-*.parquet"))
+    else:
+        folders = sorted(p for p in path.rglob(f"{table or '*'}.parquet") if p.is_dir())
+        names = {f.name for f in folders}
+        if len(names) > 1:
+            raise ValueError(f"{path} holds several tables ({', '.join(sorted(names))}): pass table=NAME.")
+        parts = [part for folder in folders for part in sorted(folder.glob("part-*.parquet"))]
+    if not parts:
+        raise FileNotFoundError(f"No {table or ''} results under {path}")
+    return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)

@@ -209,8 +209,10 @@ class MethodConfig:
 
 @dataclass
 class OutputConfig:
-    # Where results go; null means Hydra's run directory.
+    # Where results go; null means Hydra's run directory. A directory that holds an unfinished run of
+    # the same config is resumed: its complete shards are kept and skipped.
     dir: Optional[str] = None
+    shard_batches: int = 8  # batches per shard: the unit of atomic writing, resuming and splitting across ranks
 
 
 @dataclass

@@ -61,7 +61,7 @@ def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_m
     meta = read_metadata(result.tables["gradcam"])
     assert "name: gradcam_vgg16" in meta["config"] and meta["versions"]["torch"] and meta["git_commit"]
     assert count_hooks(built_models[0]) == 0
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_hooks_vgg16_rows_for_all_four_kinds(tmp_path: Path, built_models: list) -> None:

@@ -82,7 +82,6 @@ class CamMethod:
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)
         self.capture = session.capture(self.layers, differentiable=self.needs_gradients)
-        self.random = torch.Generator(device="cpu").manual_seed(self.cfg.faithfulness.seed)
         grid = self.cfg.feature_grid_layer
         if grid is not None and grid not in self.capture.names:
             raise RunnerError(
@@ -168,10 +167,12 @@ class CamMethod:
         if self.cfg.faithfulness.enabled:
             # One random map per sample and resolution, shared by the layers of that resolution, so that
             # layers are compared with the same baseline.
+            # Seeded per batch position, so a resumed run draws the same baselines as an uninterrupted one.
+            generator = torch.Generator().manual_seed(self.cfg.faithfulness.seed * 1_000_003 + batch.first_index)
             by_shape: dict[tuple[int, ...], torch.Tensor] = {}
             for m in maps:
                 if tuple(m.shape) not in by_shape:
-                    by_shape[tuple(m.shape)] = torch.rand(m.shape, generator=self.random).to(m.device)
+                    by_shape[tuple(m.shape)] = torch.rand(m.shape, generator=generator).to(m.device)
             random_maps = [by_shape[tuple(m.shape)] for m in maps]
             random_saliency = [faithfulness.upsample(m, size) for m in random_maps]
             metrics = faithfulness.evaluate(

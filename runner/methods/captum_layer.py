@@ -40,7 +40,6 @@ class CaptumLayer(CamMethod):
                 f" Use one of: {', '.join(SUPPORTED)}."
             )
         self.attribution = getattr(captum.attr, self.cfg.captum)
-        self.random = torch.Generator(device="cpu").manual_seed(self.cfg.faithfulness.seed)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         logits, _ = forward(model, batch, session, self.runtime, with_grad=False)
