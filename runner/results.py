@@ -211,7 +211,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 def load(path: str | Path, table: str | None = None) -> pd.DataFrame:
     """One table as one DataFrame, from a run, a sweep, or a folder of sweeps.
 
-    `path` may be a part file, a table folder (`gradcam.parquet/`), a run directory or any folder
+    `path` may be a part file, a table folder (`cam.parquet/`), a run directory or any folder
     above runs; `table` picks the table (needed when the runs hold more than one kind). Parts are
     read one by one and concatenated by column name, so jobs whose swept columns differ still form
     one table (missing values are null).

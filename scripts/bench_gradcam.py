@@ -101,7 +101,7 @@ def runner_gradcam(model: nn.Module, layers, x: torch.Tensor, runtime: Runtime) 
         session.begin_batch(x.shape[0], 0)
         out = method.run_batch(model, batch, session)
         session.end_batch()
-        return to_host(out.tables["gradcam"])
+        return to_host(out.tables["cam"])
 
     run.close = session.close  # type: ignore[attr-defined]
     return run

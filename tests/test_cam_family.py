@@ -81,7 +81,7 @@ def run_method(model: nn.Module, x: torch.Tensor, layers: list[str], **cfg: obje
     with HookSession(model, []) as session:
         method.setup(session, x.shape[0])
         session.begin_batch(x.shape[0], 0)
-        return method.run_batch(model, batch, session).tables[method.name]
+        return method.run_batch(model, batch, session).tables[getattr(method, "table", method.name)]
 
 
 def test_topk_targets_from_one_forward() -> None:
@@ -109,7 +109,7 @@ def test_vit_token_maps_on_the_patch_grid(tmp_path: Path) -> None:
         "hooks=[]",
         "layers.include=[encoder.layers.encoder_layer_0,encoder.layers.encoder_layer_1.ln_1]",
     )
-    frame = pd.read_parquet(app.run(config, tmp_path).tables["gradcam"])
+    frame = pd.read_parquet(app.run(config, tmp_path).tables["cam"])
     assert len(frame) == 2 * 3
     assert (frame["map_height"] == 4).all() and (frame["map_width"] == 4).all()  # 16 patches, class token dropped
     assert (frame["cam_max"] > 0).all()
@@ -161,7 +161,7 @@ def test_gradcam_beats_random_maps_on_the_embedded_model(tmp_path: Path) -> None
     config = make_config(
         "experiment=gradcam_effnet", "layers.include=[_conv_head]", "method.faithfulness.steps=10", "data.batch_size=6"
     )
-    frame = pd.read_parquet(app.run(config, tmp_path).tables["gradcam"])
+    frame = pd.read_parquet(app.run(config, tmp_path).tables["cam"])
     assert len(frame) == 6
     assert frame["deletion_auc"].mean() < frame["random_deletion_auc"].mean()
     assert frame["deletion_auc"].between(0, 1).all() and frame["avg_drop"].between(0, 1).all()

@@ -25,7 +25,7 @@ def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
     done = cli(*SMALL_VGG, f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr
     assert f"results: {tmp_path}" in done.stderr
-    frame = pd.read_parquet(tmp_path / "gradcam.parquet")
+    frame = pd.read_parquet(tmp_path / "cam.parquet")
     assert len(frame) == 2 * 13
 
 
@@ -70,6 +70,6 @@ def test_multirun_sweep(tmp_path: Path) -> None:
         f"hydra.sweep.dir={tmp_path}",
     )
     assert done.returncode == 0, done.stderr
-    frames = [pd.read_parquet(tmp_path / str(i) / "gradcam.parquet") for i in (0, 1)]
+    frames = [pd.read_parquet(tmp_path / str(i) / "cam.parquet") for i in (0, 1)]
     assert (frames[1]["target"] == 7).all()
     assert len(frames[0]) == len(frames[1]) == 13

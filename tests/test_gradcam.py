@@ -25,7 +25,7 @@ def run_gradcam(model: nn.Module, x: torch.Tensor, layers: list[str], **method: 
         gradcam.setup(session, x.shape[0])
         session.begin_batch(x.shape[0], 0)
         out = gradcam.run_batch(model, batch, session)
-    return out.tables["gradcam"]
+    return out.tables["cam"]
 
 
 def maps_of(columns: dict, layer: str) -> torch.Tensor:

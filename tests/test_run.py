@@ -33,7 +33,7 @@ def built_models(monkeypatch: pytest.MonkeyPatch) -> list:
 
 def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_models: list) -> None:
     result = app.run(make_config("experiment=gradcam_vgg16", *VGG_OFFLINE), tmp_path)
-    frame = pd.read_parquet(result.tables["gradcam"])
+    frame = pd.read_parquet(result.tables["cam"])
     assert len(frame) == 3 * 13
     assert frame.groupby("layer").size().eq(3).all()
     assert set(frame["sample_id"]) == {"chelsea", "coffee", "rocket"}
@@ -58,7 +58,7 @@ def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_m
     assert (frame["module_type"] == "Conv2d").all() and (frame["experiment"] == "gradcam_vgg16").all()
     assert (frame["map"].map(len) == frame["map_height"] * frame["map_width"]).all()
     assert (frame["target"] == frame["predicted"]).all()
-    meta = read_metadata(result.tables["gradcam"])
+    meta = read_metadata(result.tables["cam"])
     assert "name: gradcam_vgg16" in meta["config"] and meta["versions"]["torch"] and meta["git_commit"]
     assert count_hooks(built_models[0]) == 0
     assert not list(tmp_path.rglob("*.tmp"))
@@ -81,7 +81,7 @@ def test_hooks_vgg16_rows_for_all_four_kinds(tmp_path: Path, built_models: list)
 def test_default_experiment_on_the_embedded_model(tmp_path: Path) -> None:
     """The real default: pretrained EfficientNet-Lite0, real photos, four hook kinds, Grad-CAM."""
     result = app.run(make_config("data.photos=[chelsea,coffee]"), tmp_path)
-    cams = pd.read_parquet(result.tables["gradcam"])
+    cams = pd.read_parquet(result.tables["cam"])
     assert len(cams) == 2 * 5
     assert cams.set_index("sample_id")["predicted_name"].to_dict() == {"chelsea": "Egyptian cat", "coffee": "espresso"}
     hooks = pd.read_parquet(result.tables["hooks"])
@@ -102,8 +102,8 @@ def test_hook_check_passes_on_the_embedded_model(tmp_path: Path) -> None:
 
 def test_bf16_is_close_to_fp32(tmp_path: Path) -> None:
     overrides = ["data.photos=[chelsea]", "data.image_size=128", "hooks=[]"]
-    fp32 = pd.read_parquet(app.run(make_config(*overrides), tmp_path / "a").tables["gradcam"])
-    bf16 = pd.read_parquet(app.run(make_config(*overrides, "precision=bf16"), tmp_path / "b").tables["gradcam"])
+    fp32 = pd.read_parquet(app.run(make_config(*overrides), tmp_path / "a").tables["cam"])
+    bf16 = pd.read_parquet(app.run(make_config(*overrides, "precision=bf16"), tmp_path / "b").tables["cam"])
     assert (fp32["predicted"] == bf16["predicted"]).all()
     assert ((fp32["score"] - bf16["score"]).abs() / fp32["score"].abs() < 0.05).all()
 

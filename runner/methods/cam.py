@@ -73,6 +73,7 @@ class CamMethod:
     """Base of the CAM family: capture, gradient pass per target, maps, rows, faithfulness, pictures."""
 
     name = "cam"
+    table = "cam"  # every CAM method (and captum) writes the same table: a sweep over methods is one table
     needs_gradients = True
 
     def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
@@ -119,7 +120,7 @@ class CamMethod:
             ctx = CamContext(model, batch.x, target, self.runtime)
             maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
             parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
-        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: concat_columns(parts)})
+        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: concat_columns(parts)})
 
     def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
         module_type = self.module_types[name]

@@ -65,4 +65,4 @@ class CaptumLayer(CamMethod):
             parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
-        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: columns})
+        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: columns})

@@ -79,10 +79,10 @@ class Sanity:
             self.random = self.inner_class(self.cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
             self.random.setup(session, self.num_samples)
         trained_output = self.trained.run_batch(model, batch, session)
-        trained = trained_output.tables[self.trained.name]
+        trained = trained_output.tables[self.trained.table]
         # The randomised model explains the trained model's targets, so both maps answer the same question.
         self.random.cfg = _with_fixed_targets(self.cfg, trained["target"], batch)
-        randomised = self.random.run_batch(self.copy, batch, session).tables[self.random.name]
+        randomised = self.random.run_batch(self.copy, batch, session).tables[self.random.table]
         a, b = trained["map"], randomised["map"]
         assert isinstance(a, Ragged) and isinstance(b, Ragged)
         rho = torch.stack(
