@@ -104,6 +104,9 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     out = Path(output_dir or config.output.dir or _default_output_dir())
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
+    if device.type == "cuda" and distributed.rank_and_world()[1] > 1:
+        device = torch.device("cuda", distributed.local_device_index())  # torchrun: one GPU per process
+        torch.cuda.set_device(device)
     runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None)
 
     bundle = build_model(config.model)
@@ -149,7 +152,9 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
             for shard in mine:
                 writer.begin_shard(shard)
-                _run_shard(shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle)
+                _run_shard(
+                    shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle
+                )
                 writer.commit_shard()
                 progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
             progress.close()

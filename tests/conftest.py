@@ -83,3 +83,13 @@ def tiny_vit() -> nn.Module:
     )
     nn.init.normal_(vit.heads.head.weight)
     return vit
+
+
+class SlowNet(TinyNet):
+    """TinyNet that takes a while per forward, so a test can kill a run between shards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.25)
+        return super().forward(x)

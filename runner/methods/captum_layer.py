@@ -8,7 +8,6 @@ over channels into a signed map at the layer's resolution; rows are those of the
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from runner.data import Batch

@@ -1,0 +1,120 @@
+"""Sweeps and resuming: a joblib multirun read back as one table, kill -9 and resume, two torchrun ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from runner.results import load, read_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model._target_=tests.conftest.TinyNet",
+    "model.weights=null",
+    "data=synthetic",
+    "data.shape=[3,8,8]",
+    "data.num_classes=5",
+    "layers.include=[features.0,features.2]",
+    "hooks=[]",
+    "progress=false",
+]
+
+
+def cli(*args: str, env: dict | None = None, wait: bool = True):
+    command = [sys.executable, "-m", "runner", *args]
+    if not wait:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def comparable(frame: pd.DataFrame) -> pd.DataFrame:
+    """A table without what differs between runs of one config (ids, times), in a fixed order."""
+    frame = frame.drop(columns=["run_id"]).copy()
+    frame["map"] = frame["map"].map(tuple)
+    return frame.sort_values(["sample", "layer", "call", "target_rank"]).reset_index(drop=True)
+
+
+def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
+    done = cli(
+        "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "data.count=6",
+        "method=gradcam,layercam", "method.target=predicted,topk", "method.top_k=2", f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    frame = load(tmp_path)
+    assert set(frame["sweep.method"]) == {"gradcam", "layercam"}
+    assert set(frame["sweep.method.target"]) == {"predicted", "topk"}
+    assert (frame["method"] == frame["sweep.method"]).all()
+    per_job = frame.groupby(["sweep.method", "sweep.method.target"]).size()
+    assert per_job.to_dict() == {
+        ("gradcam", "predicted"): 12, ("gradcam", "topk"): 24, ("layercam", "predicted"): 12, ("layercam", "topk"): 24,
+    }  # fmt: skip
+    meta = read_metadata(next(tmp_path.rglob("cam.parquet")))
+    assert any(o.startswith("method=") for o in meta["overrides"]) and meta["versions"]["torch"]
+
+    # Started again on the same sweep directory, every job finds its run complete and writes nothing.
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("part-*.parquet")}
+    again = cli(
+        "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "data.count=6",
+        "method=gradcam,layercam", "method.target=predicted,topk", "method.top_k=2", f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("part-*.parquet")} == before
+    assert "0 to run here" in again.stderr
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    slow = [
+        *TINY,
+        "model._target_=tests.conftest.SlowNet",
+        "data.count=12",
+        "data.batch_size=2",
+        "output.shard_batches=1",
+    ]
+    killed = tmp_path / "killed"
+    process = cli(*slow, f"hydra.run.dir={killed}", wait=False)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once at least one shard is on disk and the run is not finished
+        parts = list(killed.glob("cam.parquet/part-*.parquet"))
+        if len(parts) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    written = len(list(killed.glob("cam.parquet/part-*.parquet")))
+    assert 2 <= written < 6, "killed mid-way"
+    # What a reader sees meanwhile is the complete shards only (a half-written shard is a .tmp file, never read).
+    assert len(load(killed)) == written * 2 * 2  # 2 samples x 2 layers per shard
+
+    resumed = cli(*slow, f"hydra.run.dir={killed}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{written} of 6 shards complete" in resumed.stderr
+    whole = cli(*slow, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr
+    got, expected = comparable(load(killed)), comparable(load(tmp_path / "whole"))
+    assert len(got) == 12 * 2 and not got.duplicated(["sample", "layer"]).any()
+    pd.testing.assert_frame_equal(got, expected)
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
+    args = [*TINY, "data.count=10", "data.batch_size=2", "output.shard_batches=1"]
+    single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    ranks = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner", *args,
+         f"hydra.run.dir={tmp_path / 'ranks'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert ranks.returncode == 0, ranks.stderr
+    assert (tmp_path / "ranks" / "manifest.json").exists() and (tmp_path / "ranks" / "manifest-rank1.json").exists()
+    pd.testing.assert_frame_equal(comparable(load(tmp_path / "ranks")), comparable(load(tmp_path / "single")))
