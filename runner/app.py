@@ -159,8 +159,10 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
                 progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
             progress.close()
             writer.finish()
+            writer.close()
     except BaseException:
         writer.abort_shard()
+        writer.close()
         if not writer.completed_shards():  # nothing to resume: leave nothing behind
             for directory in side_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -190,16 +192,55 @@ def _run_shard(shard, shard_samples, dataset, config, device, model, method, ses
     first = start
     for raw in loader:
         batch = to_batch(raw, device, first)
-        session.begin_batch(batch.x.shape[0], first // config.data.batch_size)
+        for part in _run_with_backoff(batch, model, method, session, config):
+            writer.submit(_rows_for(part, identity, bundle.categories))
+        first += batch.x.shape[0]
+
+
+def _run_with_backoff(batch: Batch, model, method, session, config: RunConfig) -> list[tuple[Batch, Any, Any]]:
+    """(batch, method output, recorded hook rows) for the batch, halving it on CUDA out-of-memory until it fits."""
+    session.begin_batch(batch.x.shape[0], batch.first_index // config.data.batch_size)
+    try:
         output = method.run_batch(model, batch, session)
-        samples = _sample_columns(batch, output.predicted, bundle.categories)
-        for table, columns in output.tables.items():
-            writer.write(table, _with_ids(identity, samples, to_host(columns)))
-        recorded = session.end_batch()
+        return [(batch, output, session.end_batch())]
+    except torch.cuda.OutOfMemoryError:
+        session.end_batch()  # drop what the failed attempt recorded
+        size = batch.x.shape[0]
+        if size == 1:
+            raise RunnerError(
+                "CUDA out of memory with a batch of 1: the model and method do not fit this GPU. Try precision=bf16,"
+                " fewer layers, or a smaller method.patching.chunk / method.score_chunk."
+            ) from None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = size // 2
+        log.warning(
+            "CUDA out of memory at batch size %d (samples from %d): retrying as %d + %d",
+            size,
+            batch.first_index,
+            half,
+            size - half,
+        )
+        parts = []
+        for lo, hi in ((0, half), (half, size)):
+            sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
+            parts += _run_with_backoff(sub, model, method, session, config)
+        return parts
+
+
+def _rows_for(part: tuple[Batch, Any, Any], identity: dict[str, Any], categories: list[str] | None):
+    """The writer thread's job for one batch: move rows to the host and add the identifier columns."""
+    batch, output, recorded = part
+
+    def produce() -> list[tuple[str, dict[str, Any]]]:
+        samples = _sample_columns(batch, output.predicted, categories)
+        rows = [(table, _with_ids(identity, samples, to_host(columns))) for table, columns in output.tables.items()]
         if recorded is not None:
             recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
-            writer.write("hooks", _with_ids(identity, samples, to_host(recorded)))
-        first += batch.x.shape[0]
+            rows.append(("hooks", _with_ids(identity, samples, to_host(recorded))))
+        return rows
+
+    return produce
 
 
 def _sample_columns(batch: Batch, predicted: torch.Tensor, categories: list[str] | None) -> dict[str, np.ndarray]:

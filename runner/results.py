@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,7 +124,13 @@ class TableWriter:
 
 
 class ShardedWriter:
-    """A run's tables as folders of shard files, `<table>.parquet/part-<shard>.parquet`.
+    """A run's tables as folders of shard files, `<table>.parquet/part-<shard>.parquet`, written on a
+    background thread.
+
+    The main thread hands over a batch's rows as a function (`submit`); the writer thread calls it
+    (moving the tensors to the host there, so the device never waits on the copy or the disk) and
+    appends the rows. The queue holds at most `queue_size` batches: when the disk is slower than
+    the device, `submit` blocks instead of letting memory grow.
 
     A shard is a fixed range of samples. Its tables are written under temporary names and renamed
     together when the shard is complete; only then is the shard added to the manifest (itself
@@ -130,7 +139,9 @@ class ShardedWriter:
     multi-process run keeps its own manifest, so ranks never write the same file.
     """
 
-    def __init__(self, directory: Path, metadata: dict[str, Any], identity: dict[str, Any], rank: int = 0) -> None:
+    def __init__(
+        self, directory: Path, metadata: dict[str, Any], identity: dict[str, Any], rank: int = 0, queue_size: int = 4
+    ) -> None:
         self.directory = directory
         self.metadata = metadata
         self.identity = identity  # what must match to resume: config hash, shard size, sample count
@@ -141,6 +152,44 @@ class ShardedWriter:
         self._manifest = {**identity, "shards": {}, "complete": False}
         if self.manifest_path.exists():
             self._manifest = self._load(self.manifest_path)
+        self._queue: queue.Queue[tuple[int, Callable[[], list[tuple[str, dict[str, Any]]]]] | None] = queue.Queue(
+            maxsize=queue_size
+        )
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="runner-writer", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                shard, produce = item
+                if self._error is None:
+                    for table, columns in produce():
+                        self._write(shard, table, columns)
+            except BaseException as e:  # handed to the main thread at its next submit or commit
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def submit(self, produce: Callable[[], list[tuple[str, dict[str, Any]]]]) -> None:
+        """Queue one batch: `produce()` returns (table, columns) pairs; it runs on the writer thread."""
+        assert self._shard is not None, "begin_shard first"
+        self._raise_if_failed()
+        self._queue.put((self._shard, produce))  # blocks while the queue is full: memory stays bounded
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Stop the writer thread (after what is queued)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _load(self, path: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
@@ -165,14 +214,15 @@ class ShardedWriter:
         self._shard = shard
         self._open = {}
 
-    def write(self, table: str, columns: dict[str, Any]) -> None:
-        assert self._shard is not None, "begin_shard first"
+    def _write(self, shard: int, table: str, columns: dict[str, Any]) -> None:
         if table not in self._open:
-            path = self.directory / f"{table}.parquet" / f"part-{self._shard:06d}.parquet"
+            path = self.directory / f"{table}.parquet" / f"part-{shard:06d}.parquet"
             self._open[table] = TableWriter(path, self.metadata)
         self._open[table].write(columns)
 
     def commit_shard(self) -> None:
+        self._queue.join()  # everything of this shard is written
+        self._raise_if_failed()
         for writer in self._open.values():
             writer.commit()
         self._manifest["shards"][str(self._shard)] = {name: w.rows for name, w in self._open.items()}
@@ -180,6 +230,8 @@ class ShardedWriter:
         self._open, self._shard = {}, None
 
     def abort_shard(self) -> None:
+        self._queue.join()
+        self._error = None
         for writer in self._open.values():
             writer.abort()
         self._open, self._shard = {}, None

@@ -1,0 +1,129 @@
+"""What recording costs: a plain forward, a minimal hand-written recording hook, and the runner's `record`.
+
+    python scripts/bench_overhead.py                      # VGG16 conv outputs and every EfficientNet-Lite0 leaf, CPU
+    python scripts/bench_overhead.py --size 224 --batch 128 --precision bf16   # on a GPU
+
+(a) plain: N batches through the model, no hooks
+(b) floor: a forward hook written by hand computing the same per-sample statistics (mean, std, min,
+    max, L2 norm, fraction of zeros) with fused reductions, kept on the device, one transfer per batch
+(c) runner: the hook session's `record` on the same modules, rows moved to the host once per batch
+Prints seconds per batch and the overheads; the target is (c) within 1.15x of (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from runner.hooks import BoundHook, HookSession
+from runner.layers import resolve_layers
+from runner.methods import Runtime
+from runner.models import build_model
+from runner.results import Block, to_host
+from runner.schema import HookKind, HookSpec, ModelConfig, Precision
+from runner.stats import STAT_NAMES
+
+SETUPS = {
+    "vgg16 conv outputs": ("vgg16", ["features.*:Conv2d"]),
+    "efficientnet_lite0 every leaf": ("efficientnet_lite0", None),
+}
+
+
+def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
+
+
+def timed(fn, device: torch.device, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def floor_hooks(layers, batch: int):
+    """Hand-written: per call, six per-sample statistics stacked on the device; one transfer per batch."""
+    kept: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        flat = out.detach().reshape(batch, -1).float()
+        var, mean = torch.var_mean(flat, dim=1, correction=0)
+        lo, hi = torch.aminmax(flat, dim=1)
+        kept.append(
+            torch.stack(
+                [mean, var.sqrt(), lo, hi, torch.linalg.vector_norm(flat, dim=1), (flat == 0).float().mean(1)], 1
+            )
+        )
+
+    return kept, [m.register_forward_hook(hook) for _, m in layers]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=112)
+    parser.add_argument("--batches", type=int, default=3, help="batches per timed run")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    runtime = Runtime(device, Precision(args.precision))
+    print(f"batch={args.batch} size={args.size} batches={args.batches} precision={args.precision} device={device} "
+          f"torch={torch.__version__} threads={torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"{'setup':32s} {'modules':>7s} {'plain s':>8s} {'floor s':>8s} {'runner s':>8s} {'floor+':>7s} {'runner+':>8s} {'runner/floor':>12s}"
+    )
+    for label, (name, selectors) in SETUPS.items():
+        torch.manual_seed(0)
+        weights = "embedded" if name == "efficientnet_lite0" else None
+        model = build_model(ModelConfig(name=name, weights=weights)).model.to(device)
+        layers = resolve_layers(model, selectors) if selectors else leaves(model)
+        xs = [torch.randn(args.batch, 3, args.size, args.size, device=device) for _ in range(args.batches)]
+
+        @torch.no_grad()
+        def plain() -> None:
+            for x in xs:
+                with runtime.autocast():
+                    model(x)
+
+        def floor() -> None:
+            kept, handles = floor_hooks(layers, args.batch)
+            try:
+                with torch.no_grad():
+                    for x in xs:
+                        kept.clear()
+                        with runtime.autocast():
+                            model(x)
+                        torch.cat(kept).cpu().numpy()
+            finally:
+                for h in handles:
+                    h.remove()
+
+        def runner() -> None:
+            with HookSession(model, [BoundHook(HookSpec(kind=HookKind.forward), layers)]) as session, torch.no_grad():
+                for i, x in enumerate(xs):
+                    session.begin_batch(args.batch, i)
+                    with runtime.autocast():
+                        model(x)
+                    columns = session.end_batch()
+                    columns["stats"] = Block(columns.pop("stats"), list(STAT_NAMES))
+                    to_host(columns)
+
+        t_plain, t_floor, t_runner = (timed(fn, device, args.repeat) / args.batches for fn in (plain, floor, runner))
+        print(f"{label:32s} {len(layers):7d} {t_plain:8.4f} {t_floor:8.4f} {t_runner:8.4f} "
+              f"{t_floor / t_plain - 1:+7.0%} {t_runner / t_plain - 1:+8.0%} {t_runner / t_floor:12.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
