@@ -111,6 +111,8 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
 
     bundle = build_model(config.model)
     model = bundle.model.to(device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     target_layers = (
         resolve_layers(model, config.layers.include, config.layers.exclude) if config.layers.include else None
     )
@@ -188,10 +190,10 @@ def _run_shard(shard, shard_samples, dataset, config, device, model, method, ses
     """Every batch of one shard through the method; rows go to the shard's files."""
     start = shard * shard_samples
     indices = range(start, min(start + shard_samples, len(dataset)))
-    loader = make_loader(Subset(dataset, indices), config.data, pin_memory=device.type == "cuda")
+    loader = make_loader(Subset(dataset, indices), config.data, device)
     first = start
     for raw in loader:
-        batch = to_batch(raw, device, first)
+        batch = to_batch(raw, device, first, config.channels_last)
         for part in _run_with_backoff(batch, model, method, session, config):
             writer.submit(_rows_for(part, identity, bundle.categories))
         first += batch.x.shape[0]

@@ -188,19 +188,29 @@ def _torchvision_dataset(cfg: DataConfig, transform: Callable) -> Dataset:
     return WithIds()
 
 
-def make_loader(dataset: Dataset, cfg: DataConfig, pin_memory: bool) -> DataLoader:
+def make_loader(dataset: Dataset, cfg: DataConfig, device: torch.device) -> DataLoader:
+    """Batches in data set order; pinned memory (for non-blocking copies) on GPUs unless configured otherwise."""
+    workers = cfg.num_workers > 0
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
         shuffle=False,  # sample order is part of the result's identity (and of resuming)
         num_workers=cfg.num_workers,
-        pin_memory=pin_memory,
+        pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+        prefetch_factor=cfg.prefetch_factor if workers else None,
+        persistent_workers=cfg.persistent_workers and workers,
     )
 
 
-def to_batch(raw: tuple[torch.Tensor, torch.Tensor, list[str]], device: torch.device, first_index: int) -> Batch:
+def to_batch(
+    raw: tuple[torch.Tensor, torch.Tensor, list[str]],
+    device: torch.device,
+    first_index: int,
+    channels_last: bool = False,
+) -> Batch:
     x, labels, ids = raw
-    non_blocking = device.type == "cuda"
-    return Batch(
-        x.to(device, non_blocking=non_blocking), labels.to(device, non_blocking=non_blocking), list(ids), first_index
-    )
+    non_blocking = device.type == "cuda"  # from pinned memory the copy overlaps with work already queued
+    x = x.to(device, non_blocking=non_blocking)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index)

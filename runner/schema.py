@@ -90,6 +90,9 @@ class DataConfig:
     limit: Optional[int] = None  # use only the first N samples
     batch_size: int = 4
     num_workers: int = 0
+    pin_memory: Optional[bool] = None  # null: on when the device is a GPU
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
+    persistent_workers: bool = False  # keep workers alive between shards (num_workers > 0)
 
 
 @dataclass
@@ -226,6 +229,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Precision = Precision.fp32
+    channels_last: bool = False  # model and inputs in NHWC memory format (faster convolutions on GPUs)
     seed: int = 0
     progress: bool = True
 

@@ -5,7 +5,8 @@
 
 (a) plain: N batches through the model, no hooks
 (b) floor: a forward hook written by hand computing the same per-sample statistics (mean, std, min,
-    max, L2 norm, fraction of zeros) with fused reductions, kept on the device, one transfer per batch
+    max, L2 norm, fraction of zeros) the fastest way we know (four reads, no temporaries), kept on the
+    device, one transfer per batch
 (c) runner: the hook session's `record` on the same modules, rows moved to the host once per batch
 Prints seconds per batch and the overheads; the target is (c) within 1.15x of (b).
 """
@@ -56,14 +57,15 @@ def floor_hooks(layers, batch: int):
     kept: list[torch.Tensor] = []
 
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        flat = out.detach().reshape(batch, -1).float()
-        var, mean = torch.var_mean(flat, dim=1, correction=0)
+        flat = out.detach().reshape(batch, -1)
+        n = flat.shape[1]
+        total = flat.sum(1, dtype=torch.float64)
+        l2 = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+        mean = total / n
+        std = (l2 * l2 / n - mean * mean).clamp_min(0).sqrt()
         lo, hi = torch.aminmax(flat, dim=1)
-        kept.append(
-            torch.stack(
-                [mean, var.sqrt(), lo, hi, torch.linalg.vector_norm(flat, dim=1), (flat == 0).float().mean(1)], 1
-            )
-        )
+        zero = (flat == 0).sum(1) / n
+        kept.append(torch.stack([mean, std, lo.double(), hi.double(), l2, zero.double()], 1).float())
 
     return kept, [m.register_forward_hook(hook) for _, m in layers]
 
