@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,7 +27,7 @@ from torch.utils.data import Subset
 from tqdm import tqdm
 
 from runner import distributed
-from runner.data import NO_LABEL, Batch, build_dataset, make_loader, to_batch
+from runner.data import NO_LABEL, Batch, build_dataset, make_loader, skipped_files, to_batch
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.layers import Layer, resolve_layers
@@ -102,6 +106,7 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     """Run one experiment; raise RunnerError (and write nothing) when its input is wrong."""
     config = to_run_config(cfg)
     out = Path(output_dir or config.output.dir or _default_output_dir())
+    _check_writable(out)
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     if device.type == "cuda" and distributed.rank_and_world()[1] > 1:
@@ -138,7 +143,7 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
         **swept_columns(),
     }
     resume_key = {"config_hash": config_hash(config), "shard_samples": shard_samples, "num_samples": len(dataset)}
-    writer = ShardedWriter(out, provenance(config, run_id), resume_key, rank)
+    writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), resume_key, rank)
     done = writer.completed_shards()
     mine = [s for s in range(num_shards) if s % world == rank and s not in done]
     if done:
@@ -148,14 +153,27 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     )
     side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
     try:
-        with HookSession(model, hooks, out / "tensors") as session:
+        with HookSession(model, hooks, out / "tensors") as session, _stop_on_sigint() as stop:
             method.setup(session, len(dataset))
             progress = tqdm(total=sum(_shard_batches(s, shard_samples, len(dataset), config) for s in mine),
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
             for shard in mine:
                 writer.begin_shard(shard)
                 _run_shard(
-                    shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle
+                    shard,
+                    _Loop(
+                        config,
+                        device,
+                        dataset,
+                        shard_samples,
+                        model,
+                        method,
+                        session,
+                        writer,
+                        identity,
+                        bundle.categories,
+                        stop,
+                    ),
                 )
                 writer.commit_shard()
                 progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
@@ -181,21 +199,80 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     return RunResult(out, tables)
 
 
+def _check_writable(out: Path) -> None:
+    """Fail before any work when results could not be written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-check-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunnerError(
+            f"Cannot write results to {out} ({e.strerror or e}). Choose a writable directory with"
+            " hydra.run.dir=PATH (or output.dir=PATH)."
+        ) from None
+
+
+@contextmanager
+def _stop_on_sigint() -> Iterator[threading.Event]:
+    """Ctrl-C (SIGINT) sets the event; the run stops after the current batch. A second Ctrl-C stops at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        log.warning("interrupted: stopping after the current batch (Ctrl-C again to stop now)")
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
     samples = min(shard_samples, total - shard * shard_samples)
     return -(-samples // config.data.batch_size)
 
 
-def _run_shard(shard, shard_samples, dataset, config, device, model, method, session, writer, identity, bundle) -> None:
-    """Every batch of one shard through the method; rows go to the shard's files."""
-    start = shard * shard_samples
-    indices = range(start, min(start + shard_samples, len(dataset)))
-    loader = make_loader(Subset(dataset, indices), config.data, device)
+@dataclass
+class _Loop:
+    """Everything the per-shard loop needs."""
+
+    config: RunConfig
+    device: torch.device
+    dataset: Any
+    shard_samples: int
+    model: torch.nn.Module
+    method: Any
+    session: HookSession
+    writer: ShardedWriter
+    identity: dict[str, Any]
+    categories: list[str] | None
+    stop: threading.Event
+
+
+def _run_shard(shard: int, loop: _Loop) -> None:
+    """Every batch of one shard through the method; rows go to the shard's files (on the writer thread)."""
+    start = shard * loop.shard_samples
+    indices = range(start, min(start + loop.shard_samples, len(loop.dataset)))
+    loader = make_loader(Subset(loop.dataset, indices), loop.config.data, loop.device)
     first = start
     for raw in loader:
-        batch = to_batch(raw, device, first, config.channels_last)
-        for part in _run_with_backoff(batch, model, method, session, config):
-            writer.submit(_rows_for(part, identity, bundle.categories))
+        batch = to_batch(raw, loop.device, first, loop.config.channels_last)
+        for part in _run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
+            loop.writer.submit(_rows_for(part, loop.identity, loop.categories))
+        if loop.stop.is_set():
+            done = len(loop.writer.completed_shards())
+            raise RunnerError(
+                f"Interrupted. {done} complete shard(s) are kept in {loop.writer.directory}; the shard in progress"
+                f" (from sample {start}) is discarded. Run the same command with hydra.run.dir={loop.writer.directory}"
+                " to resume."
+            )
         first += batch.x.shape[0]
 
 

@@ -3,6 +3,7 @@ and torchvision data sets by name. Every sample is (image tensor, label or -1, s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from torchvision import transforms as T
 
 from runner.errors import RunnerError, suggest
 from runner.schema import DataConfig, ResizeMode
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -67,6 +70,7 @@ class ImageListDataset(Dataset):
     def __init__(self, items: list[tuple[str, Callable[[], Image.Image], int]], transform: Callable) -> None:
         self.items = items
         self.transform = transform
+        self.skipped: list[str] = []  # files left out because they could not be read
 
     def __len__(self) -> int:
         return len(self.items)
@@ -93,12 +97,13 @@ class SyntheticDataset(Dataset):
 
 
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    """The configured data set; `preprocess` (from the model's weights) wins over the standard transform."""
+    """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
+    Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
     transform = preprocess or standard_transform(cfg.image_size, cfg.resize)
     if cfg.name == "skimage_photos":
         dataset: Dataset = _skimage_dataset(cfg.photos, transform)
     elif cfg.name == "image_folder":
-        dataset = _folder_dataset(cfg.root, transform)
+        dataset = _folder_dataset(cfg.root, transform, cfg.strict)
     elif cfg.name == "synthetic":
         dataset = SyntheticDataset(list(cfg.shape), cfg.count, cfg.num_classes, seed)
     elif cfg.name == "torchvision":
@@ -115,6 +120,13 @@ def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Da
     return dataset
 
 
+def skipped_files(dataset: Dataset) -> list[str]:
+    """The input files the data set left out as unreadable (for the log and the tables' metadata)."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return list(getattr(dataset, "skipped", []))
+
+
 def _skimage_dataset(names: list[str], transform: Callable) -> ImageListDataset:
     import skimage.data
 
@@ -127,7 +139,17 @@ def _skimage_dataset(names: list[str], transform: Callable) -> ImageListDataset:
     return ImageListDataset(items, transform)
 
 
-def _folder_dataset(root: str | None, transform: Callable) -> ImageListDataset:
+def _readable(path: Path) -> bool:
+    """Whether PIL can decode the whole file (a truncated or corrupt image fails here, before the run)."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+        return True
+    except Exception:
+        return False
+
+
+def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> ImageListDataset:
     if not root:
         raise RunnerError("data.name=image_folder needs data.root=/path/to/images.")
     folder = Path(root).expanduser()
@@ -138,6 +160,18 @@ def _folder_dataset(root: str | None, transform: Callable) -> ImageListDataset:
         raise RunnerError(
             f"Image folder {folder} contains no images ({', '.join(sorted(IMAGE_SUFFIXES))}). Check `data.root`."
         )
+    unreadable = [p for p in files if not _readable(p)]
+    if unreadable:
+        names = ", ".join(str(p.relative_to(folder)) for p in unreadable[:20])
+        if strict:
+            raise RunnerError(
+                f"{len(unreadable)} unreadable or corrupt image file(s) in {folder}: {names}."
+                " Remove or replace them, or set data.strict=false to skip them."
+            )
+        log.warning("skipping %d unreadable or corrupt image file(s) in %s: %s", len(unreadable), folder, names)
+        files = [p for p in files if p not in set(unreadable)]
+        if not files:
+            raise RunnerError(f"Every image in {folder} is unreadable or corrupt.")
     # Class-per-subfolder layout (like torchvision's ImageFolder): labels are the sorted subfolder indices.
     classes = sorted({p.relative_to(folder).parts[0] for p in files if len(p.relative_to(folder).parts) > 1})
     has_classes = classes and all(len(p.relative_to(folder).parts) > 1 for p in files)
@@ -157,7 +191,9 @@ def _folder_dataset(root: str | None, transform: Callable) -> ImageListDataset:
 
         return load
 
-    return ImageListDataset([(str(p.relative_to(folder)), opener(p), label(p)) for p in files], transform)
+    dataset = ImageListDataset([(str(p.relative_to(folder)), opener(p), label(p)) for p in files], transform)
+    dataset.skipped = [str(p) for p in unreadable]
+    return dataset
 
 
 def _torchvision_dataset(cfg: DataConfig, transform: Callable) -> Dataset:

@@ -33,12 +33,22 @@ def _display(x: torch.Tensor) -> torch.Tensor:
     return image.permute(1, 2, 0).cpu().numpy()
 
 
-def write_overlays(directory: Path, batch: Batch, layers: list[str], saliency: list[torch.Tensor], method: str) -> None:
-    """One PNG per sample: the input, then each layer's map (upsampled, in [0, 1]) over it."""
+def _shown(batch: Batch, limit: int) -> list[tuple[int, str]]:
+    """(index in batch, sample id) of the batch's samples among the data set's first `limit`."""
+    return [(i, s) for i, s in enumerate(batch.sample_ids) if batch.first_index + i < limit]
+
+
+def write_overlays(
+    directory: Path, batch: Batch, layers: list[str], saliency: list[torch.Tensor], method: str, limit: int
+) -> None:
+    """One PNG per sample (the first `limit`): the input, then each layer's map (upsampled, in [0, 1]) over it."""
+    shown = _shown(batch, limit)
+    if not shown:
+        return
     plt = _figure_module()
     directory.mkdir(parents=True, exist_ok=True)
     maps = [m.detach().cpu().numpy() for m in saliency]
-    for i, sample_id in enumerate(batch.sample_ids):
+    for i, sample_id in shown:
         image = _display(batch.x[i].detach().float())
         fig, axes = plt.subplots(1, len(layers) + 1, figsize=(2.2 * (len(layers) + 1), 2.5), squeeze=False)
         axes[0, 0].imshow(image)
@@ -55,14 +65,18 @@ def write_overlays(directory: Path, batch: Batch, layers: list[str], saliency: l
         plt.close(fig)
 
 
-def write_feature_grid(directory: Path, batch: Batch, layer: str, act: torch.Tensor, channels: int = 16) -> None:
-    """One PNG per sample: the first `channels` feature maps of `layer` (activations (B, C, h, w))."""
+def write_feature_grid(
+    directory: Path, batch: Batch, layer: str, act: torch.Tensor, limit: int, channels: int = 16
+) -> None:
+    """One PNG per sample (the first `limit`): the first `channels` feature maps of `layer` (activations (B, C, h, w))."""
+    if not _shown(batch, limit):
+        return
     plt = _figure_module()
     directory.mkdir(parents=True, exist_ok=True)
     shown = act[:, :channels].detach().cpu().numpy()
     cols = 4
     rows = (shown.shape[1] + cols - 1) // cols
-    for i, sample_id in enumerate(batch.sample_ids):
+    for i, sample_id in _shown(batch, limit):
         fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.6 * rows), squeeze=False)
         for k, ax in enumerate(axes.flat):
             if k < shown.shape[1]:
@@ -75,15 +89,18 @@ def write_feature_grid(directory: Path, batch: Batch, layer: str, act: torch.Ten
         plt.close(fig)
 
 
-def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict) -> None:
-    """One PNG per (pair, direction): each layer's restoration over its grid of cells (exact where measured)."""
+def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict, limit: int) -> None:
+    """One PNG per (pair, direction), for the first `limit` pairs: each layer's restoration over its grid of
+    cells (exact where measured)."""
+    if not _shown(batch, limit):
+        return
     plt = _figure_module()
     directory.mkdir(parents=True, exist_ok=True)
     restoration = columns["restoration"].detach().cpu().numpy()
     index = columns["sample_index"].cpu().numpy()
     kinds = set(columns["patch_method"])
     shown = "exact" if "exact" in kinds else "attribution"
-    for i, sample_id in enumerate(batch.sample_ids):
+    for i, sample_id in _shown(batch, limit):
         for direction in sorted(set(columns["direction"])):
             rows = [
                 r for r in range(len(restoration))

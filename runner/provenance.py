@@ -74,8 +74,10 @@ def swept_columns() -> dict[str, Any]:
     return columns
 
 
-def provenance(config: RunConfig, run_id: str) -> dict[str, Any]:
+def provenance(config: RunConfig, run_id: str, skipped: list[str] | None = None) -> dict[str, Any]:
+    """What goes into every table's metadata. Deliberately no environment variables: they hold secrets."""
     return {
+        "skipped_inputs": list(skipped or []),
         "run_id": run_id,
         "config": OmegaConf.to_yaml(OmegaConf.structured(config)),
         "overrides": hydra_overrides(),

@@ -72,7 +72,8 @@ def to_host(columns: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, Block):
             array = value.values.detach().cpu().numpy()
             for i, sub in enumerate(value.names):
-                out[sub] = array[:, i]
+                # flags travel as 0/1 with the other statistics; they are stored as booleans
+                out[sub] = array[:, i].astype(bool) if sub.endswith("nonfinite") else array[:, i]
         elif isinstance(value, Ragged):
             offsets = np.concatenate([[0], np.cumsum(value.lengths)]).astype(np.int32)
             out[name] = pa.ListArray.from_arrays(

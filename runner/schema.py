@@ -93,6 +93,7 @@ class DataConfig:
     pin_memory: Optional[bool] = None  # null: on when the device is a GPU
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
     persistent_workers: bool = False  # keep workers alive between shards (num_workers > 0)
+    strict: bool = False  # image_folder: fail on an unreadable image instead of skipping it (skips are logged)
 
 
 @dataclass
@@ -200,6 +201,7 @@ class MethodConfig:
     token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
     faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
     pictures: Optional[bool] = None  # overlay PNGs per sample; null: on for single runs, off in sweeps
+    pictures_max: int = 16  # pictures for the first N samples only (a PNG per sample of a large data set is noise)
     feature_grid_layer: Optional[str] = None  # also a grid of this layer's first feature maps per sample
     score_chunk: int = 64  # scorecam: masked inputs per batched forward
     captum: str = "LayerGradientXActivation"  # method=captum: the captum.attr layer method
@@ -239,19 +241,56 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
+def validate(config: RunConfig) -> RunConfig:
+    """Range checks the types cannot express; each failure names the key and what it accepts."""
+    positive = {
+        "data.batch_size": config.data.batch_size,
+        "data.image_size": config.data.image_size,
+        "data.count": config.data.count,
+        "data.num_classes": config.data.num_classes,
+        "method.top_k": config.method.top_k,
+        "method.score_chunk": config.method.score_chunk,
+        "method.faithfulness.steps": config.method.faithfulness.steps,
+        "method.faithfulness.chunk": config.method.faithfulness.chunk,
+        "method.patching.top_k": config.method.patching.top_k,
+        "output.shard_batches": config.output.shard_batches,
+    }
+    if config.method.patching.chunk is not None:
+        positive["method.patching.chunk"] = config.method.patching.chunk
+    if config.method.patching.cell_size is not None:
+        positive["method.patching.cell_size"] = config.method.patching.cell_size
+    if config.data.limit is not None:
+        positive["data.limit"] = config.data.limit
+    bad = [f"{key}={value}" for key, value in positive.items() if value < 1]
+    if config.data.num_workers < 0:
+        bad.append(f"data.num_workers={config.data.num_workers}")
+    if len(config.method.patching.grid) != 2 or min(config.method.patching.grid) < 1:
+        bad.append(f"method.patching.grid={config.method.patching.grid} (two positive numbers)")
+    if len(config.data.shape) < 1 or min(config.data.shape) < 1:
+        bad.append(f"data.shape={config.data.shape} (positive sizes)")
+    if config.method.token_prefix < 0:
+        bad.append(f"method.token_prefix={config.method.token_prefix}")
+    if bad:
+        raise RunnerError(
+            f"Out of range: {', '.join(bad)}. These must be positive (num_workers and token_prefix: >= 0)."
+        )
+    return config
+
+
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """The typed config for library code; a DictConfig is validated against the schema on the way."""
     if isinstance(cfg, RunConfig):
-        return cfg
+        return validate(cfg)
     # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
     # to_object would silently drop it; merging plain values into the schema refuses it instead.
     plain = OmegaConf.to_container(cfg, resolve=True)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         key = f" (key: {e.full_key})" if getattr(e, "full_key", None) else ""
         raise RunnerError(
             f"Config error{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}."
             " `python -m runner --cfg job` prints every valid key."
         ) from None
+    return validate(config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-STAT_NAMES = ("mean", "std", "min", "max", "l2_norm", "frac_zero")
+STAT_NAMES = ("mean", "std", "min", "max", "l2_norm", "frac_zero", "nonfinite")
 
 
 def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, bool]:
@@ -26,5 +26,7 @@ def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tenso
     var = (l2 * l2 / n - mean * mean).clamp_min(0)
     lo, hi = torch.aminmax(flat, dim=1)
     frac_zero = (flat == 0).sum(dim=1) / n
-    stats = torch.stack([mean, var.sqrt(), lo.double(), hi.double(), l2, frac_zero.double()], dim=1)  # (N, 6)
+    # A NaN or inf anywhere makes the sum or the norm non-finite: flagged at no extra read.
+    nonfinite = (~torch.isfinite(total) | ~torch.isfinite(l2)).double()
+    stats = torch.stack([mean, var.sqrt(), lo.double(), hi.double(), l2, frac_zero.double(), nonfinite], dim=1)
     return stats.float(), per_sample

@@ -36,6 +36,10 @@ def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
         ("model.name=vgg61", "Unknown model 'vgg61'"),
         ("model.checkpoint=/nowhere/x.pt", "Checkpoint file not found: /nowhere/x.pt"),
         ("+model.nmae=vgg16", "Key 'nmae' not in 'ModelConfig'"),
+        ("layers.include=[blocks.*]", "'blocks.*' matches no module"),
+        ("layers.include=[classifier.0]", "needs spatial activations"),
+        ("output.dir=/proc/runner-cannot-write", "Cannot write results to /proc/runner-cannot-write"),
+        ("method.target=fixed", "method.target=fixed needs method.class_ids"),
     ],
 )
 def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, message: str) -> None:
@@ -47,11 +51,22 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, messa
     assert "Traceback" in (tmp_path / "__main__.log").read_text()  # the detail is kept in the run's log
 
 
-def test_misspelled_key_fails_at_start(tmp_path: Path) -> None:
-    done = cli(*SMALL_VGG, "data.bach_size=2", f"hydra.run.dir={tmp_path}")
-    assert done.returncode != 0
-    assert "bach_size" in done.stderr
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.bach_size=2", "bach_size"),  # misspelled key
+        ("data.batch_size=four", "four"),  # wrong type
+        ("hooks=[{kind: sideways}]", "sideways"),  # unknown hook kind
+        ("hooks=[{kind: forward, action: explode}]", "explode"),  # unknown action
+        ("model=vgg61", "vgg61"),  # no such config group option
+    ],
+)
+def test_config_errors_exit_2_at_start(tmp_path: Path, override: str, message: str) -> None:
+    done = cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 2
+    assert message in done.stderr
     assert "Traceback" not in done.stderr
+    assert not list(tmp_path.rglob("*.parquet"))
 
 
 def test_cfg_job_prints_the_composed_config() -> None:

@@ -54,11 +54,19 @@ def test_empty_and_missing_folders_fail_clearly(tmp_path: Path) -> None:
         build_dataset(DataConfig(name="image_folder", root=str(tmp_path / "missing")), None, 0)
 
 
-def test_corrupt_image_names_the_file(tmp_path: Path) -> None:
+def test_corrupt_images_are_skipped_and_named_or_fail_when_strict(tmp_path: Path) -> None:
+    from runner.data import skipped_files
+
+    write_image(tmp_path / "good.png", 10)
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    truncated = tmp_path / "truncated.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:2000])  # a real header and half the pixels
     dataset = build_dataset(DataConfig(name="image_folder", root=str(tmp_path)), None, 0)
-    with pytest.raises(RunnerError, match="Cannot read image .*broken.png"):
-        dataset[0]
+    assert [dataset[i][2] for i in range(len(dataset))] == ["good.png"]
+    assert sorted(Path(p).name for p in skipped_files(dataset)) == ["broken.png", "truncated.png"]
+    with pytest.raises(RunnerError, match="2 unreadable or corrupt image file.*broken.png, truncated.png.*data.strict"):
+        build_dataset(DataConfig(name="image_folder", root=str(tmp_path), strict=True), None, 0)
 
 
 def test_synthetic_is_seeded_and_limit_applies() -> None:

@@ -182,8 +182,9 @@ class CamMethod:
             columns["faithfulness"] = metrics
         if self.runtime.pictures_dir is not None and rank == 0:
             pictures.write_overlays(
-                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name
-            )
+                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name,
+                self.cfg.pictures_max,
+            )  # fmt: skip
             grid = self.cfg.feature_grid_layer
             if grid is not None:
                 act = dict((name, a) for name, _, a in entries)[grid]
@@ -192,6 +193,7 @@ class CamMethod:
                     batch,
                     grid,
                     to_spatial(act.detach().float(), grid, self.module_types[grid], self.name, self.cfg.token_prefix),
+                    self.cfg.pictures_max,
                 )
         return columns
 

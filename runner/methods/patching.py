@@ -175,7 +175,7 @@ class Patching:
                     )
         columns = concat_columns(parts)
         if self.runtime.pictures_dir is not None and self.p.units is PatchUnit.cell:
-            pictures.write_patching_heatmaps(self.runtime.pictures_dir, batch, columns)
+            pictures.write_patching_heatmaps(self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max)
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.name: columns})
 
     def metric(self, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:
