@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from benchtools import pick_device, timed
 from torch import nn
 
 from runner.data import Batch
@@ -43,23 +42,6 @@ LAYERS = {
     "vgg16": ["features.*:Conv2d"],
     "resnet50": ["layer1", "layer2", "layer3", "layer4"],
 }
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    fn()  # warm-up (allocations, cudnn autotune)
-    times = []
-    for _ in range(repeat):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def floor(model: nn.Module, layers: list[tuple[str, nn.Module]], x: torch.Tensor, autocast) -> Callable[[], object]:
@@ -149,13 +131,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="peers to leave out: captum pytorch-grad-cam")
     args = parser.parse_args()
 
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if args.device == "auto"
-        else args.device
-    )
+    device = pick_device(args.device)
     torch.manual_seed(0)
     weights = "embedded" if args.model == "efficientnet_lite0" else None  # offline: torchvision weights are random here
     model = build_model(ModelConfig(name=args.model, weights=weights)).model.to(device)

@@ -14,10 +14,9 @@ Prints seconds per batch and the overheads; the target is (c) within 1.15x of (b
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from benchtools import pick_device, timed
 from torch import nn
 
 from runner.hooks import BoundHook, HookSession
@@ -36,20 +35,6 @@ SETUPS = {
 
 def leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
-
-
-def timed(fn, device: torch.device, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def floor_hooks(layers, batch: int):
@@ -79,7 +64,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = pick_device(args.device)
     runtime = Runtime(device, Precision(args.precision))
     print(f"batch={args.batch} size={args.size} batches={args.batches} precision={args.precision} device={device} "
           f"torch={torch.__version__} threads={torch.get_num_threads()}")  # fmt: skip

@@ -12,10 +12,9 @@ Also one plain forward of the pair, so that (c) reads in forward passes. Prints 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from benchtools import pick_device, timed
 from torch import nn
 
 from runner.data import Batch
@@ -25,23 +24,6 @@ from runner.methods import Runtime, build_method
 from runner.methods.patching import enumerate_units
 from runner.models import build_model
 from runner.schema import MethodConfig, ModelConfig, PatchingConfig, PatchMode, PatchUnit, Precision
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: torch.device, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def runner_patching(model: nn.Module, layers, x: torch.Tensor, runtime: Runtime, mode: PatchMode, chunk: int | None):
@@ -101,7 +83,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = pick_device(args.device)
     torch.manual_seed(0)
     weights = "embedded" if args.model == "efficientnet_lite0" else None
     model = build_model(ModelConfig(name=args.model, weights=weights)).model.to(device)
