@@ -184,6 +184,7 @@ class PatchingConfig:
     top_k: int = 16  # attribution_topk: units patched exactly
     chunk: Optional[int] = None  # patched variants per forward; null: automatic (64 on CPU, from free memory on GPU)
     reuse_prefix: bool = True  # run the unpatched prefix once per chunk, at batch 1 (falls back if the model can't)
+    local_recompute: bool = True  # cells in a chain of local ops (VGG features): recompute only each cell's cone
     call: int = 0  # which call of a module used several times per forward is patched
 
 

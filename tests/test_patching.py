@@ -110,18 +110,22 @@ def test_patching_with_the_corrupted_runs_own_activation_gives_zero(small_vgg: n
 
 
 @pytest.mark.parametrize(
-    ("model_name", "layer", "units"),
+    ("model_name", "layer", "units", "local"),
     [
-        ("vgg16", "features.16", PatchUnit.cell),
-        ("resnet18", "layer2.0", PatchUnit.cell),
-        ("resnet18", "layer3.1.conv1", PatchUnit.channel),
+        ("vgg16", "features.4", PatchUnit.cell, True),  # cells carried as cones through VGG's local chain
+        ("vgg16", "features.16", PatchUnit.cell, True),
+        ("vgg16", "features.16", PatchUnit.cell, False),  # whole variants, prefix at batch 1
+        ("resnet18", "layer2.0", PatchUnit.cell, True),  # not a local chain: whole variants; skips broadcast
+        ("resnet18", "layer3.1.conv1", PatchUnit.channel, True),
     ],
 )
-def test_batched_prefix_reusing_equals_the_plain_loop(model_name: str, layer: str, units: PatchUnit) -> None:
+def test_batched_prefix_reusing_equals_the_plain_loop(
+    model_name: str, layer: str, units: PatchUnit, local: bool
+) -> None:
     torch.manual_seed(3)
     model = frozen(torchvision.models.get_model(model_name, weights=None))
     x = torch.randn(1, 3, 32, 32)
-    columns = patch(model, x, [layer], units=units, chunk=5)
+    columns = patch(model, x, [layer], units=units, chunk=5, local_recompute=local)
     corrupted = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     acts = {}
     handle = model.get_submodule(layer).register_forward_hook(

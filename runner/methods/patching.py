@@ -31,10 +31,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner import pictures
+from runner.cone import Cone
 from runner.corruption import corrupt
 from runner.data import Batch
 from runner.errors import RunnerError
-from runner.hooks import HookSession
+from runner.hooks import HookSession, Replacement
 from runner.layers import Layer
 from runner.methods.base import BatchOutput, Columns, Runtime, check_targets, select_targets
 from runner.methods.cam import concat_columns
@@ -122,6 +123,7 @@ class Patching:
         self.module_types = {n: type(m).__name__ for n, m in layers}
         self.dataset: Dataset | None = None
         self.prefix_ok: dict[str, bool] = {}
+        self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
 
     def bind_dataset(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -215,21 +217,40 @@ class Patching:
         diff = source - base
         out = []
         chunk = self._chunk(base)
-        replacement = self.replacements[name]
+        cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
         self.capture.active = False  # the variants' forwards need no capture
         for start in range(0, len(order), chunk):
             picked = order[start : start + chunk]
-            masks = (
-                torch.cat([units.masks(u, u + 1, base.device) for u in picked])
-                if units.kind is not PatchUnit.layer
-                else units.masks(0, 1, base.device)
-            )
-            variants = base + masks * diff  # (n, ...)
-            logits = self._run_variants(model, name, base_input, variants, replacement)
+            if cone is not None:  # only the patched cell's cone is recomputed through the local chain
+                chain, replacement = cone
+                variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # chain outputs (n, ...)
+                logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
+            else:
+                masks = (
+                    torch.cat([units.masks(u, u + 1, base.device) for u in picked])
+                    if units.kind is not PatchUnit.layer
+                    else units.masks(0, 1, base.device)
+                )
+                variants = base + masks * diff  # (n, ...)
+                logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
             n = variants.shape[0]
             out.append(self.metric(logits, target.expand(n), contrast.expand(n)))
         self.capture.active = True
         return torch.cat(out)
+
+    def _cone(self, model: nn.Module, name: str) -> tuple[Cone, Replacement] | None:
+        """The local chain after `name` (with a replacement on its output), or None; found once per layer."""
+        if name not in self.cones:
+            chain = Cone.find(model, name)
+            if chain is not None and self.p.call != 0:
+                chain = None  # a module called several times: its calls are not one chain
+            replacement = (
+                self.session.replace([(chain.parent_name, chain.parent)])[chain.parent_name] if chain else None
+            )
+            self.cones[name] = (chain, replacement) if chain else None
+            if chain:
+                log.info("patching at %s: recomputing only each cell's cone through %s", name, chain.parent_name)
+        return self.cones[name]
 
     def _run_variants(
         self, model: nn.Module, name: str, base_input: torch.Tensor, variants: torch.Tensor, replacement
