@@ -97,6 +97,13 @@ def test_mismatched_checkpoint_lists_keys(tmp_path: Path) -> None:
     assert "fc.weight (2, 2) vs model (5, 8)" in message
 
 
+def test_truncated_checkpoint(tmp_path: Path) -> None:
+    torch.save(TinyNet().state_dict(), tmp_path / "full.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "full.pt").read_bytes()[:200])
+    with pytest.raises(RunnerError, match="Cannot read checkpoint .*cut.pt"):
+        load_checkpoint(TinyNet(), tmp_path / "cut.pt")
+
+
 def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     class Evil:
         def __reduce__(self) -> tuple:
