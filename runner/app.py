@@ -103,7 +103,9 @@ def _bind_hooks(model: torch.nn.Module, config: RunConfig, target_layers: list[L
 
 
 def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> RunResult:
-    """Run one experiment; raise RunnerError (and write nothing) when its input is wrong."""
+    """Run one experiment into `output_dir` (default: Hydra's run dir); resume it if that holds an unfinished
+    run of the same config. Bad input raises RunnerError before anything is written; a failure later keeps
+    only complete shards."""
     config = to_run_config(cfg)
     out = Path(output_dir or config.output.dir or _default_output_dir())
     _check_writable(out)
@@ -157,24 +159,11 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
             method.setup(session, len(dataset))
             progress = tqdm(total=sum(_shard_batches(s, shard_samples, len(dataset), config) for s in mine),
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
+            loop = _Loop(config, device, dataset, shard_samples, model, method, session, writer, identity,
+                         bundle.categories, stop)  # fmt: skip
             for shard in mine:
                 writer.begin_shard(shard)
-                _run_shard(
-                    shard,
-                    _Loop(
-                        config,
-                        device,
-                        dataset,
-                        shard_samples,
-                        model,
-                        method,
-                        session,
-                        writer,
-                        identity,
-                        bundle.categories,
-                        stop,
-                    ),
-                )
+                _run_shard(shard, loop)
                 writer.commit_shard()
                 progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
             progress.close()
