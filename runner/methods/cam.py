@@ -49,7 +49,9 @@ class CamContext:
     runtime: Runtime
 
 
-def to_spatial(t: torch.Tensor, name: str, module_type: str, method: str, token_prefix: int) -> torch.Tensor:
+def to_spatial(
+    t: torch.Tensor, name: str, module_type: str, method: str, token_prefix: int, hint: str = ""
+) -> torch.Tensor:
     """(B, C, H, W) view of a layer output: as is, or ViT tokens (B, T, D) -> (B, D, h, w) on the patch grid."""
     if t.dim() == 4:
         return t
@@ -65,7 +67,7 @@ def to_spatial(t: torch.Tensor, name: str, module_type: str, method: str, token_
     raise RunnerError(
         f"{method} needs spatial activations (batch, channels, height, width) or tokens (batch, tokens, dim),"
         f" but layer '{name}' ({module_type}) outputs shape {tuple(t.shape)}. Pick convolutional layers,"
-        " e.g. layers.include=[Conv2d]."
+        f" e.g. layers.include=[Conv2d]{hint}."
     )
 
 
@@ -83,6 +85,8 @@ class CamMethod:
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)
         self.capture = session.capture(self.layers, differentiable=self.needs_gradients)
+        convs = [n for n, m in session.model.named_modules() if isinstance(m, nn.Conv2d)]
+        self.spatial_hint = f" (this model's last convolutions: {', '.join(convs[-4:])})" if convs else ""
         grid = self.cfg.feature_grid_layer
         if grid is not None and grid not in self.capture.names:
             raise RunnerError(
@@ -124,7 +128,7 @@ class CamMethod:
 
     def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
         module_type = self.module_types[name]
-        a = to_spatial(act.detach().float(), name, module_type, self.name, self.cfg.token_prefix)
+        a = to_spatial(act.detach().float(), name, module_type, self.name, self.cfg.token_prefix, self.spatial_hint)
         if self.needs_gradients and grad is None:
             raise RunnerError(f"The target score does not depend on layer '{name}', so it has no gradient there.")
         g = None if grad is None else to_spatial(grad.float(), name, module_type, self.name, self.cfg.token_prefix)
