@@ -14,11 +14,19 @@ import pandas as pd
 from runner.results import load
 
 VALUES = {
-    "gradcam": ["score", "cam_mean", "cam_max", "cam_frac_zero"],
+    "cam": ["score", "cam_mean", "cam_max", "cam_frac_zero"],
     "hooks": ["mean", "std", "min", "max", "frac_zero"],
     "hook_check": ["max_abs_diff"],
+    "patching": ["clean", "corrupted", "patched", "restoration"],
+    "sanity": ["spearman"],
 }
-KEYS = {"gradcam": ["layer"], "hooks": ["layer", "hook", "role", "call"], "hook_check": ["layer", "call"]}
+KEYS = {
+    "cam": ["method", "layer"],
+    "hooks": ["layer", "hook", "role", "call"],
+    "hook_check": ["layer", "call"],
+    "patching": ["direction", "patch_method", "layer"],
+    "sanity": ["layer"],
+}
 
 
 def summarize(path: Path, table: str) -> pd.DataFrame:
@@ -30,7 +38,7 @@ def summarize(path: Path, table: str) -> pd.DataFrame:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a run directory, a sweep directory, or one .parquet file")
-    parser.add_argument("--table", choices=sorted(VALUES), default="gradcam")
+    parser.add_argument("--table", choices=sorted(VALUES), default="cam")
     args = parser.parse_args()
     with pd.option_context(
         "display.width", 200, "display.max_rows", 200, "display.max_columns", 20, "display.precision", 4
