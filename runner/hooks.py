@@ -150,8 +150,7 @@ class HookSession:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self._inplace_restore:
-            module.inplace = True  # type: ignore[assignment]
+        restore_inplace(self._inplace_restore)
         self._inplace_restore.clear()
         for capture in self._captures:
             capture.clear()
@@ -370,6 +369,12 @@ def disable_inplace(model: nn.Module) -> list[nn.Module]:
     return switched
 
 
+def restore_inplace(modules: list[nn.Module]) -> None:
+    """Undo `disable_inplace`."""
+    for module in modules:
+        module.inplace = True  # type: ignore[assignment]
+
+
 @contextmanager
 def inplace_disabled(model: nn.Module) -> Iterator[None]:
     """In-place ops off inside the block (same values, one more buffer each), restored after, also on error."""
@@ -377,8 +382,7 @@ def inplace_disabled(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for module in switched:
-            module.inplace = True  # type: ignore[assignment]
+        restore_inplace(switched)
 
 
 def count_hooks(model: nn.Module) -> int:

@@ -29,6 +29,14 @@ def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
     assert len(frame) == 2 * 13
 
 
+def assert_one_clear_error(done: subprocess.CompletedProcess, out: Path, message: str) -> None:
+    """Exit 2, the message on stderr, no traceback there, no results written."""
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list(out.rglob("*.parquet*"))
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -44,10 +52,7 @@ def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
 )
 def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, message: str) -> None:
     done = cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr
-    assert not list(tmp_path.glob("*.parquet*"))
+    assert_one_clear_error(done, tmp_path, message)
     assert "Traceback" in (tmp_path / "__main__.log").read_text()  # the detail is kept in the run's log
 
 
@@ -62,11 +67,7 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, messa
     ],
 )
 def test_config_errors_exit_2_at_start(tmp_path: Path, override: str, message: str) -> None:
-    done = cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr
-    assert not list(tmp_path.rglob("*.parquet"))
+    assert_one_clear_error(cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}"), tmp_path, message)
 
 
 def test_cfg_job_prints_the_composed_config() -> None:
