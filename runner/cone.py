@@ -33,16 +33,42 @@ def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def _plain(module: nn.Module, base: type[nn.Module], *methods: str) -> bool:
+    """Whether `module` runs `base`'s own code: a subclass that overrides `forward` (or another of
+    `methods`) may compute anything, so its geometry cannot be read from its attributes."""
+    return all(getattr(type(module), m) is getattr(base, m) for m in ("forward", *methods))
+
+
 def geometry(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
-    """(kernel, stride, padding) per spatial dim of a local op, ((1,1),(1,1),(0,0)) for element-wise ones, None otherwise."""
-    if isinstance(module, ELEMENTWISE):
+    """(kernel, stride, padding) per spatial dim of a local op, ((1,1),(1,1),(0,0)) if element-wise, else None.
+
+    None also for a subclass that overrides the op's `forward` (e.g. a 'same'-padding conv), an op in
+    training mode (dropout draws, batch norm uses the batch's statistics) and a batch norm without
+    running statistics: their output at a position is not a function of a fixed window of the input.
+    """
+    if module.training:
+        return None
+    base = next((b for b in ELEMENTWISE if isinstance(module, b)), None)
+    if base is not None:
+        if not _plain(module, base):
+            return None
+        if isinstance(module, nn.BatchNorm2d) and (module.running_mean is None or module.running_var is None):
+            return None
         return (1, 1), (1, 1), (0, 0)
     if isinstance(module, nn.Conv2d):
+        if not _plain(module, nn.Conv2d, "_conv_forward"):
+            return None
         if isinstance(module.padding, str) or module.padding_mode != "zeros" or _pair(module.dilation) != (1, 1):
             return None
         return _pair(module.kernel_size), _pair(module.stride), _pair(module.padding)
     if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
+        if not _plain(module, nn.MaxPool2d if isinstance(module, nn.MaxPool2d) else nn.AvgPool2d):
+            return None
         if _pair(module.padding) != (0, 0) or module.ceil_mode or _pair(getattr(module, "dilation", 1)) != (1, 1):
+            return None
+        if isinstance(module, nn.MaxPool2d) and module.return_indices:
+            return None
+        if isinstance(module, nn.AvgPool2d) and module.divisor_override is not None:
             return None
         stride = module.stride if module.stride is not None else module.kernel_size
         return _pair(module.kernel_size), _pair(stride), (0, 0)
@@ -70,9 +96,14 @@ class Cone:
 
     @staticmethod
     def find(model: nn.Module, layer: str) -> Cone | None:
+        """The chain after `layer` when its parent is a plain `nn.Sequential` of local ops after it, else None."""
         parent_name, _, child = layer.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if not isinstance(parent, nn.Sequential) or parent is model:
+            return None
+        # A subclass that overrides forward (`x + super().forward(x)`) is not the chain of its children:
+        # the cone would paste the chain's output where the parent's own computation belongs.
+        if not _plain(parent, nn.Sequential):
             return None
         names = list(parent._modules)
         after = [parent._modules[n] for n in names[names.index(child) + 1 :]]

@@ -9,7 +9,10 @@ from torchvision.transforms.functional import gaussian_blur
 
 from runner.data import Batch
 from runner.errors import RunnerError
+from runner.randomness import per_sample_normal
 from runner.schema import CorruptionConfig, CorruptionKind
+
+NOISE_PURPOSE = "patching.corruption.noise"  # the randomness key's purpose for corruption noise
 
 
 def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, list[str]]:
@@ -19,8 +22,10 @@ def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tup
     if kind is CorruptionKind.none:
         return x.clone(), list(batch.sample_ids)
     if kind is CorruptionKind.noise:
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + batch.first_index)
-        noise = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
+        # One generator per sample, keyed by its index in the data set: a sample's noise does not depend
+        # on the batch size, its position in the batch, an OOM split or a resume.
+        indices = range(batch.first_index, batch.first_index + x.shape[0])
+        noise = per_sample_normal(x.shape[1:], cfg.seed, indices, NOISE_PURPOSE, x.device, x.dtype)  # (B, C, H, W)
         return x + cfg.std * noise, [f"{s}+noise(std={cfg.std:g})" for s in batch.sample_ids]
     if kind is CorruptionKind.blur:
         kernel = int(2 * round(3 * cfg.sigma) + 1)

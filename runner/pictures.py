@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -109,7 +110,10 @@ def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict, limit:
             layers = list(dict.fromkeys(columns["layer"][r] for r in rows))
             if not layers:
                 continue
-            scale = max(1e-6, max(abs(float(restoration[r])) for r in rows if restoration[r] == restoration[r]))
+            # Finite values only: a degenerate pair (paired with itself, target == contrast) has every
+            # restoration NaN, and its picture is then an empty grid, not a crash that loses the run.
+            finite = [abs(float(restoration[r])) for r in rows if math.isfinite(float(restoration[r]))]
+            scale = max(1e-6, max(finite, default=1.0))
             fig, axes = plt.subplots(1, len(layers), figsize=(2.4 * len(layers), 2.6), squeeze=False)
             for ax, layer in zip(axes[0], layers, strict=True):
                 cells = [r for r in rows if columns["layer"][r] == layer]
@@ -121,7 +125,10 @@ def write_patching_heatmaps(directory: Path, batch: Batch, columns: dict, limit:
                 ax.set_title(layer, fontsize=7)
                 ax.axis("off")
             fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="restoration")
-            fig.suptitle(f"{sample_id} vs {columns['corrupted_id'][rows[0]]}: {direction} ({shown})", fontsize=8)
+            undefined = "" if finite else ", restoration undefined (NaN)"
+            fig.suptitle(
+                f"{sample_id} vs {columns['corrupted_id'][rows[0]]}: {direction} ({shown}){undefined}", fontsize=8
+            )
             name = f"{batch.first_index + i:06d}_{_safe(sample_id)}_patching_{direction}.png"
             fig.savefig(directory / name, dpi=80)
             plt.close(fig)

@@ -90,9 +90,7 @@ def main() -> None:
     layers = resolve_layers(model, args.layers)
     runtime = Runtime(device, Precision(args.precision))
     x = torch.randn(1, 3, args.size, args.size, device=device)
-    corrupted = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(
-        device
-    )  # what the runner's noise makes
+    corrupted = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0)).to(device)  # std-1 noise
 
     with torch.no_grad():
         cells = 0

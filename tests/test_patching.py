@@ -12,11 +12,13 @@ import torchvision
 from torch import nn
 
 import runner.app as app
+from runner.corruption import NOISE_PURPOSE
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
+from runner.randomness import per_sample_normal
 from runner.schema import (
     CorruptionConfig,
     CorruptionKind,
@@ -126,7 +128,7 @@ def test_batched_prefix_reusing_equals_the_plain_loop(
     model = frozen(torchvision.models.get_model(model_name, weights=None))
     x = torch.randn(1, 3, 32, 32)
     columns = patch(model, x, [layer], units=units, chunk=5, local_recompute=local)
-    corrupted = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    corrupted = x + per_sample_normal(x.shape[1:], 0, [0], NOISE_PURPOSE)  # sample 0's noise, seed 0, std 1
     acts = {}
     handle = model.get_submodule(layer).register_forward_hook(
         lambda m, a, o: acts.setdefault(len(acts), o.detach().clone())

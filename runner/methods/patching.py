@@ -19,6 +19,14 @@ Attribution patching (Nanda 2023): estimate_u = sum over u of (source_act - base
 every unit of every layer from one clean+corrupted forward and one backward per direction.
 `attribution_topk` ranks units by the estimate, patches the top k exactly, and reports the Spearman
 rank correlation between estimate and exact effect per (pair, direction, layer).
+
+Degenerate set-ups are flagged per row (`degenerate`, `degenerate_reason`) and warned about once per
+run in the log: `self_pair` (the corrupted input equals the clean one: corruption.kind=none, a sample
+paired with itself, noise of std 0), `target_is_contrast` (logit_diff of a class with itself, 0 by
+definition), `constant_logits` (every logit of the clean or corrupted run equal: an untrained head),
+`zero_span` (clean metric == corrupted metric, or not finite, for another reason). Restoration
+divides by clean - corrupted, so it is NaN, never a number from float noise, for self_pair,
+target_is_contrast and zero_span rows; `patched` is still reported.
 """
 
 from __future__ import annotations
@@ -43,6 +51,21 @@ from runner.methods.sanity import spearman
 from runner.schema import MethodConfig, PatchDirection, PatchMetric, PatchMode, PatchUnit
 
 log = logging.getLogger(__name__)
+
+# Why a pair's rows are degenerate, and the one-line warning for each (logged once per run).
+DEGENERATE_WARNINGS = {
+    "self_pair": "sample '{sample}' is paired with an identical input (corruption.kind=none, pair_with the sample"
+    " itself, or a corruption that changes nothing): restoration is NaN. Pick another corruption or pair_with.",
+    "target_is_contrast": "sample '{sample}': the target class {target} is also the contrast class, so logit_diff is 0"
+    " by definition and restoration is NaN. Set method.patching.contrast_class, or check the weights (an untrained"
+    " model predicts one class for every input).",
+    "constant_logits": "sample '{sample}': every logit of the clean or corrupted run is equal (an untrained head, e.g."
+    " model.weights=null): the target class is arbitrary.",
+    "zero_span": "sample '{sample}': the clean and corrupted metric are equal (or not finite), so restoration"
+    " (patched - corrupted) / (clean - corrupted) is NaN. Use a stronger corruption.",
+}
+# Reasons that leave restoration undefined (constant_logits alone leaves it a number, if a meaningless one).
+UNDEFINED = ("self_pair", "target_is_contrast", "zero_span")
 
 
 @dataclass
@@ -124,6 +147,7 @@ class Patching:
         self.dataset: Dataset | None = None
         self.prefix_ok: dict[str, bool] = {}
         self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
+        self.warned: set[str] = set()  # degenerate reasons already warned about in this run
 
     def bind_dataset(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -157,6 +181,8 @@ class Patching:
         contrast = self._contrast(corrupted_logits, target)
         metric_clean = self.metric(clean_logits, target, contrast)
         metric_corrupted = self.metric(corrupted_logits, target, contrast)
+        reasons = self._degenerate(batch, corrupted, logits.detach(), target, contrast, metric_clean, metric_corrupted)
+        undefined = [any(r in UNDEFINED for r in rs.split(",")) for rs in reasons]  # per sample
         estimates = self._estimates(logits, acts, target, contrast, b) if attribution else {}
         self.capture.clear()
         parts: list[Columns] = []
@@ -172,6 +198,7 @@ class Patching:
                     )
                     units = enumerate_units(name, tuple(base.shape), self.p.units, self.p.grid, self.p.cell_size)
                     ids = (i, direction, name, units, target[i], contrast[i], metric_clean[i], metric_corrupted[i])
+                    ids += (reasons[i], undefined[i])
                     parts += self._unit_rows(
                         model, base_input, base, source, ids, estimates.get((direction, name)), corrupted_ids[i]
                     )
@@ -188,6 +215,36 @@ class Patching:
         if self.p.metric is PatchMetric.prob:
             return logits.softmax(dim=1).gather(1, target[:, None]).squeeze(1)
         return chosen - logits.gather(1, contrast[:, None]).squeeze(1)
+
+    def _degenerate(
+        self, batch: Batch, corrupted: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+        contrast: torch.Tensor, m_clean: torch.Tensor, m_corrupted: torch.Tensor,
+    ) -> list[str]:  # fmt: skip
+        """Per sample, the comma-joined reasons its pair is degenerate ("" if none); warns once per reason per run."""
+        b = batch.x.shape[0]
+        constant = logits.amax(dim=1) == logits.amin(dim=1)  # (2B,): every logit of the run equal
+        checks = {
+            "self_pair": (batch.x == corrupted).flatten(1).all(dim=1),  # exact equality: float noise is no corruption
+            "target_is_contrast": (target == contrast) & (self.p.metric is PatchMetric.logit_diff),
+            "constant_logits": constant[:b] | constant[b:],
+        }  # each (B,) bool
+        # A zero span not already explained by the two above (they make it 0 by construction).
+        zero = (m_clean == m_corrupted) | ~torch.isfinite(m_clean - m_corrupted)
+        checks["zero_span"] = zero & ~checks["self_pair"] & ~checks["target_is_contrast"]
+        flags = torch.stack(list(checks.values()), dim=1).cpu()  # (B, reasons): one transfer
+        reasons = [",".join(r for r, hit in zip(checks, row, strict=True) if hit) for row in flags.tolist()]
+        for k, reason in enumerate(checks):
+            hit = flags[:, k].nonzero().flatten().tolist()
+            if hit and reason not in self.warned:
+                self.warned.add(reason)
+                i = hit[0]
+                message = DEGENERATE_WARNINGS[reason].format(sample=batch.sample_ids[i], target=int(target[i]))
+                log.warning(
+                    "patching: %s Such rows have degenerate=True, '%s' in degenerate_reason (warned once per run).",
+                    message,
+                    reason,
+                )
+        return reasons
 
     def _contrast(self, corrupted_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.p.contrast_class is not None:
@@ -296,7 +353,8 @@ class Patching:
         return out
 
     def _unit_rows(self, model, base_input, base, source, ids, estimate_map, corrupted_id) -> list[Columns]:
-        i, direction, name, units, target, contrast, m_clean, m_corrupted = ids
+        i, direction, name, units, target, contrast, m_clean, m_corrupted, reason, undefined = ids
+        pair = (reason, undefined)
         m_base = m_corrupted if direction is PatchDirection.denoising else m_clean
         rows: list[Columns] = []
         estimates = None
@@ -307,7 +365,8 @@ class Patching:
                 for s in range(0, units.count, 256)
             ])  # fmt: skip
             rows.append(self._columns(i, direction, name, units, list(range(units.count)), "attribution",
-                                      m_base + estimates, target, contrast, m_clean, m_corrupted, corrupted_id))  # fmt: skip
+                                      m_base + estimates, target, contrast, m_clean, m_corrupted, corrupted_id,
+                                      pair))  # fmt: skip
         if self.p.mode is PatchMode.attribution:
             return rows
         order = list(range(units.count))
@@ -315,21 +374,27 @@ class Patching:
             assert estimates is not None
             order = estimates.argsort(descending=True)[: self.p.top_k].tolist()
         patched = self.patched_metrics(model, name, base_input, base, source, units, target, contrast, order)
-        exact = self._columns(
-            i, direction, name, units, order, "exact", patched, target, contrast, m_clean, m_corrupted, corrupted_id
-        )
+        exact = self._columns(i, direction, name, units, order, "exact", patched, target, contrast, m_clean,
+                              m_corrupted, corrupted_id, pair)  # fmt: skip
         if estimates is not None:
-            rho = spearman(estimates[order], patched - m_base) if len(order) > 1 else torch.tensor(float("nan"))
+            # an undefined pair's effects are float noise around 0: their rank says nothing
+            ranked = len(order) > 1 and not undefined
+            rho = spearman(estimates[order], patched - m_base) if ranked else torch.tensor(float("nan"))
             exact["rank_correlation"] = rho.repeat(len(order))
             rows[0]["rank_correlation"] = torch.full((units.count,), float("nan"))
         rows.append(exact)
         return rows
 
     def _columns(
-        self, i, direction, name, units, order, kind, patched, target, contrast, m_clean, m_corrupted, corrupted_id
-    ) -> Columns:
+        self, i, direction, name, units, order, kind, patched, target, contrast, m_clean, m_corrupted, corrupted_id,
+        pair: tuple[str, bool],
+    ) -> Columns:  # fmt: skip
         n = len(order)
+        reason, undefined = pair
         span = m_clean - m_corrupted
+        restoration = (patched.detach().float() - m_corrupted) / span  # (n,)
+        if undefined:  # a zero (or float-noise) span: NaN, not the +-inf or huge number the division gives
+            restoration = torch.full_like(restoration, float("nan"))
         return {
             "sample_index": torch.full((n,), i),
             "corrupted_id": [corrupted_id] * n,
@@ -350,5 +415,7 @@ class Patching:
             "clean": m_clean.repeat(n),
             "corrupted": m_corrupted.repeat(n),
             "patched": patched.detach().float(),
-            "restoration": (patched.detach().float() - m_corrupted) / span,
+            "restoration": restoration,
+            "degenerate": torch.full((n,), bool(reason)),
+            "degenerate_reason": [reason] * n,
         }
