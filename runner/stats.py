@@ -30,3 +30,13 @@ def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tenso
     nonfinite = (~torch.isfinite(total) | ~torch.isfinite(l2)).double()
     stats = torch.stack([mean, var.sqrt(), lo.double(), hi.double(), l2, frac_zero.double(), nonfinite], dim=1)
     return stats.float(), per_sample
+
+
+def constant_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: row b of `tensor` (B, ...) has one value throughout (all zero, say) or holds a NaN/inf.
+
+    Such a row orders nothing: a map that ranks no pixel, logits that prefer no class.
+    """
+    flat = tensor.detach().flatten(1)  # (B, D)
+    lo, hi = torch.aminmax(flat, dim=1)
+    return (hi == lo) | ~torch.isfinite(flat).all(dim=1)

@@ -69,8 +69,7 @@ def test_scorecam_scores_each_channel_as_a_mask() -> None:
     method = CAM_METHODS["scorecam"](MethodConfig(name="scorecam", score_chunk=1), [], CPU)
     got = method.cam(act, None, CamContext(SumModel(), x, torch.tensor([0]), CPU))
     # masks after min-max: channel 0 keeps 2 pixels (sum 2), channel 1 keeps 1 (sum 1)
-    scores = torch.sigmoid(torch.tensor([2.0, 1.0]))
-    w = scores.softmax(dim=0)
+    w = torch.sigmoid(torch.tensor([2.0, 1.0]))  # method.scorecam_weights=paper: the probabilities themselves
     torch.testing.assert_close(got[0], torch.relu(w[0] * act[0, 0] + w[1] * act[0, 1]))
 
 

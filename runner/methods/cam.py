@@ -14,6 +14,7 @@ leading tokens.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -34,9 +35,12 @@ from runner.methods.base import (
     gradients,
     select_target_sets,
 )
+from runner.randomness import per_sample_uniform
 from runner.results import Block, Ragged
 from runner.schema import MethodConfig
-from runner.stats import STAT_NAMES, per_sample_stats
+from runner.stats import STAT_NAMES, constant_rows, per_sample_stats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class CamMethod:
     def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.module_types = {name: type(module).__name__ for name, module in layers}
+        self._warned: set[str] = set()  # which once-per-run warnings were given
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)
@@ -148,6 +153,21 @@ class CamMethod:
         b = target.shape[0]
         n = len(entries)
         sizes = [(m.shape[1], m.shape[2]) for m in maps]
+        # All logits equal (a zero-initialised head, say) <=> uniform probabilities: every class is the
+        # "prediction", the one explained is arbitrary. Rows are flagged and their faithfulness is NaN.
+        flat_logits = constant_rows(probs)  # (B,)
+        self._warn_once(
+            "constant_logits", flat_logits, batch,
+            "all logits are equal, so the class explained is arbitrary (random or untrained weights?);"
+            " rows flagged constant_logits, faithfulness NaN",
+        )  # fmt: skip
+        # A constant map (all zero, say) or one with NaN/inf ranks no pixel: flagged, and NaN metrics.
+        degenerate = [faithfulness.degenerate_maps(m) for m in maps]  # each (B,)
+        self._warn_once(
+            "degenerate", torch.stack(degenerate).any(dim=0), batch,
+            "a map is constant (all zero, say) or not finite at some layer; rows flagged degenerate,"
+            " their faithfulness NaN",
+        )  # fmt: skip
         columns: Columns = {
             "layer": [name for name, _, _ in entries for _ in range(b)],
             "module_type": [self.module_types[name] for name, _, _ in entries for _ in range(b)],
@@ -160,6 +180,8 @@ class CamMethod:
             "map_height": [h for h, _ in sizes for _ in range(b)],
             "map_width": [w for _, w in sizes for _ in range(b)],
             "cam": Block(torch.cat([per_sample_stats(m, b)[0] for m in maps]), [f"cam_{s}" for s in STAT_NAMES]),
+            "degenerate": torch.cat(degenerate),
+            "constant_logits": flat_logits.repeat(n),
         }
         if self.cfg.store_maps:
             columns["map"] = Ragged(
@@ -171,18 +193,23 @@ class CamMethod:
             saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
         if self.cfg.faithfulness.enabled:
             # One random map per sample and resolution, shared by the layers of that resolution, so that
-            # layers are compared with the same baseline.
-            # Seeded per batch position, so a resumed run draws the same baselines as an uninterrupted one.
-            generator = torch.Generator().manual_seed(self.cfg.faithfulness.seed * 1_000_003 + batch.first_index)
+            # layers are compared with the same baseline. Drawn from (seed, sample index, resolution),
+            # never from the batch: the same sample gets the same baseline at any batch size, after an
+            # OOM split and on resume.
+            indices = range(batch.first_index, batch.first_index + b)
             by_shape: dict[tuple[int, ...], torch.Tensor] = {}
             for m in maps:
-                if tuple(m.shape) not in by_shape:
-                    by_shape[tuple(m.shape)] = torch.rand(m.shape, generator=generator).to(m.device)
-            random_maps = [by_shape[tuple(m.shape)] for m in maps]
+                h, w = m.shape[1:]
+                if (h, w) not in by_shape:
+                    by_shape[(h, w)] = per_sample_uniform(
+                        (h, w), self.cfg.faithfulness.seed, indices, f"faithfulness.random_map.{h}x{w}", m.device
+                    )  # (B, h, w)
+            random_maps = [by_shape[tuple(m.shape[1:])] for m in maps]
             random_saliency = [faithfulness.upsample(m, size) for m in random_maps]
             metrics = faithfulness.evaluate(
-                ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime
-            )
+                ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime,
+                sample_indices=indices, degenerate=degenerate, undefined=flat_logits,
+            )  # fmt: skip
             columns["faithfulness"] = metrics
         if self.runtime.pictures_dir is not None and rank == 0:
             pictures.write_overlays(
@@ -200,6 +227,14 @@ class CamMethod:
                     self.cfg.pictures_max,
                 )
         return columns
+
+    def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
+        """One log line per run (the flag column marks every row) naming the first samples concerned."""
+        if key in self._warned or not bool(flags.any()):
+            return
+        self._warned.add(key)
+        ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
+        log.warning("%s: %s (first: %s)", self.name, message, ", ".join(ids[:5]))
 
 
 def concat_columns(parts: list[Columns]) -> Columns:

@@ -1,8 +1,17 @@
-"""Eigen-CAM (Muhammad & Yeasin 2020), gradient-free: the activations' first principal component.
+"""Eigen-CAM (Muhammad & Yeasin 2020, arXiv:2008.00299), gradient-free: the activations' first principal component.
 
-Each sample's activations, as H*W points in channel space, are centred and projected on their
-first right singular vector. The sign of a singular vector is arbitrary; it is chosen so that the
-map correlates positively with the channel-summed activation, then ReLU. No backward pass runs.
+Each sample's activations, as H*W points in channel space, are centred (as pytorch-grad-cam's
+`get_2d_projection` does) and projected on their first right singular vector, then ReLU. No
+backward pass runs.
+
+The sign of a singular vector is arbitrary, and the paper gives no rule for it. The rule here is
+the runner's own: the sign that makes the map correlate positively with the channel-summed
+activation (the component points where the layer is active). It differs from
+- pytorch-grad-cam's `EigenCAM`: keeps whatever sign LAPACK's SVD returns, so its map can be the
+  ReLU of the negated component (the background); where the signs agree the maps are equal
+  (tests/test_reference.py compares up to this sign);
+- pytorch-grad-cam's `get_2d_projection_with_sign_correction` (Seg-Eigen-CAM, Chung & Ying 2025,
+  Eq. 13): flips when |min| > |max| of the projection, a rule on the extremes, not on the activations.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ re-initialised; the inner CAM method (`method.inner`) computes maps on both mode
 inputs and targets; each row holds the Spearman rank correlation between the two maps of one
 (sample, layer). A map that does not change when the weights it claims to explain are destroyed
 (correlation near 1) explains the input, not the model.
+
+Spearman's rho is Pearson's r of average ranks (ties share the mean of their ranks), the textbook
+definition and `scipy.stats.spearmanr`'s: CAM maps are full of ties (every pixel ReLU set to 0). A
+map that is constant (all zero, say) has no order, so rho is NaN and the row is flagged `degenerate`.
 """
 
 from __future__ import annotations
@@ -24,12 +28,27 @@ from runner.results import Ragged
 from runner.schema import MethodConfig, TargetMode
 
 
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """(N,) float64 ranks 1..N of a 1-D tensor, ties given the mean of the ranks they span (scipy's `rankdata`)."""
+    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()  # (U,) rank of each distinct value's last occurrence
+    return (ends - (counts.double() - 1) / 2)[inverse]  # mean of ranks end-count+1 .. end
+
+
 def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Rank correlation of two 1-D tensors (ties broken by position)."""
-    ra = a.argsort().argsort().float()
-    rb = b.argsort().argsort().float()
+    """Spearman's rho of two 1-D tensors: Pearson's r of their average ranks, as `scipy.stats.spearmanr`.
+
+    NaN (float32) where it is undefined: either side constant (all ranks tied, e.g. an all-zero map),
+    holding a NaN/inf, or fewer than two values.
+    """
+    if a.numel() < 2 or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return torch.tensor(float("nan"), device=a.device)
+    ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
-    return (ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12)
+    denominator = ra.norm() * rb.norm()
+    if float(denominator) == 0.0:  # a constant side: every rank equal, no order to correlate
+        return torch.tensor(float("nan"), device=a.device)
+    return ((ra * rb).sum() / denominator).clamp(-1.0, 1.0).float()
 
 
 class Sanity:
@@ -93,6 +112,8 @@ class Sanity:
             for key in ("layer", "module_type", "call", "sample_index", "target", "map_height", "map_width")
         }
         columns["spearman"] = rho
+        # NaN rho: either map is constant (or not finite); which one shows in the cam columns of a CAM run.
+        columns["degenerate"] = torch.isnan(rho)
         columns["inner_method"] = [self.cfg.inner] * len(rho)
         columns["randomized"] = [",".join(self.cfg.randomize)] * len(rho)
         return BatchOutput(predicted=trained_output.predicted, tables={self.name: columns})

@@ -1,0 +1,287 @@
+"""Issue 10, items 2, 3 and 7: Spearman with ties, a stable pixel order with a seeded tie-break, the
+`degenerate` and `constant_logits` flags with NaN metrics, random baselines keyed per sample, RISE's
+insertion blur and the selectable Score-CAM weights. Each test fails on the code before the fix."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from scipy.ndimage import gaussian_filter
+from scipy.stats import spearmanr
+from torch import nn
+
+from runner import faithfulness
+from runner.data import Batch
+from runner.hooks import HookSession
+from runner.layers import resolve_layers
+from runner.methods import CAM_METHODS, Runtime, build_method
+from runner.methods.cam import CamContext
+from runner.methods.sanity import average_ranks, spearman
+from runner.schema import BlurConfig, FaithfulnessConfig, MethodConfig, Precision, ScoreCamWeights, TargetMode
+from tests.conftest import TinyNet, frozen, make_config
+from tests.test_cam_family import SumModel
+
+CPU = Runtime(torch.device("cpu"), Precision.fp32)
+
+
+def run_at(model: nn.Module, x: torch.Tensor, layers: list[str], first_index: int = 0, **cfg: object) -> dict:
+    """One batch whose first sample is sample `first_index` of the data set (tests.test_cam_family.run_method: 0)."""
+    method = build_method(MethodConfig(**cfg), resolve_layers(model, layers), CPU)
+    batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{first_index + i}" for i in range(x.shape[0])], first_index)
+    with HookSession(model, []) as session:
+        method.setup(session, first_index + x.shape[0])
+        session.begin_batch(x.shape[0], 0)
+        return method.run_batch(model, batch, session).tables[getattr(method, "table", method.name)]
+
+
+# ---- item 2: Spearman ------------------------------------------------------------------------------
+
+TIE_PATTERNS = [
+    ([1, 1, 2, 2, 3], [5, 4, 3, 2, 1]),  # pairs of ties on one side
+    ([0, 0, 0, 0, 1, 2, 3, 0, 0], [0, 1, 0, 2, 3, 3, 3, 0, 1]),  # a ReLU map: most pixels 0, ties on both sides
+    ([3, 3, 3, 1], [1, 2, 3, 4]),  # three-way tie
+    ([0.5] * 6 + [1.0] * 3, list(range(9))),  # two blocks of ties
+    ([0, 0, 0, 0, 0, 1, 1], [1, 0, 1, 0, 1, 0, 1]),  # both binary
+]
+
+
+@pytest.mark.parametrize(("a", "b"), TIE_PATTERNS)
+def test_spearman_equals_scipy_with_ties(a: list[float], b: list[float]) -> None:
+    expected = spearmanr(a, b).statistic
+    got = spearman(torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
+    assert float(got) == pytest.approx(expected, abs=1e-6)
+    # The argsort ranks of before the fix give each pattern another value (ties ranked by position).
+    ra = torch.tensor(a).argsort(stable=True).argsort().double()
+    rb = torch.tensor(b, dtype=torch.float64).argsort(stable=True).argsort().double()
+    assert abs(float(torch.corrcoef(torch.stack([ra, rb]))[0, 1]) - expected) > 1e-3
+
+
+def test_spearman_equals_scipy_on_random_tied_maps() -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        a = torch.relu(torch.randn(49, generator=g)).round(decimals=1)  # ~half zeros, many ties
+        b = torch.relu(torch.randn(49, generator=g)).round(decimals=1)
+        assert float(spearman(a, b)) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-6)
+
+
+def test_average_ranks_are_scipys() -> None:
+    from scipy.stats import rankdata
+
+    values = torch.tensor([3.0, 1.0, 3.0, 2.0, 1.0, 3.0])
+    np.testing.assert_allclose(average_ranks(values).numpy(), rankdata(values.numpy()))
+
+
+def test_spearman_of_a_constant_map_is_nan() -> None:
+    assert torch.isnan(spearman(torch.rand(49, generator=torch.Generator().manual_seed(0)), torch.zeros(49)))
+    assert torch.isnan(spearman(torch.ones(5), torch.ones(5)))
+    assert torch.isnan(spearman(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])))
+
+
+class ZeroHeadNet(TinyNet):
+    """TinyNet whose `fc`, when re-initialised, becomes all zeros: the randomised model's maps are all zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc.reset_parameters = lambda: (nn.init.zeros_(self.fc.weight), nn.init.zeros_(self.fc.bias))
+
+
+def test_sanity_flags_a_constant_map_with_nan() -> None:
+    torch.manual_seed(0)
+    model = frozen(ZeroHeadNet())
+    x = torch.randn(3, 3, 8, 8)
+    columns = run_at(model, x, ["features.2"], name="sanity", randomize=["fc"])
+    assert torch.isnan(columns["spearman"]).all()  # before the fix: a finite rho for an all-zero map
+    assert columns["degenerate"].all()
+    same = run_at(frozen(TinyNet()), x, ["features.2"], name="sanity", randomize=["features.3"])
+    assert not same["degenerate"].any() and torch.allclose(same["spearman"], torch.ones(3))
+
+
+# ---- item 3: pixel order, degenerate maps, per-sample randomness -------------------------------------
+
+
+def test_pixel_rank_is_numpy_lexsort_of_saliency_then_key() -> None:
+    g = torch.Generator().manual_seed(1)
+    saliency = torch.randint(0, 4, (3, 400), generator=g).float() / 3  # (B, P): every value ~100 times
+    keys = faithfulness.tie_keys(0, [4, 0, 7], 400, torch.device("cpu"))  # (B, P)
+    rank = faithfulness.pixel_rank(saliency, keys)
+    for b in range(3):
+        order = np.lexsort((keys[b].numpy(), -saliency[b].numpy()))  # last key is primary
+        expected = np.empty(400, dtype=np.int64)
+        expected[order] = np.arange(400)
+        np.testing.assert_array_equal(rank[b].numpy(), expected)
+    # Position is not the tie-break: among the tied top pixels, the first deleted is not the first in memory.
+    top = saliency[0] == saliency[0].max()
+    assert rank[0][top].argmin() != 0
+
+
+def test_tie_keys_depend_on_the_sample_not_its_batch() -> None:
+    together = faithfulness.tie_keys(3, [10, 11, 12], 64, torch.device("cpu"))
+    alone = faithfulness.tie_keys(3, [11], 64, torch.device("cpu"))
+    torch.testing.assert_close(together[1], alone[0], rtol=0, atol=0)
+    assert not torch.equal(together[0], together[1])  # each sample its own order
+    assert not torch.equal(together[0], faithfulness.tie_keys(4, [10], 64, torch.device("cpu"))[0])  # the seed
+
+
+class PositionNet(nn.Module):
+    """logits = [sum of the input weighted by a fixed ramp over positions, 0]: the order of deletion matters."""
+
+    def __init__(self, side: int) -> None:
+        super().__init__()
+        self.register_buffer("ramp", torch.linspace(-1, 1, side * side).reshape(1, 1, side, side))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = (x * self.ramp).sum(dim=(1, 2, 3))
+        return torch.stack([total, torch.zeros_like(total)], dim=1)
+
+
+def _tied_inputs(side: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(4, 3, side, side, generator=g) + 0.5  # (B, C, H, W)
+    saliency = (torch.rand(4, side, side, generator=g) * 3).floor() / 2  # values 0, 0.5, 1: ~21 pixels each
+    return x, saliency
+
+
+def _aucs(x: torch.Tensor, saliency: torch.Tensor, indices: list[int], cfg: FaithfulnessConfig) -> torch.Tensor:
+    model = PositionNet(x.shape[-1])
+    keys = faithfulness.tie_keys(cfg.seed, indices, x.shape[-2] * x.shape[-1], x.device)
+    deletion, insertion = faithfulness.curve_aucs(model, x, saliency, torch.zeros(len(indices), dtype=torch.long),
+                                                  keys, cfg, CPU)  # fmt: skip
+    return torch.stack([deletion, insertion], dim=1)  # (B, 2)
+
+
+def test_auc_with_ties_does_not_depend_on_batch_layout_or_chunk() -> None:
+    x, saliency = _tied_inputs()
+    cfg = FaithfulnessConfig(steps=8, chunk=5)
+    full = _aucs(x, saliency, [0, 1, 2, 3], cfg)
+    torch.testing.assert_close(_aucs(x, saliency, [0, 1, 2, 3], cfg), full, rtol=0, atol=0)  # twice
+    perm = [2, 0, 3, 1]
+    torch.testing.assert_close(_aucs(x[perm], saliency[perm], perm, cfg), full[perm], rtol=0, atol=1e-6)
+    singles = torch.cat([_aucs(x[i : i + 1], saliency[i : i + 1], [i], FaithfulnessConfig(steps=8, chunk=1))
+                         for i in range(4)])  # fmt: skip
+    torch.testing.assert_close(singles, full, rtol=0, atol=1e-6)
+
+
+def test_deletion_auc_follows_the_lexsort_order() -> None:
+    """A plain loop over steps, pixels deleted in numpy lexsort order (saliency desc, then the seeded key)."""
+    x, saliency = _tied_inputs()
+    cfg = FaithfulnessConfig(steps=8, chunk=64)
+    got = _aucs(x, saliency, [0, 1, 2, 3], cfg)[:, 0]
+    model, pixels = PositionNet(8), 64
+    keys = faithfulness.tie_keys(cfg.seed, [0, 1, 2, 3], pixels, torch.device("cpu")).numpy()
+    for b in range(4):
+        order = np.lexsort((keys[b], -saliency[b].flatten().numpy()))
+        curve = []
+        for k in range(cfg.steps + 1):
+            image = x[b].clone().reshape(3, -1)
+            image[:, order[: round(k / cfg.steps * pixels)]] = 0
+            curve.append(float(model(image.reshape(1, 3, 8, 8)).softmax(1)[0, 0]))
+        assert float(got[b]) == pytest.approx(np.trapezoid(curve, np.linspace(0, 1, cfg.steps + 1)), abs=1e-6)
+
+
+class NegativeNet(nn.Module):
+    """Class 0's logit is minus the sum of a positive feature map: Grad-CAM for class 0 is ReLU(negative) = 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 2, 1), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = self.features(x).sum(dim=(1, 2, 3))
+        return torch.stack([-total, total], dim=1)
+
+
+def test_all_zero_map_is_flagged_degenerate_with_nan_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = frozen(NegativeNet())
+    x = torch.randn(2, 3, 8, 8)
+    faith = FaithfulnessConfig(enabled=True, steps=4)
+    with caplog.at_level(logging.WARNING):
+        columns = run_at(model, x, ["features.1"], name="gradcam", target=TargetMode.fixed, class_ids=[0],
+                         faithfulness=faith)  # fmt: skip
+    assert (columns["map"].values == 0).all()
+    assert columns["degenerate"].all() and not columns["constant_logits"].any()
+    values = columns["faithfulness"].values  # (rows, 8): own four, then random_*
+    assert torch.isnan(values[:, :4]).all()  # before the fix: ordinary-looking numbers
+    assert torch.isfinite(values[:, 4:]).all()  # the random baseline is still a measurement
+    assert sum("degenerate" in r.message for r in caplog.records) == 1
+    ok = run_at(model, x, ["features.1"], name="gradcam", target=TargetMode.fixed, class_ids=[1], faithfulness=faith)
+    assert not ok["degenerate"].any() and torch.isfinite(ok["faithfulness"].values).all()
+
+
+def test_constant_logits_are_flagged_and_all_metrics_nan(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    nn.init.zeros_(model.fc.weight)
+    nn.init.zeros_(model.fc.bias)
+    model = frozen(model)
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING):
+        columns = run_at(
+            model, x, ["features.2"], name="scorecam", faithfulness=FaithfulnessConfig(enabled=True, steps=4)
+        )
+    assert columns["constant_logits"].all()
+    assert torch.isnan(columns["faithfulness"].values).all()  # the class explained is arbitrary: no number
+    assert any("all logits are equal" in r.message for r in caplog.records)
+
+
+def test_random_baseline_is_keyed_by_sample_not_batch() -> None:
+    torch.manual_seed(0)
+    model = frozen(TinyNet())
+    x = torch.randn(4, 3, 8, 8)
+    faith = FaithfulnessConfig(enabled=True, steps=4, seed=7)
+    whole = run_at(model, x, ["features.0", "features.2"], name="gradcam", faithfulness=faith)
+    tail = run_at(model, x[2:], ["features.0", "features.2"], first_index=2, name="gradcam", faithfulness=faith)
+    random_cols = whole["faithfulness"].names.index("random_deletion_auc")
+    w = whole["faithfulness"].values.reshape(2, 4, 8)[:, 2:, random_cols:]  # (layers, samples 2-3, random_*)
+    t = tail["faithfulness"].values.reshape(2, 2, 8)[:, :, random_cols:]
+    torch.testing.assert_close(t, w, rtol=0, atol=1e-6)  # before the fix: drawn from the batch's first index
+    torch.testing.assert_close(tail["faithfulness"].values, whole["faithfulness"].values.reshape(2, 4, 8)[:, 2:]
+                               .reshape(4, 8), rtol=0, atol=1e-6)  # fmt: skip
+
+
+# ---- item 7: definitions --------------------------------------------------------------------------
+
+
+def test_insertion_blur_default_is_rise() -> None:
+    """RISE (eclique/RISE, `gkern(11, 5)`): a centred delta through scipy's gaussian_filter, conv2d, zero padding."""
+    cfg = make_config().method.faithfulness.insertion_blur
+    assert (cfg.kernel_size, cfg.sigma, cfg.padding.value) == (11, 5.0, "zero")
+    delta = np.zeros((11, 11))
+    delta[5, 5] = 1
+    kernel = torch.from_numpy(gaussian_filter(delta, 5)).float()  # (11, 11)
+    x = torch.rand(2, 3, 20, 20, generator=torch.Generator().manual_seed(0))
+    expected = nn.functional.conv2d(x, kernel.expand(3, 1, 11, 11), padding=5, groups=3)
+    torch.testing.assert_close(faithfulness.blurred(x, cfg), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(faithfulness.rise_kernel(11, 5.0).outer(faithfulness.rise_kernel(11, 5.0)), kernel)
+
+
+def test_insertion_blur_is_configurable() -> None:
+    cfg = make_config("method.faithfulness.insertion_blur.kernel_size=5", "method.faithfulness.insertion_blur.sigma=1",
+                      "method.faithfulness.insertion_blur.padding=reflect").method.faithfulness.insertion_blur  # fmt: skip
+    x = torch.ones(1, 3, 9, 9)
+    torch.testing.assert_close(faithfulness.blurred(x, cfg), x)  # reflect keeps a constant image constant
+    assert float(faithfulness.blurred(x, BlurConfig())[0, 0, 0, 0]) < 0.9  # zero padding darkens the border
+
+
+def _scorecam(weights: ScoreCamWeights, act: torch.Tensor) -> torch.Tensor:
+    method = CAM_METHODS["scorecam"](MethodConfig(name="scorecam", score_chunk=2, scorecam_weights=weights), [], CPU)
+    return method.cam(act, None, CamContext(SumModel(), torch.ones(1, 1, 2, 2), torch.tensor([0]), CPU))[0]
+
+
+def test_scorecam_weights_paper_and_pytorch_grad_cam() -> None:
+    act = torch.tensor([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 0.0], [0.0, 2.0]], [[3.0, 3.0], [3.0, 3.0]]])[None]
+    # masks after min-max: channel 0 keeps 2 pixels (logit 2), channel 1 one (logit 1), channel 2 is constant
+    paper = torch.sigmoid(torch.tensor([2.0, 1.0]))  # probabilities; the constant channel weighs 0 (authors' code)
+    torch.testing.assert_close(
+        _scorecam(ScoreCamWeights.paper, act), torch.relu(paper[0] * act[0, 0] + paper[1] * act[0, 1])
+    )
+    # pytorch-grad-cam: softmax over channels of the logits; its constant channel's mask is 0 (logit 0)
+    w = torch.tensor([2.0, 1.0, 0.0]).softmax(dim=0)
+    got = _scorecam(ScoreCamWeights.pytorch_grad_cam, act)
+    torch.testing.assert_close(got, torch.relu(torch.einsum("c,chw->hw", w, act[0])), rtol=1e-5, atol=1e-6)
+    assert make_config("method=scorecam", "method.scorecam_weights=pytorch_grad_cam").method.scorecam_weights is (
+        ScoreCamWeights.pytorch_grad_cam
+    )
