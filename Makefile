@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint clean
+.PHONY: run test test-gpu lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check runner tests scripts
 	$(PY) -m pytest -q $(ARGS)
+
+# The GPU path on a CUDA machine: tests/test_gpu.py (skipped without CUDA), CPU vs GPU on the real model.
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu $(ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check runner tests scripts

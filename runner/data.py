@@ -27,6 +27,12 @@ NO_LABEL = -1
 
 # ImageNet-1k labels of the photos that show one ImageNet class; the others have no label.
 PHOTO_LABELS = {"chelsea": 285, "cat": 285, "coffee": 967}  # 285 Egyptian cat, 967 espresso
+# The 2-D photos and pictures that ship inside scikit-image (no download needed).
+PHOTOS = (
+    "astronaut", "binary_blobs", "brick", "camera", "cat", "cell", "checkerboard", "chelsea", "clock", "coffee",
+    "coins", "colorwheel", "grass", "gravel", "horse", "hubble_deep_field", "immunohistochemistry", "logo",
+    "microaneurysms", "moon", "motorcycle", "page", "retina", "rocket", "shepp_logan_phantom", "text",
+)  # fmt: skip
 
 
 @dataclass
@@ -39,21 +45,97 @@ class Batch:
     first_index: int  # position of the batch's first sample in the data set
 
 
-def standard_transform(size: int, resize: ResizeMode) -> Callable[[Image.Image], torch.Tensor]:
-    """ImageNet normalisation at `size`: squash to a square, or resize the short side and centre-crop."""
+class Letterbox:
+    """Scale the long side to `size` (aspect ratio kept), then pad to size x size around the centre with 0:
+    the mean colour once normalised, as the occlusion corruption uses."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (C, H, W) normalised
+        h, w = x.shape[-2:]
+        scale = self.size / max(h, w)
+        new_h, new_w = max(1, round(h * scale)), max(1, round(w * scale))
+        x = T.functional.resize(x, [new_h, new_w], antialias=True)  # (C, new_h, new_w)
+        top, left = (self.size - new_h) // 2, (self.size - new_w) // 2
+        return torch.nn.functional.pad(x, (left, self.size - new_w - left, top, self.size - new_h - top))
+
+
+def standard_transform(
+    size: int, resize: ResizeMode, mean: Any = IMAGENET_MEAN, std: Any = IMAGENET_STD
+) -> Callable[[Image.Image], torch.Tensor]:
+    """Normalisation (ImageNet's by default) at `size`, with the geometry `resize` names (see ResizeMode)."""
+    normalise = [T.ToTensor(), T.Normalize(mean, std)]
     if resize is ResizeMode.square:
-        geometry: list[Any] = [T.Resize((size, size))]
-    else:
-        geometry = [T.Resize(size), T.CenterCrop(size)]
-    return T.Compose([*geometry, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        return T.Compose([T.Resize((size, size)), *normalise])
+    if resize is ResizeMode.crop:
+        return T.Compose([T.Resize(size), T.CenterCrop(size), *normalise])
+    if resize is ResizeMode.pad:
+        return T.Compose([*normalise, Letterbox(size)])  # resized after normalising: the bands are exactly 0
+    return T.Compose([T.Resize(size), *normalise])  # none: short side to size, aspect kept, nothing cut
+
+
+def describe_resize(size: int, resize: ResizeMode) -> str:
+    """One line for the log: how photos become inputs."""
+    return {
+        ResizeMode.square: f"squashed to {size}x{size} (data.resize=square: the aspect ratio changes)",
+        ResizeMode.crop: f"short side to {size}, centre crop {size}x{size} (data.resize=crop: the long side's ends"
+        " are cut off)",
+        ResizeMode.pad: f"letterboxed to {size}x{size} (data.resize=pad: long side to {size}, aspect kept, padded"
+        " with the mean colour)",
+        ResizeMode.none: f"short side to {size}, aspect kept, nothing cut (data.resize=none: a batch of different"
+        " sizes is padded at the bottom and right to its largest image with the mean colour)",
+    }[resize]
+
+
+def image_transform(cfg: DataConfig, preprocess: Callable | None) -> tuple[Callable, str]:
+    """The transform for photos and its description for the log.
+
+    A model's own preprocessing (torchvision weights) wins for `square` and `crop`; for `pad` and `none`
+    the geometry is the runner's and only the weights' mean and std are used, so nothing is cut.
+    """
+    if preprocess is None:
+        return standard_transform(cfg.image_size, cfg.resize), describe_resize(cfg.image_size, cfg.resize)
+    if cfg.resize in (ResizeMode.pad, ResizeMode.none):
+        mean, std = getattr(preprocess, "mean", IMAGENET_MEAN), getattr(preprocess, "std", IMAGENET_STD)
+        transform = standard_transform(cfg.image_size, cfg.resize, mean, std)
+        return transform, describe_resize(cfg.image_size, cfg.resize) + ", the weights' mean and std"
+    resize_size, crop_size = getattr(preprocess, "resize_size", "?"), getattr(preprocess, "crop_size", "?")
+    return preprocess, (
+        f"the weights' own preprocessing (short side to {resize_size}, centre crop {crop_size}); data.resize and"
+        " data.image_size are not used (data.resize=pad or none keeps the whole photo)"
+    )
+
+
+def _to_uint8(array: np.ndarray) -> np.ndarray:
+    """8-bit values of an image array, scaled from its type's range (16-bit, float in [0, 1]), never clipped."""
+    if array.dtype == bool:
+        return array.astype(np.uint8) * 255
+    if array.dtype == np.uint8:
+        return array
+    values = array.astype(np.float64)
+    if np.issubdtype(array.dtype, np.floating):
+        top = 1.0 if values.size == 0 or values.max() <= 1.0 else 255.0
+    elif array.dtype.itemsize <= 2:
+        top = float(np.iinfo(array.dtype).max)  # 16-bit: 65535 is white, also in a dark image
+    else:  # PIL's mode I (int32) holds 8-bit or 16-bit data: the values say which
+        peak = values.max() if values.size else 0
+        top = 255.0 if peak <= 255 else 65535.0 if peak <= 65535 else float(np.iinfo(array.dtype).max)
+    return np.clip(np.rint(values / top * 255.0), 0, 255).astype(np.uint8)
 
 
 def _to_rgb(array: np.ndarray) -> Image.Image:
-    if array.dtype == bool:
-        array = array.astype(np.uint8) * 255
+    array = _to_uint8(array)
     if array.ndim == 2:
         array = np.stack([array] * 3, axis=-1)
     return Image.fromarray(array[..., :3])
+
+
+def pil_to_rgb(im: Image.Image) -> Image.Image:
+    """RGB of any PIL image; 16-bit and 32-bit grey images are scaled to 0-255 (PIL's convert clips them)."""
+    if im.mode.startswith("I") or im.mode == "F":  # I;16, I;16B, I;16L, I (32-bit int), F (float)
+        return _to_rgb(np.asarray(im))
+    return im.convert("RGB")
 
 
 def _skimage_photo(name: str) -> np.ndarray:
@@ -99,7 +181,9 @@ class SyntheticDataset(Dataset):
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
     """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
     Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
-    transform = preprocess or standard_transform(cfg.image_size, cfg.resize)
+    transform, how = image_transform(cfg, preprocess)
+    if cfg.name in ("skimage_photos", "image_folder", "torchvision"):
+        log.info("images: %s", how)
     if cfg.name == "skimage_photos":
         dataset: Dataset = _skimage_dataset(cfg.photos, transform)
     elif cfg.name == "image_folder":
@@ -116,7 +200,10 @@ def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Da
     if cfg.limit is not None:
         dataset = torch.utils.data.Subset(dataset, range(min(cfg.limit, len(dataset))))  # type: ignore[arg-type]
     if len(dataset) == 0:  # type: ignore[arg-type]
-        raise RunnerError(f"The data set '{cfg.name}' has no samples (limit={cfg.limit}).")
+        raise RunnerError(
+            f"The data set '{cfg.name}' has no samples (limit={cfg.limit}): check data.root / data.dataset, or"
+            " remove data.limit."
+        )
     return dataset
 
 
@@ -128,15 +215,32 @@ def skipped_files(dataset: Dataset) -> list[str]:
 
 
 def _skimage_dataset(names: list[str], transform: Callable) -> ImageListDataset:
-    import skimage.data
-
-    known = [n for n in dir(skimage.data) if not n.startswith("_")] + ["motorcycle"]
+    valid = f"Photos shipped with scikit-image: {', '.join(PHOTOS)}."
+    if not names:
+        raise RunnerError(f"data.photos is empty: name at least one photo, e.g. data.photos=[chelsea,coffee]. {valid}")
     items = []
     for name in names:
-        if name not in known:
-            raise RunnerError(f"scikit-image has no photo '{name}'.{suggest(name, known)}")
+        if name not in PHOTOS:
+            _check_other_photo(name, valid)
         items.append((name, lambda name=name: _to_rgb(_skimage_photo(name)), PHOTO_LABELS.get(name, NO_LABEL)))
     return ImageListDataset(items, transform)
+
+
+def _check_other_photo(name: str, valid: str) -> None:
+    """A name outside PHOTOS is allowed if scikit-image can load it as one 2-D image (some need a download)."""
+    import skimage.data
+
+    if name.startswith("_") or not callable(getattr(skimage.data, name, None)):
+        raise RunnerError(f"scikit-image has no photo '{name}'.{suggest(name, PHOTOS)} {valid}")
+    try:
+        array = np.asarray(_skimage_photo(name))
+    except Exception as e:
+        raise RunnerError(
+            f"Cannot load scikit-image's '{name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"
+            f" it may need a download (pooch and internet). {valid}"
+        ) from e
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (3, 4)):
+        raise RunnerError(f"scikit-image's '{name}' is not a 2-D photo (shape {array.shape}). {valid}")
 
 
 def _readable(path: Path) -> bool:
@@ -171,7 +275,10 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
         log.warning("skipping %d unreadable or corrupt image file(s) in %s: %s", len(unreadable), folder, names)
         files = [p for p in files if p not in set(unreadable)]
         if not files:
-            raise RunnerError(f"Every image in {folder} is unreadable or corrupt.")
+            raise RunnerError(
+                f"Every image in {folder} ({len(unreadable)} file(s): {names}) is unreadable or corrupt. Replace them"
+                " with readable images, or point data.root at another folder."
+            )
     # Class-per-subfolder layout (like torchvision's ImageFolder): labels are the sorted subfolder indices.
     classes = sorted({p.relative_to(folder).parts[0] for p in files if len(p.relative_to(folder).parts) > 1})
     has_classes = classes and all(len(p.relative_to(folder).parts) > 1 for p in files)
@@ -183,7 +290,7 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
         def load() -> Image.Image:
             try:
                 with Image.open(p) as im:
-                    return im.convert("RGB")
+                    return pil_to_rgb(im)
             except Exception as e:
                 raise RunnerError(
                     f"Cannot read image {p} ({type(e).__name__}: {e}). Remove or replace the file."
@@ -224,12 +331,24 @@ def _torchvision_dataset(cfg: DataConfig, transform: Callable) -> Dataset:
     return WithIds()
 
 
+def pad_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Stack a batch; images of different sizes (data.resize=none) are padded at the bottom and right to the
+    batch's largest height and width with 0, the mean colour once normalised (top-left pixels keep their place)."""
+    images = [x for x, _, _ in samples]
+    height = max(x.shape[-2] for x in images)
+    width = max(x.shape[-1] for x in images)
+    padded = [torch.nn.functional.pad(x, (0, width - x.shape[-1], 0, height - x.shape[-2])) for x in images]
+    labels = torch.tensor([int(y) for _, y, _ in samples], dtype=torch.int64)  # (B,)
+    return torch.stack(padded), labels, [i for _, _, i in samples]  # (B, C, height, width)
+
+
 def make_loader(dataset: Dataset, cfg: DataConfig, device: torch.device) -> DataLoader:
     """Batches in data set order; pinned memory (for non-blocking copies) on GPUs unless configured otherwise."""
     workers = cfg.num_workers > 0
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
+        collate_fn=pad_collate if cfg.resize is ResizeMode.none else None,
         shuffle=False,  # sample order is part of the result's identity (and of resuming)
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,

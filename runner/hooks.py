@@ -10,6 +10,8 @@ Methods and the runner never call `register_*` themselves; they ask the session,
   - turns `inplace=True` off on the model's modules while full backward hooks are registered
     (torch refuses an in-place op on their outputs), and restores it afterwards;
   - keeps state per batch only (`end_batch` returns it and drops it);
+  - draws `add_noise` noise per sample, keyed by (hook seed, sample index, layer, role, call), so a sample's
+    noise does not depend on the batch size, an OOM split or a resume (runner/randomness.py);
   - removes every handle in `__exit__`, also when the run raised.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from runner.errors import RunnerError
 from runner.layers import Layer
+from runner.randomness import per_sample_normal
 from runner.schema import HookAction, HookKind, HookSpec
 from runner.stats import STAT_NAMES, per_sample_stats
 
@@ -87,25 +90,50 @@ def _roles(prefix: str, value: Any) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-def _modifier(spec: HookSpec) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The function a modifying hook applies to each tensor it sees."""
+# A modifier gets the tensor and a purpose string naming where it is (layer, role, call, position).
+Modifier = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def keyed_noise(t: torch.Tensor, seed: int, sample_indices: Sequence[int], purpose: str) -> torch.Tensor:
+    """Standard normal noise shaped like `t`, the same for a sample whatever batch it is in.
+
+    Rows are samples when t's first dimension is the batch (or a multiple k of it: k copies, as patching's
+    clean + corrupted forward; copy j of sample i is keyed by i and j). Any other tensor (no batch dimension,
+    a perturbed chunk of one sample) is keyed by the batch's first sample index and t's shape.
+    """
+    n = len(sample_indices)
+    rows = t.shape[0] if t.dim() > 0 else 0
+    if n and rows and rows % n == 0:
+        copies = [
+            per_sample_normal(t.shape[1:], seed, sample_indices, f"{purpose}|copy{j}")  # (n, *t.shape[1:])
+            for j in range(rows // n)
+        ]
+        return torch.cat(copies).to(device=t.device, dtype=t.dtype)  # (rows, *t.shape[1:])
+    first = sample_indices[0] if n else 0
+    shape = "x".join(map(str, t.shape))
+    whole = per_sample_normal(t.shape, seed, [first], f"{purpose}|whole{shape}")  # (1, *t.shape)
+    return whole[0].to(device=t.device, dtype=t.dtype)
+
+
+def _modifier(spec: HookSpec, sample_indices: Callable[[], Sequence[int]]) -> Modifier:
+    """The function a modifying hook applies to each tensor it sees; `sample_indices` gives the batch's samples."""
     action = spec.action
     if action is HookAction.scale:
-        return lambda t: t * spec.factor
+        return lambda t, where: t * spec.factor
     if action is HookAction.zero:
-        return torch.zeros_like
+        return lambda t, where: torch.zeros_like(t)
     if action is HookAction.clamp:
         if spec.min is None and spec.max is None:
             raise RunnerError("A `clamp` hook needs `min`, `max` or both, e.g. {kind: forward, action: clamp, min: 0}.")
-        return lambda t: t.clamp(min=spec.min, max=spec.max)
+        if spec.min is not None and spec.max is not None and spec.min > spec.max:
+            raise RunnerError(f"A `clamp` hook has min={spec.min} above max={spec.max}; give min <= max.")
+        return lambda t, where: t.clamp(min=spec.min, max=spec.max)
     if action is HookAction.add_noise:
-        generators: dict[torch.device, torch.Generator] = {}
+        if not spec.std >= 0:
+            raise RunnerError(f"An `add_noise` hook has std={spec.std}; the standard deviation must be >= 0.")
 
-        def add_noise(t: torch.Tensor) -> torch.Tensor:
-            if t.device not in generators:  # seeded once per device: the same seed gives the same noise
-                generators[t.device] = torch.Generator(device=t.device).manual_seed(spec.seed)
-            noise = torch.randn(t.shape, generator=generators[t.device], device=t.device, dtype=t.dtype)
-            return t + spec.std * noise
+        def add_noise(t: torch.Tensor, where: str) -> torch.Tensor:
+            return t + spec.std * keyed_noise(t, spec.seed, sample_indices(), f"add_noise|{where}")
 
         return add_noise
     raise RunnerError(f"Hook action '{action}' is not a modification.")
@@ -126,6 +154,8 @@ class HookSession:
         self._captures: list[Capture] = []
         self._batch_size = 0
         self._batch_index = -1
+        self._sample_indices: list[int] = []  # data set indices of the current batch's samples
+        self._backward_ran: list[str] = []  # backward-hooked modules in the order their forward ran (diagnosis)
         self._records: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         self._saved: dict[str, torch.Tensor] = {}
 
@@ -168,11 +198,15 @@ class HookSession:
             log.info("backward hooks: in-place ops turned off on %d modules for this run", len(self._inplace_restore))
 
     # ---- per batch ------------------------------------------------------------------------------
-    def begin_batch(self, batch_size: int, batch_index: int) -> None:
+    def begin_batch(self, batch_size: int, batch_index: int, first_index: int | None = None) -> None:
+        """Start a batch of `batch_size` samples from data set index `first_index` (default: batch_index * size)."""
         self._batch_size = batch_size
         self._batch_index = batch_index
+        first = batch_index * batch_size if first_index is None else first_index
+        self._sample_indices = list(range(first, first + batch_size))
         self._calls.clear()
         self._backward_seen.clear()
+        self._backward_ran.clear()
         self._records.clear()
         self._saved.clear()
         for capture in self._captures:
@@ -262,6 +296,30 @@ class HookSession:
         """Start another forward within the batch: call indices count from 0 again (patching runs many)."""
         self._calls.clear()
         self._backward_seen.clear()
+        self._backward_ran.clear()
+
+    def explain(self, error: BaseException) -> RunnerError | None:
+        """A clear message for a torch error the hooks caused (None when they did not cause it)."""
+        text = str(error)
+        if not (isinstance(error, RuntimeError) and "BackwardHookFunction" in text and "inplace" in text):
+            return None
+        if not self._backward_ran:
+            return RunnerError(
+                "A `backward` hook's module output is changed in place later in the model, which torch refuses for"
+                " full backward hooks. Use `kind: tensor` on that layer (the gradient of its output), or hook"
+                " another layer."
+            )
+        name = self._backward_ran[-1]
+        module = self.model.get_submodule(name)
+        others = sorted(set(self._backward_ran[:-1]) - {name})
+        also = f" (or another backward-hooked layer that ran before it: {', '.join(others)})" if others else ""
+        return RunnerError(
+            f"A `backward` hook on '{name}' ({type(module).__name__}){also} cannot run: the model changes that"
+            " layer's output in place afterwards (as `out += identity` in a ResNet block), which torch refuses for"
+            f" full backward hooks. Use `kind: tensor` on '{name}' (the gradient of its output, the same as"
+            " grad_output), or hook a layer whose output is not modified in place (its parent block, or the layer"
+            " before it)."
+        )
 
     # ---- hooks from specs -------------------------------------------------------------------------
     def _count_calls(self, name: str, module: nn.Module) -> None:
@@ -276,7 +334,7 @@ class HookSession:
 
     def _register(self, spec: HookSpec, name: str, module: nn.Module) -> None:
         self._count_calls(name, module)
-        modify = None if spec.action is HookAction.record else _modifier(spec)
+        modify = None if spec.action is HookAction.record else _modifier(spec, lambda: self._sample_indices)
         kind = spec.kind
 
         def handle(role_prefix: str, value: Any, call: int) -> Any:
@@ -285,7 +343,8 @@ class HookSession:
                 for role, tensor in _roles(role_prefix, value):
                     self._record(spec, name, module, role, call, tensor)
                 return None
-            return map_tensors(value, modify)
+            position = iter(range(1 << 30))  # which tensor of a tuple: each gets its own noise
+            return map_tensors(value, lambda t: modify(t, f"{name}|{kind.value}|{role_prefix}|{call}|{next(position)}"))
 
         if kind is HookKind.pre:
 
@@ -310,6 +369,11 @@ class HookSession:
                 return handle("grad_input", tuple(grad_input), call)
 
             self._handles.append(module.register_full_backward_hook(backward_hook))
+
+            def note_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                self._backward_ran.append(name)  # for `explain`: an in-place error names this layer
+
+            self._handles.append(module.register_forward_hook(note_forward))
         elif kind is HookKind.tensor:
 
             def tensor_hook_installer(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -78,5 +78,11 @@ def resolve_layers(model: nn.Module, include: list[str], exclude: list[str] | No
     for selector in exclude or []:
         chosen.difference_update(_matches(selector, model))
     if not chosen:
-        raise RunnerError(f"The exclusions {list(exclude or [])} remove every layer that {include} selects.")
+        selected = {n for s in include for n in _matches(s, model)}
+        before = [n for n, _ in model.named_modules() if n in selected]
+        shown = ", ".join(before[:10]) + (f", ... ({len(before)} in all)" if len(before) > 10 else "")
+        raise RunnerError(
+            f"The exclusions {list(exclude or [])} remove every layer that {list(include)} selects ({shown})."
+            " Narrow layers.exclude (e.g. exclude one name, not a glob) or widen layers.include."
+        )
     return [(n, m) for n, m in model.named_modules() if n in chosen]

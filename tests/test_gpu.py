@@ -1,0 +1,178 @@
+"""The GPU path on a real GPU: the same run on CUDA and on the CPU gives the same numbers.
+
+Every test here is marked `gpu` and skips cleanly without CUDA (`make test` on a CPU machine); `make
+test-gpu` runs them on a GPU. The embedded pretrained EfficientNet-Lite0 on real scikit-image photos,
+64 px, so each run takes seconds. Tolerances: convolutions on the GPU may use TF32 and other kernels
+than the CPU, so values agree to about 1e-3 relative, not bit for bit; the draws keyed by sample
+(`runner.randomness`) are made on the CPU and so agree exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import runner.app as app
+from runner.hooks import count_hooks
+from tests.conftest import make_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)"),
+]
+
+PHOTOS = "data.photos=[chelsea,coffee,rocket,astronaut]"
+SMALL = ["data.image_size=64", PHOTOS, "data.batch_size=2"]
+
+
+def _run_both(tmp_path: Path, table: str, *overrides: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The same config run on the CPU and on CUDA, each table sorted into the same row order."""
+    frames = []
+    for device in ("cpu", "cuda"):
+        result = app.run(make_config(*overrides, f"device={device}"), tmp_path / device)
+        frames.append(pd.read_parquet(result.tables[table]))
+    return frames[0], frames[1]
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest difference relative to the larger magnitude of the two."""
+    scale = max(np.abs(a).max(), np.abs(b).max(), 1e-12)
+    return float(np.abs(a - b).max() / scale)
+
+
+def test_gradcam_maps_on_cuda_equal_the_cpu_maps(tmp_path: Path) -> None:
+    cpu, gpu = _run_both(tmp_path, "cam", "experiment=gradcam_effnet", "method.faithfulness.enabled=false", *SMALL)
+    keys = ["sample_id", "layer"]
+    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
+    assert len(cpu) == len(gpu) == 4 * 7
+    assert (cpu["predicted"].to_numpy() == gpu["predicted"].to_numpy()).all()
+    for a, b in zip(cpu["map"], gpu["map"], strict=True):
+        assert _relative(np.asarray(a), np.asarray(b)) < 5e-3
+
+
+def test_faithfulness_on_cuda_equals_the_cpu(tmp_path: Path) -> None:
+    """Item 3 of issue 10: the pixel order of equal-saliency pixels is keyed by sample, so the AUCs agree."""
+    cpu, gpu = _run_both(tmp_path, "cam", "experiment=gradcam_effnet", "method.faithfulness.steps=10", *SMALL)
+    keys = ["sample_id", "layer"]
+    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
+    for column in ("deletion_auc", "insertion_auc", "random_deletion_auc", "random_insertion_auc"):
+        a, b = cpu[column].to_numpy(float), gpu[column].to_numpy(float)
+        assert (np.isnan(a) == np.isnan(b)).all(), column
+        # Near-ties that TF32 rounding reorders move an AUC by a step's worth at most; exact ties are keyed.
+        assert np.nanmax(np.abs(a - b)) < 0.02, column
+
+
+def test_patching_on_cuda_equals_the_cpu(tmp_path: Path) -> None:
+    overrides = [
+        "experiment=patching_effnet",
+        "layers.include=[_blocks.10,_conv_head]",
+        "method.patching.grid=[4,4]",
+        "data.image_size=64",
+        "data.photos=[chelsea,coffee]",
+    ]
+    cpu, gpu = _run_both(tmp_path, "patching", *overrides)
+    keys = ["sample_index", "direction", "layer", "y", "x"]
+    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
+    assert len(cpu) == len(gpu) > 0
+    # The corruption noise is drawn per sample on the CPU: the corrupted logits agree up to the GPU's kernels.
+    assert _relative(cpu["corrupted"].to_numpy(), gpu["corrupted"].to_numpy()) < 5e-3
+    assert _relative(cpu["patched"].to_numpy(), gpu["patched"].to_numpy()) < 5e-3
+
+
+def test_recording_memory_is_flat_across_batches_on_cuda(tmp_path: Path) -> None:
+    """Hook state is per batch: the peak GPU memory of 8 batches is that of 2, and nothing stays behind."""
+    peaks = []
+    for photos in ("[chelsea,coffee]", "[chelsea,coffee,rocket,astronaut,motorcycle,horse,chelsea,coffee]"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        app.run(
+            make_config(
+                "method=record", "device=cuda", "data.image_size=64", "data.batch_size=1", f"data.photos={photos}"
+            ),
+            tmp_path / str(len(peaks)),
+        )
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        assert torch.cuda.memory_allocated() - before < 1 << 20  # the model and every hook's tensors released
+    assert peaks[1] <= peaks[0] * 1.05 + (1 << 20)
+
+
+def test_bf16_on_cuda_agrees_with_fp32(tmp_path: Path) -> None:
+    frames = []
+    for precision in ("fp32", "bf16"):
+        config = make_config(
+            "experiment=gradcam_effnet",
+            "method.faithfulness.enabled=false",
+            "device=cuda",
+            f"precision={precision}",
+            *SMALL,
+        )
+        frames.append(
+            pd.read_parquet(app.run(config, tmp_path / precision).tables["cam"]).sort_values(["sample_id", "layer"])
+        )
+    fp32, bf16 = frames
+    assert (bf16["map"].map(lambda m: np.isfinite(np.asarray(m)).all())).all()
+    # bf16 keeps 8 bits of mantissa: the maps are the same picture, not the same numbers.
+    correlations = [
+        np.corrcoef(np.asarray(a), np.asarray(b))[0, 1]
+        for a, b in zip(fp32["map"], bf16["map"], strict=True)
+        if np.ptp(np.asarray(a)) > 0
+    ]
+    assert np.median(correlations) > 0.95
+
+
+def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "device=cuda",
+            "data.image_size=64",
+            PHOTOS,
+            "progress=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    tables = list(tmp_path.rglob("*.parquet"))
+    assert tables, "no Parquet written"
+
+
+def test_no_hook_or_gpu_memory_left_after_a_run_fails_mid_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list = []
+    original_build, original_rows = app.build_model, app._rows_for
+
+    def spy(cfg):  # noqa: ANN001, ANN202
+        bundle = original_build(cfg)
+        seen.append(bundle.model)
+        return bundle
+
+    def fail_on_second_batch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if fail_on_second_batch.calls == 1:
+            raise RuntimeError("planted failure after the first batch")
+        fail_on_second_batch.calls += 1
+        return original_rows(*args, **kwargs)
+
+    fail_on_second_batch.calls = 0
+    monkeypatch.setattr(app, "build_model", spy)
+    monkeypatch.setattr(app, "_rows_for", fail_on_second_batch)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        app.run(make_config("device=cuda", "data.image_size=64", PHOTOS, "data.batch_size=2"), tmp_path)
+    assert fail_on_second_batch.calls == 1 and len(seen) == 1
+    assert count_hooks(seen[0]) == 0
