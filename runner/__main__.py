@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from runner.app import run
+from runner.app import check_output_arguments, run
 from runner.errors import RunnerError
 from runner.schema import register_configs
 
@@ -30,11 +31,57 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except RunnerError as e:
         log.debug("failure detail", exc_info=True)  # the full traceback goes to the run's log file only
-        log.error("%s", e)
+        log.error("%s%s", e, _sweep_stop_note())
         sys.exit(2)
 
 
+def _sweep_stop_note() -> str:
+    """In a sequential sweep, which jobs the failure leaves unrun (exit 2 ends the sweep at this job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return ""
+        hc = HydraConfig.get()
+        this = int(hc.job.num)
+        here = f" [sweep: job #{this} ({' '.join(hc.overrides.task)}) failed"
+        resume = f"; fix it and run the same command with hydra.sweep.dir={hc.sweep.dir} (finished jobs are skipped)]"
+        if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
+            return here + "; other jobs run by the launcher are not affected" + resume
+        jobs = _sweep_jobs(Path(hc.sweep.dir) / "multirun.yaml")
+        # Name each job by the overrides that vary across the sweep (the others are the same for all).
+        varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
+        named = [f"#{i} ({' '.join(job[p] for p in varying)})" for i, job in enumerate(jobs)]
+        if this < len(named):
+            here = f" [sweep: job {named[this]} failed"
+        rest = named[this + 1 :]
+        if not rest:
+            return here + "; it was the last job" + resume
+        return here + f"; the sweep stops here: {len(rest)} job(s) not run: {', '.join(rest)}" + resume
+    except Exception:  # the note is a courtesy: never let it hide the error itself
+        log.debug("could not list the sweep's remaining jobs", exc_info=True)
+        return ""
+
+
+def _sweep_jobs(multirun_yaml: Path) -> list[list[str]]:
+    """Every job's overrides, in the order the basic sweeper runs them (from the sweep's saved config)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(multirun_yaml)
+    params = [f"{k}={v}" for k, v in (saved.hydra.sweeper.get("params") or {}).items()]
+    overrides = OverridesParser.create().parse_overrides([*params, *saved.hydra.overrides.task])
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
 if __name__ == "__main__":
+    try:
+        check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
+    except RunnerError as e:
+        print(f"[ERROR] {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except SystemExit as done:

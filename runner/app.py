@@ -33,9 +33,9 @@ from runner.hooks import BoundHook, HookSession
 from runner.layers import Layer, resolve_layers
 from runner.methods import Runtime, build_method
 from runner.methods.hook_check import HookCheck
-from runner.models import build_model
-from runner.provenance import config_hash, provenance, swept_columns
-from runner.results import Block, ShardedWriter, to_host
+from runner.models import build_model, check_input
+from runner.provenance import provenance, resume_key, swept_columns
+from runner.results import Block, DirectoryLock, ShardedWriter, to_host, write_failure
 from runner.schema import RunConfig, to_run_config
 from runner.stats import STAT_NAMES
 
@@ -104,8 +104,8 @@ def _bind_hooks(model: torch.nn.Module, config: RunConfig, target_layers: list[L
 
 def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> RunResult:
     """Run one experiment into `output_dir` (default: Hydra's run dir); resume it if that holds an unfinished
-    run of the same config. Bad input raises RunnerError before anything is written; a failure later keeps
-    only complete shards."""
+    run of the same config and inputs. Bad input raises RunnerError before anything is written; a failure
+    later keeps only complete shards. One run writes a directory at a time: a second one is refused."""
     config = to_run_config(cfg)
     out = Path(output_dir or config.output.dir or _default_output_dir())
     _check_writable(out)
@@ -114,6 +114,26 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     if device.type == "cuda" and distributed.rank_and_world()[1] > 1:
         device = torch.device("cuda", distributed.local_device_index())  # torchrun: one GPU per process
         torch.cuda.set_device(device)
+    distributed.init(device)
+    out = distributed.shared_directory(out)
+    lock = DirectoryLock(out)
+    refusal = None
+    if distributed.rank_and_world()[0] == 0:  # rank 0 holds the lock for all ranks of a torchrun
+        try:
+            lock.acquire()
+        except RunnerError as e:
+            refusal = str(e)
+    refusal = distributed.from_rank0(refusal)
+    if refusal is not None:
+        raise RunnerError(refusal)
+    try:
+        return _run_locked(config, out, device)
+    finally:
+        lock.release()
+
+
+def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
+    """`run` once this process (or its rank 0) holds the output directory's lock."""
     runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None)
 
     bundle = build_model(config.model)
@@ -129,11 +149,11 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     method = build_method(config.method, target_layers or [], runtime)
 
     dataset = build_dataset(config.data, bundle.preprocess, config.seed)
+    # One forward: a shape the model refuses fails here.
+    check_input(model, dataset[0][0], config.data.batch_size, device)
     if hasattr(method, "bind_dataset"):  # patching pairs a sample with another one of the data set
         method.bind_dataset(dataset)
     rank, world = distributed.rank_and_world()
-    distributed.init(device)
-    out = distributed.shared_directory(out)
     shard_samples = config.output.shard_batches * config.data.batch_size
     num_shards = -(-len(dataset) // shard_samples)
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
@@ -142,11 +162,11 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
         "experiment": config.name,
         "model": config.model._target_ or config.model.name,
         "method": config.method.name,
-        **swept_columns(),
+        **swept_columns(config),
     }
-    resume_key = {"config_hash": config_hash(config), "shard_samples": shard_samples, "num_samples": len(dataset)}
-    writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), resume_key, rank)
-    done = writer.completed_shards()
+    key, details = resume_key(config, shard_samples, len(dataset))
+    writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details)
+    done = writer.resume()  # complete shards whose files are intact; a damaged one runs again
     mine = [s for s in range(num_shards) if s % world == rank and s not in done]
     if done:
         log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done), num_shards, len(mine))
@@ -155,7 +175,7 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     )
     side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
     try:
-        with HookSession(model, hooks, out / "tensors") as session, _stop_on_sigint() as stop:
+        with HookSession(model, hooks, out / "tensors") as session, _stop_on_signals() as stop:
             method.setup(session, len(dataset))
             progress = tqdm(total=sum(_shard_batches(s, shard_samples, len(dataset), config) for s in mine),
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
@@ -169,12 +189,24 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
             progress.close()
             writer.finish()
             writer.close()
-    except BaseException:
+    except BaseException as error:
         writer.abort_shard()
         writer.close()
-        if not writer.completed_shards():  # nothing to resume: leave nothing behind
+        if world == 1:  # a sidecar half-written when the run failed (one writer per directory: none is live)
+            for stale in (out / "tensors").glob("*.tmp"):
+                stale.unlink(missing_ok=True)
+        kept = _complete_shards(writer)
+        if not kept:  # nothing to resume: leave nothing behind
             for directory in side_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
+        clear = write_failure(error, out)
+        if clear is not None:
+            raise clear from None
+        if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C or SIGTERM: stopped at once, one line
+            raise RunnerError(
+                f"Stopped at once. {len(kept)} complete shard(s) are kept in {out}; the shard in progress is"
+                f" discarded. Run the same command with hydra.run.dir={out} to resume."
+            ) from None
         raise
     if isinstance(method, HookCheck) and method.failures():
         raise RunnerError(
@@ -188,8 +220,20 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     return RunResult(out, tables)
 
 
-def _check_writable(out: Path) -> None:
+def check_output_arguments(argv: list[str]) -> None:
+    """`hydra.run.dir=` / `hydra.sweep.dir=` on the command line that is a file or not writable: a RunnerError
+    before Hydra trips on it (Hydra makes the directory and its log file before the run starts)."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        value = value.strip().strip("'\"")
+        if sep and key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            _check_writable(Path(value).expanduser(), key.lstrip("+"))
+
+
+def _check_writable(out: Path, key: str = "hydra.run.dir") -> None:
     """Fail before any work when results could not be written."""
+    if out.exists() and not out.is_dir():
+        raise RunnerError(f"Cannot write results to {out}: it is a file, not a directory. Choose another {key}=PATH.")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-check-{uuid.uuid4().hex[:8]}"
@@ -198,13 +242,26 @@ def _check_writable(out: Path) -> None:
     except OSError as e:
         raise RunnerError(
             f"Cannot write results to {out} ({e.strerror or e}). Choose a writable directory with"
-            " hydra.run.dir=PATH (or output.dir=PATH)."
+            f" {key}=PATH{' (or output.dir=PATH)' if key == 'hydra.run.dir' else ''}."
         ) from None
 
 
+def _complete_shards(writer: ShardedWriter) -> set[int]:
+    """The shards the manifests list, or none when a manifest cannot be read (the run is failing anyway)."""
+    try:
+        return writer.completed_shards()
+    except RunnerError:
+        return set()
+
+
+# What `timeout`, SLURM and `docker stop` send, handled as Ctrl-C is: the run stops after the batch, resumable.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
-def _stop_on_sigint() -> Iterator[threading.Event]:
-    """Ctrl-C (SIGINT) sets the event; the run stops after the current batch. A second Ctrl-C stops at once."""
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """Ctrl-C (SIGINT) or SIGTERM sets the event; the run stops after the current batch. A second one stops
+    at once (KeyboardInterrupt, which `run` turns into one line with the resume command)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -214,13 +271,15 @@ def _stop_on_sigint() -> Iterator[threading.Event]:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        log.warning("interrupted: stopping after the current batch (Ctrl-C again to stop now)")
+        name = signal.Signals(signum).name
+        log.warning("%s: stopping after the current batch (Ctrl-C or the signal again to stop now)", name)
 
-    previous = signal.signal(signal.SIGINT, handle)
+    previous = {number: signal.signal(number, handle) for number in STOP_SIGNALS}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
@@ -267,11 +326,17 @@ def _run_shard(shard: int, loop: _Loop) -> None:
 
 def _run_with_backoff(batch: Batch, model, method, session, config: RunConfig) -> list[tuple[Batch, Any, Any]]:
     """(batch, method output, recorded hook rows) for the batch, halving it on CUDA out-of-memory until it fits."""
-    session.begin_batch(batch.x.shape[0], batch.first_index // config.data.batch_size)
+    # Keyed by the first sample, not the batch number: an OOM split's halves get their own sidecar files.
+    session.begin_batch(batch.x.shape[0], batch.first_index, first_index=batch.first_index)
     try:
         output = method.run_batch(model, batch, session)
         return [(batch, output, session.end_batch())]
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as error:
+        if not isinstance(error, torch.cuda.OutOfMemoryError):
+            explained = session.explain(error)  # a torch error the hooks caused, as one clear message
+            if explained is not None:
+                raise explained from error
+            raise
         session.end_batch()  # drop what the failed attempt recorded
         size = batch.x.shape[0]
         if size == 1:

@@ -10,7 +10,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import OmegaConf
 
 from runner.schema import RunConfig
@@ -53,24 +52,123 @@ def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def config_hash(config: RunConfig) -> str:
-    """Identity of what a run computes: the config without the keys that only say how or where it runs."""
+# Keys that say how fast or where a run goes, not what it computes: changing them does not block a resume.
+SPEED_KEYS = (
+    "progress",
+    "output",
+    "device",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.prefetch_factor",
+    "data.persistent_workers",
+    "method.score_chunk",
+    "method.faithfulness.chunk",
+    "method.patching.chunk",
+)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        flat: dict[str, Any] = {}
+        for key, sub in value.items():
+            flat.update(_flatten(sub, f"{prefix}{key}."))
+        return flat
+    return {prefix.removesuffix("."): value}
+
+
+def config_values(config: RunConfig) -> dict[str, Any]:
+    """The config as flat `a.b.c` keys, without the speed-only keys (`SPEED_KEYS`)."""
     plain = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
-    for key in ("progress", "output", "device"):
-        plain.pop(key, None)  # type: ignore[union-attr]
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    flat = _flatten(plain)
+    return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in SPEED_KEYS)}
 
 
-def swept_columns() -> dict[str, Any]:
+def config_hash(config: RunConfig) -> str:
+    """Identity of what a run computes: the config without the keys that only say how fast or where it runs."""
+    return hashlib.sha256(json.dumps(config_values(config), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def input_fingerprints(config: RunConfig) -> dict[str, str]:
+    """What the config names by path and a resume must find unchanged: the checkpoint's contents (a hash) and
+    an image folder's files (name, size and modification time of each; no hash: folders can be large)."""
+    found: dict[str, str] = {}
+    if config.model.checkpoint:
+        file = Path(config.model.checkpoint).expanduser()
+        if file.is_file():
+            found["model.checkpoint (contents)"] = f"sha256:{_file_digest(file)}"
+    if config.data.name == "image_folder" and config.data.root:
+        from runner.data import IMAGE_SUFFIXES
+
+        folder = Path(config.data.root).expanduser()
+        if folder.is_dir():
+            lines, count = hashlib.sha256(), 0
+            for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
+                stat = file.stat()
+                lines.update(f"{file.relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+                count += 1
+            found["data.root (contents)"] = f"{count} files, {lines.hexdigest()[:16]}"
+    return found
+
+
+def resume_key(config: RunConfig, shard_samples: int, num_samples: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(identity, details): what a directory's manifest must match for this run to resume it, and the flat
+    values behind it, so that a refusal can name each key that differs."""
+    inputs = input_fingerprints(config)
+    identity = {
+        "config_hash": config_hash(config),
+        "inputs": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
+        "shard_samples": shard_samples,
+        "num_samples": num_samples,
+    }
+    return identity, {**config_values(config), **inputs}
+
+
+def _typed_override(key: str, value: Any, config: RunConfig | None) -> Any:
+    """An override's value as the run used it: the config's own typed value where the key is a plain config
+    value (`seed=010` ran with seed 10), else the value as Hydra's override grammar types it."""
+    if config is not None:
+        used = OmegaConf.select(OmegaConf.structured(config), key, default=None, throw_on_missing=False)
+        if isinstance(used, (bool, int, float, str)):
+            return used.value if hasattr(used, "value") else used  # an Enum member (str subclass): its name
+    return value
+
+
+def swept_columns(config: RunConfig | None = None) -> dict[str, Any]:
     """The job's command-line overrides as typed columns (`sweep.method.target`, ...): a sweep's jobs
-    then share one table that says which values produced each row."""
+    then share one table that says which values produced each row.
+
+    Overrides are parsed with Hydra's own grammar (not YAML 1.1: `name=yes` stays the string 'yes',
+    `name=007` stays '007'); a plain config key takes the value the run used (`seed=010` gives 10).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
     columns: dict[str, Any] = {}
-    for override in hydra_overrides():
-        key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith("hydra.") or key.startswith("hydra/") or not value:
+    for text in hydra_overrides():
+        try:
+            override = parser.parse_override(text)
+        except Exception:  # Hydra composed with it, so this does not happen; keep the text rather than fail
+            key, _, raw = text.lstrip("+~").partition("=")
+            if key and raw and not key.startswith(("hydra.", "hydra/")):
+                columns[f"sweep.{key}"] = raw
             continue
-        parsed = yaml.safe_load(value)
-        columns[f"sweep.{key}"] = parsed if isinstance(parsed, (bool, int, float, str)) else value
+        key = override.key_or_group
+        if key.startswith(("hydra.", "hydra/")) or override.is_delete() or override.is_sweep_override():
+            continue
+        value = override.value()
+        typed = _typed_override(key, value, config)
+        if isinstance(typed, (bool, int, float, str)):
+            columns[f"sweep.{key}"] = typed
+        else:  # lists, dicts, null: the override's text, one type per column
+            columns[f"sweep.{key}"] = override.get_value_element_as_str()
     return columns
 
 

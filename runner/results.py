@@ -3,17 +3,27 @@
 Methods hand over columns per batch, still on the device. The writer moves them to the host once
 per batch, adds the identifier columns, and appends them to one Parquet file per table as a row
 group, so memory stays flat in the data set's size. Files are written under a temporary name and
-renamed only when the run completes: a failed or killed run leaves no half table behind.
+renamed only when their shard completes: a failed or killed run leaves no half table behind.
+
+Temporary files start with '.', so pandas, pyarrow.dataset and DuckDB (`read_parquet('DIR/t.parquet/*.parquet')`)
+skip them while a run is live. One process writes a directory at a time (`DirectoryLock`). The manifest
+is checked against the files on resume and in `load`: a missing or damaged shard is re-run, never dropped.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import queue
+import socket
 import threading
+import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from runner.errors import RunnerError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock; the run goes on unlocked, with a warning
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +64,109 @@ ID_TYPES = {
     "tensor_key": pa.string(),
 }
 METADATA_KEY = b"runner"
+LOCK_NAME = ".runner.lock"
+# Write failures that the user fixes (free space, permissions), reported as one message instead of a traceback.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def temp_name(final: Path) -> Path:
+    """A temporary path beside `final`, unique per writer; the leading '.' makes pyarrow, pandas and DuckDB's
+    `*.parquet` glob skip it, and '.tmp' keeps it out of every `part-*.parquet` pattern."""
+    return final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
+def part_path(directory: Path, table: str, shard: int) -> Path:
+    """Where shard `shard` of `table` lives in a run directory."""
+    return directory / f"{table}.parquet" / f"part-{shard:06d}.parquet"
+
+
+def write_failure(error: BaseException, directory: Path) -> RunnerError | None:
+    """A clear error for a write that failed for a reason the user can fix (disk full, quota, read-only,
+    permissions; from pyarrow, safetensors or Python), else None."""
+    text = str(error)
+    filename = getattr(error, "filename", None)
+    elsewhere = filename is not None and not Path(os.fsdecode(filename)).resolve().is_relative_to(directory.resolve())
+    if isinstance(error, OSError) and elsewhere:
+        return None  # e.g. an input file that became unreadable: not a write failure
+    if isinstance(error, OSError) and error.errno in WRITE_ERRNOS:
+        reason = error.strerror or os.strerror(error.errno)
+    elif isinstance(error, OSError) and any(os.strerror(e) in text for e in WRITE_ERRNOS):
+        reason = next(os.strerror(e) for e in WRITE_ERRNOS if os.strerror(e) in text)  # pyarrow: errno only in text
+    elif type(error).__name__ == "SafetensorError" and ("StorageFull" in text or "No space left" in text):
+        reason = os.strerror(errno.ENOSPC)
+    elif type(error).__name__ == "SafetensorError" and ("PermissionDenied" in text or "ReadOnly" in text):
+        reason = "read-only or not writable"
+    else:
+        return None
+    return RunnerError(
+        f"Cannot write results to {directory}: {reason}. No temporary file is left; the complete shards are kept."
+        f" Free space (or fix the permissions) and run the same command with hydra.run.dir={directory} to resume."
+    )
+
+
+class DirectoryLock:
+    """One writer per output directory: an exclusive `flock` on `DIR/.runner.lock`.
+
+    The operating system drops the lock when the process ends, however it ends (kill -9 too), so a
+    killed run never leaves the directory stuck. The file names its holder, for the refusal message.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise RunnerError naming the run that holds it."""
+        if fcntl is None:  # pragma: no cover
+            log.warning("no file locking on this platform: make sure only one run writes to %s", self.directory)
+            return
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunnerError(
+                        f"{self.directory} is in use by another run ({self._holder()}); two runs writing one"
+                        " directory would corrupt its results. Wait for that run to finish (then run this command"
+                        " again to resume or check it), or give this run its own directory with hydra.run.dir=NEW_DIR."
+                    ) from None
+                log.warning("cannot lock %s (%s): make sure only one run writes to it", self.directory, e.strerror)
+                return
+            # The holder removes the file on release; a lock taken on a file just removed locks nothing.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode())
+        self._fd = fd
+
+    def _holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "a process"
+        except OSError:
+            return "a process"
+
+    def release(self) -> None:
+        """Drop the lock and remove the file (the directory is left as the run left it)."""
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: a waiting run then retries on a new file
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -97,7 +217,7 @@ class TableWriter:
 
     def __init__(self, path: Path, metadata: dict[str, Any]) -> None:
         self.path = path
-        self.tmp = path.with_name(path.name + ".tmp")
+        self.tmp = temp_name(path)
         self.metadata = {METADATA_KEY: json.dumps(metadata, default=str).encode()}
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
@@ -113,12 +233,21 @@ class TableWriter:
 
     def commit(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self.tmp.replace(self.path)
+            try:
+                self._writer.close()
+                self.tmp.replace(self.path)
+            except BaseException:
+                self.tmp.unlink(missing_ok=True)
+                raise
+            self._writer = None
 
     def abort(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except OSError:
+                pass  # a full disk fails the close too; the file is removed below either way
+            self._writer = None
         self.tmp.unlink(missing_ok=True)
         if self.path.parent.is_dir() and not any(self.path.parent.iterdir()):
             self.path.parent.rmdir()  # a table folder this run made and filled with nothing
@@ -136,21 +265,31 @@ class ShardedWriter:
     A shard is a fixed range of samples. Its tables are written under temporary names and renamed
     together when the shard is complete; only then is the shard added to the manifest (itself
     replaced atomically). A killed run therefore loses at most the shard in progress, and a run
-    started again on the same directory skips every shard the manifests list. Each rank of a
-    multi-process run keeps its own manifest, so ranks never write the same file.
+    started again on the same directory skips every shard the manifests list whose files are intact
+    (`resume`). Each rank of a multi-process run keeps its own manifest, so ranks never write the
+    same file.
     """
 
     def __init__(
-        self, directory: Path, metadata: dict[str, Any], identity: dict[str, Any], rank: int = 0, queue_size: int = 4
+        self,
+        directory: Path,
+        metadata: dict[str, Any],
+        identity: dict[str, Any],
+        rank: int = 0,
+        queue_size: int = 4,
+        details: dict[str, Any] | None = None,
     ) -> None:
         self.directory = directory
         self.metadata = metadata
-        self.identity = identity  # what must match to resume: config hash, shard size, sample count
+        self.identity = identity  # what must match to resume: config hash, inputs, shard size, sample count
+        # The values behind the identity (flat config keys, input fingerprints), kept in the manifest so that
+        # a refused resume can name the keys that differ.
+        self.details = json.loads(json.dumps(details or {}, default=str))
         self.rank = rank
         self.manifest_path = directory / ("manifest.json" if rank == 0 else f"manifest-rank{rank}.json")
         self._open: dict[str, TableWriter] = {}
         self._shard: int | None = None
-        self._manifest = {**identity, "shards": {}, "complete": False}
+        self._manifest = {**identity, "resume_details": self.details, "shards": {}, "complete": False}
         if self.manifest_path.exists():
             self._manifest = self._load(self.manifest_path)
         self._queue: queue.Queue[tuple[int, Callable[[], list[tuple[str, dict[str, Any]]]]] | None] = queue.Queue(
@@ -193,41 +332,94 @@ class ShardedWriter:
             self._thread.join()
 
     def _load(self, path: Path) -> dict[str, Any]:
-        manifest = json.loads(path.read_text())
+        manifest = read_manifest(path)
         mismatched = [k for k, v in self.identity.items() if manifest.get(k) != v]
         if mismatched:
-            from runner.errors import RunnerError
-
             raise RunnerError(
-                f"{self.directory} holds results of a different run ({', '.join(mismatched)} differ), so it cannot be"
-                " resumed. Use a new output directory, or the same config to finish that run."
+                f"{self.directory} holds results of a different run, so it cannot be resumed; what differs:"
+                f" {self._differences(manifest, mismatched)}. Use a new output directory (hydra.run.dir=NEW_DIR),"
+                " or the same config and inputs to finish that run."
             )
         return manifest
 
+    def _differences(self, manifest: dict[str, Any], mismatched: list[str]) -> str:
+        """'key: old -> new' for each differing config key or input (the identity's key names for old manifests)."""
+        old = manifest.get("resume_details")
+        if not isinstance(old, dict) or not self.details:
+            return ", ".join(mismatched)
+        missing = object()
+        keys = sorted(k for k in {*old, *self.details} if old.get(k, missing) != self.details.get(k, missing))
+        keys += [k for k in mismatched if k not in ("config_hash", "inputs") and k not in keys]
+        if not keys:
+            return ", ".join(mismatched)
+
+        def show(value: Any) -> str:
+            text = "(unset)" if value is missing else json.dumps(value, default=str)
+            return text if len(text) <= 40 else text[:37] + "..."
+
+        def value(source: dict[str, Any], key: str) -> Any:
+            return source.get(key, manifest.get(key, missing) if source is old else self.identity.get(key, missing))
+
+        shown = [f"{k}: {show(value(old, k))} -> {show(value(self.details, k))}" for k in keys[:8]]
+        return "; ".join(shown) + (f"; and {len(keys) - 8} more" if len(keys) > 8 else "")
+
     def completed_shards(self) -> set[int]:
-        """Shards complete in any rank's manifest."""
+        """Shards listed as complete in any rank's manifest (without checking their files: see `resume`)."""
         done: set[int] = set()
         for path in sorted(self.directory.glob("manifest*.json")):
             done |= {int(s) for s in self._load(path)["shards"]}
         return done
 
+    def resume(self) -> set[int]:
+        """The shards complete in any rank's manifest whose files are intact (present, readable, the row count
+        the manifest says). A damaged shard of this rank's manifest is dropped from it and its files removed,
+        so it runs again; it is never silently left out of the table."""
+        done: set[int] = set()
+        changed = False
+        for path in sorted(self.directory.glob("manifest*.json")):
+            manifest = self._manifest if path == self.manifest_path else self._load(path)
+            for key, entry in list(manifest["shards"].items()):
+                problems = shard_problems(self.directory, int(key), entry)
+                if not problems:
+                    done.add(int(key))
+                    continue
+                log.warning("shard %s of %s is damaged (%s): it runs again", key, self.directory, "; ".join(problems))
+                if path == self.manifest_path:
+                    del self._manifest["shards"][key]
+                    self._manifest["complete"] = False
+                    for table in entry:
+                        part_path(self.directory, table, int(key)).unlink(missing_ok=True)
+                    changed = True
+        if changed:
+            self._save()
+        return done
+
     def begin_shard(self, shard: int) -> None:
+        for stale in self.directory.glob(f"*.parquet/.part-{shard:06d}.parquet.*.tmp"):
+            stale.unlink(missing_ok=True)  # left by a killed run; one writer per directory, so none is live
         self._shard = shard
         self._open = {}
 
     def _write(self, shard: int, table: str, columns: dict[str, Any]) -> None:
         if table not in self._open:
-            path = self.directory / f"{table}.parquet" / f"part-{shard:06d}.parquet"
-            self._open[table] = TableWriter(path, self.metadata)
+            self._open[table] = TableWriter(part_path(self.directory, table, shard), self.metadata)
         self._open[table].write(columns)
 
     def commit_shard(self) -> None:
         self._queue.join()  # everything of this shard is written
         self._raise_if_failed()
-        for writer in self._open.values():
-            writer.commit()
-        self._manifest["shards"][str(self._shard)] = {name: w.rows for name, w in self._open.items()}
-        self._save()
+        committed: list[Path] = []
+        try:
+            for writer in self._open.values():
+                writer.commit()
+                committed.append(writer.path)
+            self._manifest["shards"][str(self._shard)] = {name: w.rows for name, w in self._open.items()}
+            self._save()
+        except BaseException:
+            for path in committed:  # a shard is all of its tables or none of them
+                path.unlink(missing_ok=True)
+            self._manifest["shards"].pop(str(self._shard), None)
+            raise
         self._open, self._shard = {}, None
 
     def abort_shard(self) -> None:
@@ -243,13 +435,52 @@ class ShardedWriter:
 
     def _save(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._manifest, indent=1))
-        tmp.replace(self.manifest_path)
+        tmp = temp_name(self.manifest_path)
+        try:
+            tmp.write_text(json.dumps(self._manifest, indent=1))
+            tmp.replace(self.manifest_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def tables(self) -> dict[str, Path]:
         """Every table folder in the directory (of this run and of the runs it resumed)."""
         return {p.name.removesuffix(".parquet"): p for p in sorted(self.directory.glob("*.parquet")) if p.is_dir()}
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A run's manifest, or a RunnerError saying it is damaged and what to do."""
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), dict):
+            raise ValueError("no 'shards' entry")
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RunnerError(
+            f"{path} is not a readable runner manifest ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."
+            " It was damaged or replaced: move it away to redo the run in that directory, or use a new directory"
+            " with hydra.run.dir=NEW_DIR."
+        ) from None
+    return manifest
+
+
+def shard_problems(directory: Path, shard: int, entry: dict[str, int]) -> list[str]:
+    """What is wrong with a shard's files against its manifest entry ({table: rows}): missing, unreadable,
+    or another row count. Empty when the shard is intact."""
+    problems = []
+    for table, rows in entry.items():
+        path = part_path(directory, table, shard)
+        name = f"{path.parent.name}/{path.name}"
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        try:
+            found = pq.read_metadata(path).num_rows  # the footer: a truncated file fails here
+        except (OSError, ValueError, pa.ArrowException) as e:
+            problems.append(f"{name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            continue
+        if found != rows:
+            problems.append(f"{name} has {found} rows, the manifest {rows}")
+    return problems
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -261,25 +492,73 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
 
 
-def load(path: str | Path, table: str | None = None) -> pd.DataFrame:
+def _checked_parts(folder: Path, partial: bool) -> tuple[list[Path], str | None]:
+    """A table folder's part files, each checked against its run's manifests; and why the table is not the
+    whole run (damaged or missing shards, or a run not finished), or None. Without `partial` that is an error."""
+    run_dir, table = folder.parent, folder.name.removesuffix(".parquet")
+    manifests = sorted(run_dir.glob("manifest*.json"))
+    if not manifests:
+        return sorted(folder.glob("part-*.parquet")), f"{run_dir} has no manifest.json: its shards cannot be checked"
+    entries: dict[int, dict[str, int]] = {}
+    expected: int | None = None
+    flags = []
+    for path in manifests:
+        manifest = read_manifest(path)
+        flags.append(bool(manifest.get("complete")))
+        if isinstance(manifest.get("num_samples"), int) and manifest.get("shard_samples"):
+            expected = -(-manifest["num_samples"] // manifest["shard_samples"])
+        for key, entry in manifest["shards"].items():
+            entries.setdefault(int(key), entry)
+    parts, problems = [], []
+    for shard in sorted(entries):
+        if table not in entries[shard]:
+            continue  # a complete shard without rows for this table
+        bad = shard_problems(run_dir, shard, {table: entries[shard][table]})
+        problems += bad
+        if not bad:
+            parts.append(part_path(run_dir, table, shard))
+    finished = set(range(expected)) <= set(entries) if expected is not None else all(flags)
+    note = None
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        note = f"{run_dir}: {shown}. Run the same command with hydra.run.dir={run_dir} to re-run those shards"
+    elif not finished:
+        note = (
+            f"{run_dir} holds an unfinished run ({len(entries)} of {expected if expected is not None else '?'} shards"
+            f" complete): it is still running, or it stopped. Run the same command with hydra.run.dir={run_dir}"
+            " to finish it"
+        )
+    if note and not partial:
+        raise RunnerError(f"{note}, or pass partial=True to read the complete shards only.")
+    return parts, note
+
+
+def load(path: str | Path, table: str | None = None, partial: bool = False) -> pd.DataFrame:
     """One table as one DataFrame, from a run, a sweep, or a folder of sweeps.
 
     `path` may be a part file, a table folder (`cam.parquet/`), a run directory or any folder
     above runs; `table` picks the table (needed when the runs hold more than one kind). Parts are
     read one by one and concatenated by column name, so jobs whose swept columns differ still form
-    one table (missing values are null).
+    one table (missing values are null). Every part is checked against its run's manifest: a run
+    that is unfinished or has a missing or damaged shard raises RunnerError, unless `partial=True`,
+    which reads the intact shards and warns.
     """
     path = Path(path)
     if path.is_file():
         return pd.read_parquet(path)
-    if path.name.endswith(".parquet"):
-        parts = sorted(path.glob("part-*.parquet"))
+    if path.name.endswith(".parquet") and path.is_dir():
+        folders = [path]
     else:
         folders = sorted(p for p in path.rglob(f"{table or '*'}.parquet") if p.is_dir())
         names = {f.name for f in folders}
         if len(names) > 1:
             raise ValueError(f"{path} holds several tables ({', '.join(sorted(names))}): pass table=NAME.")
-        parts = [part for folder in folders for part in sorted(folder.glob("part-*.parquet"))]
+    parts: list[Path] = []
+    for folder in folders:
+        found, note = _checked_parts(folder, partial)
+        if note:
+            warnings.warn(f"{note}; reading the complete shards only.", stacklevel=2)
+        parts += found
     if not parts:
         raise FileNotFoundError(f"No {table or ''} results under {path}")
     return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)

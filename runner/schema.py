@@ -6,6 +6,7 @@ Library code receives these objects (via `to_run_config`), never a DictConfig.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -42,10 +43,19 @@ class Precision(str, Enum):
 
 
 class ResizeMode(str, Enum):
-    """`square` squashes the photo to size x size; `crop` resizes the short side then centre-crops."""
+    """How a photo becomes the model's input (`image_size` px): squashed, cropped, letterboxed, or kept."""
 
-    square = "square"
-    crop = "crop"
+    square = "square"  # squash to size x size (the aspect ratio changes)
+    crop = "crop"  # short side to size, then centre-crop (the ends of the long side are lost)
+    pad = "pad"  # letterbox: long side to size, aspect kept, padded to size x size with the mean colour
+    none = "none"  # short side to size, aspect kept, nothing cut; a batch is padded to its largest image
+
+
+class ScoreCamWeights(str, Enum):
+    """Score-CAM channel weights: the paper's probabilities, or pytorch-grad-cam's softmax of logits."""
+
+    paper = "paper"
+    pytorch_grad_cam = "pytorch_grad_cam"
 
 
 class TargetMode(str, Enum):
@@ -117,6 +127,23 @@ class HookSpec:
     save_tensors: bool = False  # record: also write the full tensors to a safetensors sidecar
 
 
+class BlurPadding(str, Enum):
+    """How the insertion blur fills the border: 0 (RISE's choice), mirrored pixels, or the edge pixel."""
+
+    zero = "zero"
+    reflect = "reflect"
+    replicate = "replicate"
+
+
+@dataclass
+class BlurConfig:
+    """The insertion baseline's Gaussian blur; the defaults are RISE's (Petsiuk et al. 2018, eclique/RISE)."""
+
+    kernel_size: int = 11  # odd
+    sigma: float = 5.0
+    padding: BlurPadding = BlurPadding.zero
+
+
 @dataclass
 class FaithfulnessConfig:
     """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
@@ -124,7 +151,8 @@ class FaithfulnessConfig:
     enabled: bool = False
     steps: int = 20  # deletion/insertion curve points (plus the start)
     chunk: int = 64  # images per batched forward while scoring perturbed inputs
-    seed: int = 0  # the random-map baseline
+    seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
+    insertion_blur: BlurConfig = field(default_factory=BlurConfig)
 
 
 class CorruptionKind(str, Enum):
@@ -205,6 +233,9 @@ class MethodConfig:
     pictures_max: int = 16  # pictures for the first N samples only (a PNG per sample of a large data set is noise)
     feature_grid_layer: Optional[str] = None  # also a grid of this layer's first feature maps per sample
     score_chunk: int = 64  # scorecam: masked inputs per batched forward
+    # scorecam: `paper` (each channel's weight is the target's softmax probability on the masked input, as
+    # Wang et al. 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
+    scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
     captum: str = "LayerGradientXActivation"  # method=captum: the captum.attr layer method
     captum_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {n_steps: 16} for integrated gradients
     inner: str = "gradcam"  # method=sanity: the CAM method whose maps are compared
@@ -267,15 +298,111 @@ def validate(config: RunConfig) -> RunConfig:
         bad.append(f"data.num_workers={config.data.num_workers}")
     if len(config.method.patching.grid) != 2 or min(config.method.patching.grid) < 1:
         bad.append(f"method.patching.grid={config.method.patching.grid} (two positive numbers)")
+    patching = config.method.patching
+    if not patching.directions or len(set(patching.directions)) != len(patching.directions):
+        raise RunnerError(
+            f"method.patching.directions={[d.value for d in patching.directions]}: give each direction at most once"
+            " and at least one, e.g. method.patching.directions=[denoising] or [denoising,noising]."
+        )
+    corruption = patching.corruption
+    if (
+        not math.isfinite(corruption.std)
+        or corruption.std < 0
+        or not math.isfinite(corruption.sigma)
+        or corruption.sigma <= 0
+        or patching.call < 0
+        or (patching.contrast_class is not None and patching.contrast_class < 0)
+    ):
+        raise RunnerError(
+            f"Out of range: method.patching.corruption.std={corruption.std} (finite, >= 0),"
+            f" corruption.sigma={corruption.sigma} (finite, > 0), method.patching.call={patching.call} (>= 0),"
+            f" method.patching.contrast_class={patching.contrast_class} (null or a class id >= 0)."
+        )
+    box = corruption.box
+    if len(box) != 4 or not all(0 <= v <= 1 for v in box) or box[0] >= box[2] or box[1] >= box[3]:
+        raise RunnerError(
+            f"method.patching.corruption.box={box} must be [y0, x0, y1, x1], fractions of the image in [0, 1]"
+            " with y0 < y1 and x0 < x1, e.g. [0.25, 0.25, 0.75, 0.75]."
+        )
+    if corruption.kind is CorruptionKind.pair and not corruption.pair_with:
+        raise RunnerError(
+            "method.patching.corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee)"
+            " or a data set index."
+        )
     if len(config.data.shape) < 1 or min(config.data.shape) < 1:
         bad.append(f"data.shape={config.data.shape} (positive sizes)")
+    blur = config.method.faithfulness.insertion_blur
+    if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
+        raise RunnerError(
+            f"Out of range: method.faithfulness.insertion_blur.kernel_size={blur.kernel_size} (odd, >= 1),"
+            f" sigma={blur.sigma} (> 0). RISE's blur, the default: kernel_size=11, sigma=5."
+        )
     if config.method.token_prefix < 0:
         bad.append(f"method.token_prefix={config.method.token_prefix}")
+    _validate_inputs(config)
+    _validate_hooks(config.hooks)
     if bad:
         raise RunnerError(
             f"Out of range: {', '.join(bad)}. These must be positive (num_workers and token_prefix: >= 0)."
         )
     return config
+
+
+# Bounds that keep a typo from allocating tens of gigabytes (data.shape=[3,60000,60000] is 43 GB a sample).
+MAX_IMAGE_SIDE = 8192
+MAX_SAMPLE_ELEMENTS = 3 * MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+MAX_FAITHFULNESS_STEPS = 1000
+DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"
+
+
+def _validate_inputs(config: RunConfig) -> None:
+    """Device, input sizes and curve lengths: values that pass the types but could not run (or not finish)."""
+    import math
+    import re
+
+    if not re.fullmatch(DEVICE_PATTERN, config.device):
+        raise RunnerError(f"device={config.device}: use auto, cpu, cuda, cuda:N or mps (tensors must hold data).")
+    data = config.data
+    if data.image_size > MAX_IMAGE_SIDE:
+        raise RunnerError(
+            f"data.image_size={data.image_size} is above the bound of {MAX_IMAGE_SIDE} px; ImageNet models use 224."
+        )
+    if data.name == "synthetic":
+        if config.model._target_ is None and len(data.shape) != 3:
+            raise RunnerError(
+                f"data.shape={list(data.shape)}: one sample of an image model is [channels, height, width],"
+                " e.g. data.shape=[3,224,224]."
+            )
+        if math.prod(data.shape) > MAX_SAMPLE_ELEMENTS:
+            gigabytes = math.prod(data.shape) * 4 / 1e9
+            raise RunnerError(
+                f"data.shape={list(data.shape)} is {gigabytes:.1f} GB per sample in float32, above the bound of"
+                f" {MAX_SAMPLE_ELEMENTS} values ([3,{MAX_IMAGE_SIDE},{MAX_IMAGE_SIDE}]); use a smaller shape,"
+                " e.g. data.shape=[3,224,224]."
+            )
+    steps = config.method.faithfulness.steps
+    if steps > MAX_FAITHFULNESS_STEPS:
+        raise RunnerError(
+            f"method.faithfulness.steps={steps} is above the bound of {MAX_FAITHFULNESS_STEPS}: each step costs"
+            " about 4 forwards per sample and layer. 20 to 100 steps resolve a deletion curve; use e.g. steps=50."
+        )
+
+
+def _validate_hooks(hooks: list[HookSpec]) -> None:
+    """Hook values each action needs, checked before any model is built."""
+    import math
+
+    for i, spec in enumerate(hooks):
+        where = f"hooks[{i}] ({spec.kind.value}, {spec.action.value})"
+        if spec.action is HookAction.clamp:
+            if spec.min is None and spec.max is None:
+                raise RunnerError(f"{where}: a clamp needs min, max or both, e.g. {{action: clamp, min: 0}}.")
+            if spec.min is not None and spec.max is not None and spec.min > spec.max:
+                raise RunnerError(f"{where}: min={spec.min} is above max={spec.max}; give min <= max.")
+        if spec.action is HookAction.add_noise and not (math.isfinite(spec.std) and spec.std >= 0):
+            raise RunnerError(f"{where}: std={spec.std}; the noise's standard deviation must be >= 0 and finite.")
+        if spec.action is HookAction.scale and not math.isfinite(spec.factor):
+            raise RunnerError(f"{where}: factor={spec.factor}; a scale factor must be finite.")
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:

@@ -1,0 +1,396 @@
+"""Results that cannot be lost, corrupted or hidden: one writer per output folder, a manifest checked
+against its files (on resume and in `load`), temporary files that readers skip while a run is live,
+SIGTERM and a second Ctrl-C, sidecar tensors after an OOM split, a resume key that covers the
+checkpoint's and the image folder's contents, swept columns typed as Hydra types them, and write
+failures that are one clear message."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+import runner.app as app
+import runner.provenance as provenance
+from runner.errors import RunnerError
+from runner.methods.gradcam import GradCAM
+from runner.results import DirectoryLock, load
+from tests.conftest import TinyNet, make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model._target_=tests.conftest.TinyNet",
+    "model.weights=null",
+    "data=synthetic",
+    "data.shape=[3,8,8]",
+    "data.count=12",
+    "data.batch_size=2",
+    "data.num_classes=5",
+    "output.shard_batches=1",
+    "layers.include=[features.0,features.2]",
+    "hooks=[{kind: forward, layers: [features.2]}]",
+]
+SLOW = [*TINY, "model._target_=tests.conftest.SlowNet", "progress=false"]  # 0.25 s per forward
+# 1 s per forward, 12 batches: long enough to start other processes against it, or to signal twice in a batch.
+SLEEPY = [*TINY, "model._target_=tests.test_results_integrity.SleepyNet", "+model.kwargs.delay=1.0", "data.count=24",
+          "progress=false"]  # fmt: skip
+
+
+class SleepyNet(TinyNet):
+    """TinyNet that sleeps `delay` seconds per forward: a batch long enough to signal twice inside it."""
+
+    def __init__(self, delay: float = 1.0) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return super().forward(x)
+
+
+def comparable(frame: pd.DataFrame) -> pd.DataFrame:
+    """A table without what differs between runs of one config (run ids), in a fixed order."""
+    frame = frame.drop(columns=["run_id"]).copy()
+    for column in ("map",):
+        if column in frame:
+            frame[column] = frame[column].map(tuple)
+    keys = [c for c in ("sample", "layer", "hook", "role", "call", "target_rank") if c in frame]
+    return frame.sort_values(keys).reset_index(drop=True)
+
+
+def cli(*args: str, wait: bool = True):
+    command = [sys.executable, "-m", "runner", *args]
+    if not wait:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def wait_for(condition, process: subprocess.Popen, seconds: float = 120) -> None:  # noqa: ANN001
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if condition():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended first (exit {process.returncode}): {process.stderr.read()}")
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for the run")
+
+
+def parts(run: Path, table: str = "cam") -> list[Path]:
+    return sorted((run / f"{table}.parquet").glob("part-*.parquet"))
+
+
+def temporaries(run: Path) -> list[Path]:
+    return [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+
+
+def one_line_error(stderr: str, message: str) -> None:
+    assert message in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+# ---- one writer per output folder ---------------------------------------------------------------------------
+def test_a_second_writer_is_refused_in_process(tmp_path: Path) -> None:
+    holder = DirectoryLock(tmp_path)
+    holder.acquire()
+    try:
+        with pytest.raises(RunnerError, match="in use by another run \\(pid \\d+ on .*\\).*hydra.run.dir=NEW_DIR"):
+            app.run(make_config(*TINY), tmp_path)
+        assert not parts(tmp_path) and not (tmp_path / "manifest.json").exists()
+    finally:
+        holder.release()
+    app.run(make_config(*TINY), tmp_path)  # released: the folder is free again, and no lock file is left
+    assert len(load(tmp_path, "cam")) == 12 * 2 and not (tmp_path / ".runner.lock").exists()
+
+
+@pytest.mark.slow
+def test_two_writers_on_one_folder_second_refused_first_intact(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = cli(*SLEEPY, f"hydra.run.dir={run}", wait=False)
+    wait_for(lambda: len(parts(run)) >= 1, first)
+    # Same config, then a different one, while the first runs (about 20 s more): both refused by the lock
+    # (not blamed on a config difference).
+    seconds = [cli(*args, f"hydra.run.dir={run}", wait=False) for args in (SLEEPY, [*SLEEPY, "data.count=10"])]
+    for second in seconds:
+        _, stderr = second.communicate(timeout=300)
+        assert second.returncode == 2
+        one_line_error(stderr, "is in use by another run")
+        assert "different run" not in stderr
+    assert first.poll() is None, "the first run was still running when the others were refused"
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    frame = load(run, "cam")
+    assert len(frame) == 24 * 2 and not frame.duplicated(["sample", "layer"]).any()
+    assert frame["run_id"].nunique() == 1  # every shard written by the first run
+    assert not temporaries(run)
+
+
+# ---- the manifest checked against its files ---------------------------------------------------------------------
+def test_missing_and_truncated_shards_run_again_on_resume(tmp_path: Path) -> None:
+    app.run(make_config(*TINY), tmp_path)
+    whole = {t: comparable(load(tmp_path, t)) for t in ("cam", "hooks")}
+    (tmp_path / "cam.parquet" / "part-000003.parquet").unlink()
+    damaged = tmp_path / "hooks.parquet" / "part-000001.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
+
+    with pytest.raises(RunnerError, match="cam.parquet/part-000003.parquet is missing.*partial=True"):
+        load(tmp_path, "cam")
+    with pytest.raises(RunnerError, match="hooks.parquet/part-000001.parquet is unreadable"):
+        load(tmp_path, "hooks")
+    with pytest.warns(UserWarning, match="part-000003.parquet is missing"):
+        assert len(load(tmp_path, "cam", partial=True)) == 10 * 2
+
+    app.run(make_config(*TINY), tmp_path)  # the same command again: the damaged shards run again
+    for table in ("cam", "hooks"):
+        pd.testing.assert_frame_equal(comparable(load(tmp_path, table)), whole[table])
+    assert pd.read_parquet(tmp_path / "cam.parquet")["run_id"].nunique() == 2  # shards 1 and 3 are new
+
+
+def test_every_shard_deleted_runs_everything_again(tmp_path: Path) -> None:
+    app.run(make_config(*TINY), tmp_path)
+    whole = comparable(load(tmp_path, "cam"))
+    for part in parts(tmp_path) + parts(tmp_path, "hooks"):
+        part.unlink()
+    app.run(make_config(*TINY), tmp_path)
+    pd.testing.assert_frame_equal(comparable(load(tmp_path, "cam")), whole)
+
+
+def test_a_shard_with_other_row_count_runs_again(tmp_path: Path) -> None:
+    app.run(make_config(*TINY), tmp_path)
+    whole = comparable(load(tmp_path, "cam"))
+    shorter = tmp_path / "cam.parquet" / "part-000002.parquet"
+    table = pq.read_table(shorter)
+    pq.write_table(table.slice(0, 1).replace_schema_metadata(table.schema.metadata), shorter)
+    with pytest.raises(RunnerError, match="part-000002.parquet has 1 rows, the manifest 4"):
+        load(tmp_path, "cam")
+    app.run(make_config(*TINY), tmp_path)
+    pd.testing.assert_frame_equal(comparable(load(tmp_path, "cam")), whole)
+
+
+def test_load_refuses_an_unfinished_run_unless_partial(tmp_path: Path) -> None:
+    import json
+
+    app.run(make_config(*TINY), tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["shards"]["5"]
+    manifest["complete"] = False
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "cam.parquet" / "part-000005.parquet").unlink()
+    with pytest.raises(RunnerError, match="unfinished run \\(5 of 6 shards complete\\).*partial=True"):
+        load(tmp_path, "cam")
+    with pytest.warns(UserWarning, match="unfinished run"):
+        assert len(load(tmp_path, "cam", partial=True)) == 5 * 2 * 2
+
+
+def test_a_manifest_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
+    app.run(make_config(*TINY), tmp_path)
+    (tmp_path / "manifest.json").write_text('{"shards": {"0": ')
+    with pytest.raises(RunnerError, match="manifest.json is not a readable runner manifest.*hydra.run.dir=NEW_DIR"):
+        app.run(make_config(*TINY), tmp_path)
+    with pytest.raises(RunnerError, match="not a readable runner manifest"):
+        load(tmp_path, "cam")
+    done = cli(*TINY, "progress=false", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 2
+    one_line_error(done.stderr, "not a readable runner manifest")
+
+
+# ---- live runs, SIGTERM, a second Ctrl-C ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_live_run_reads_with_pandas_pyarrow_and_duckdb_and_sigterm_stops_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*SLOW, "output.shard_batches=2", f"hydra.run.dir={run}"]
+    process = cli(*args, wait=False)
+    folder = run / "cam.parquet"
+    # A complete shard and the next one being written (a temporary file in the table folder).
+    wait_for(lambda: parts(run) and any(p.name.endswith(".tmp") for p in folder.iterdir()), process)
+    assert all(p.name.startswith(".") for p in folder.iterdir() if p.name.endswith(".tmp"))
+    committed = sum(pq.read_metadata(p).num_rows for p in parts(run))
+    assert committed >= 8  # every read below sees at least the committed rows, and the temporary file not at all
+    assert len(pd.read_parquet(folder)) >= committed
+    assert ds.dataset(folder).to_table().num_rows >= committed
+    assert duckdb.sql(f"select count(*) from read_parquet('{folder}/*.parquet')").fetchall()[0][0] >= committed
+    with pytest.raises(RunnerError, match="unfinished run"):
+        load(run, "cam")
+
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2  # the Ctrl-C convention: bad input or interrupted, resumable
+    one_line_error(stderr, "Interrupted.")
+    assert f"hydra.run.dir={run}" in stderr and "SIGTERM" in stderr
+    assert not temporaries(run)
+    with pytest.warns(UserWarning, match="unfinished run"):
+        assert 8 <= len(load(run, "cam", partial=True)) < 12 * 2
+    resumed = cli(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    frame = load(run, "cam")
+    assert len(frame) == 12 * 2 and not frame.duplicated(["sample", "layer"]).any()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    process = cli(*SLEEPY, f"hydra.run.dir={run}", wait=False)
+    wait_for(lambda: len(parts(run)) >= 1, process)
+    time.sleep(0.2)  # inside the next batch (1 s per forward)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2
+    one_line_error(stderr, "Stopped at once.")
+    assert f"hydra.run.dir={run}" in stderr and not temporaries(run)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_with_a_noise_hook_equals_uninterrupted(tmp_path: Path) -> None:
+    noisy = [*SLOW, "hooks=[{kind: forward, action: add_noise, std: 0.5, layers: [features.0]}, {kind: forward, layers: [features.2]}]"]  # fmt: skip
+    killed = tmp_path / "killed"
+    process = cli(*noisy, f"hydra.run.dir={killed}", wait=False)
+    wait_for(lambda: len(parts(killed)) >= 2, process)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    written = len(parts(killed))
+    assert 2 <= written < 6, "killed mid-way"
+    resumed = cli(*noisy, f"hydra.run.dir={killed}")  # the lock died with the process: not stuck
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{written} of 6 shards complete" in resumed.stderr
+    whole = cli(*noisy, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr
+    for table in ("cam", "hooks"):
+        got, expected = comparable(load(killed, table)), comparable(load(tmp_path / "whole", table))
+        assert len(got) == 12 * (2 if table == "cam" else 1) and not got.duplicated(["sample", "layer"]).any()
+        pd.testing.assert_frame_equal(got, expected)
+    assert not temporaries(killed)
+
+
+# ---- sidecar tensors after an OOM split --------------------------------------------------------------------------
+def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file
+
+    original = GradCAM.run_batch
+
+    def small_batches_only(self, model, batch, session):  # noqa: ANN001, ANN202
+        if batch.x.shape[0] > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, model, batch, session)
+
+    monkeypatch.setattr(GradCAM, "run_batch", small_batches_only)
+    config = [*TINY, "data.count=8", "data.batch_size=4", "hooks=[{kind: forward, layers: [features.2], save_tensors: true}]"]  # fmt: skip
+    app.run(make_config(*config), tmp_path)
+    hooks = load(tmp_path, "hooks")
+    assert len(hooks) == 8 and hooks["tensor_file"].nunique() == 8  # 4 halves of 2, then 1: a file per part
+    for row in hooks.itertuples():
+        first = int(row.tensor_file.removeprefix("batch-").removesuffix(".safetensors"))
+        tensor = load_file(str(tmp_path / "tensors" / row.tensor_file))[row.tensor_key]  # (part size, 8, 8, 8)
+        assert first <= row.sample < first + tensor.shape[0]
+        assert float(tensor[row.sample - first].mean()) == pytest.approx(row.mean, rel=1e-5, abs=1e-6)
+
+
+# ---- the resume key -----------------------------------------------------------------------------------------------
+def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "weights.pt"
+    torch.manual_seed(1)
+    torch.save(TinyNet().state_dict(), checkpoint)
+    config = [*TINY, f"model.checkpoint={checkpoint}"]
+    app.run(make_config(*config), tmp_path / "run")
+    app.run(make_config(*config, "data.num_workers=1", "method.patching.chunk=3"), tmp_path / "run")  # speed only
+    torch.manual_seed(2)
+    torch.save(TinyNet().state_dict(), checkpoint)  # the same path, other weights
+    with pytest.raises(RunnerError, match='different run.*model.checkpoint \\(contents\\): "sha256:'):
+        app.run(make_config(*config), tmp_path / "run")
+    with pytest.raises(RunnerError, match='different run.*method.target: "predicted" -> "label"') as refused:
+        app.run(make_config(*config, "method.target=label"), tmp_path / "run")
+    assert "model.checkpoint (contents)" in str(refused.value)  # both differences named
+
+
+def test_changed_image_folder_is_not_resumed(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    config = [*TINY[:2], "data=image_folder", f"data.root={images}", "data.image_size=8", "data.resize=square",
+              "data.batch_size=2", *TINY[7:]]  # fmt: skip
+    app.run(make_config(*config), tmp_path / "run")
+    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(images / "2.png")  # replaced
+    os.utime(images / "2.png", ns=(1, 1))
+    with pytest.raises(RunnerError, match='data.root \\(contents\\): "4 files, '):
+        app.run(make_config(*config), tmp_path / "run")
+
+
+# ---- swept columns typed by Hydra's grammar ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "column", "value"),
+    [("seed=010", "sweep.seed", 10), ("name=yes", "sweep.name", "yes"), ("name=007", "sweep.name", "007"),
+     ("method.target=label", "sweep.method.target", "label"), ("+model.kwargs.classes=5", "sweep.model.kwargs.classes", 5)],
+)  # fmt: skip
+def test_swept_columns_typed_as_the_run_used_them(override: str, column: str, value: object) -> None:
+    config = make_config(*TINY, override)
+    with mock.patch.object(provenance, "hydra_overrides", return_value=[override, "hydra.run.dir=x"]):
+        columns = provenance.swept_columns(config)
+    assert columns == {column: value} and type(columns[column]) is type(value)
+
+
+# ---- write failures ----------------------------------------------------------------------------------------------
+def test_disk_full_is_one_clear_error_and_a_rerun_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    original = pq.ParquetWriter.write_table
+
+    def fills_the_disk(self, table, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", fills_the_disk)
+    with pytest.raises(RunnerError, match="Cannot write results to .*: No space left on device.*hydra.run.dir="):
+        app.run(make_config(*TINY), tmp_path)
+    assert not temporaries(tmp_path) and 1 <= len(parts(tmp_path)) < 6
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", original)
+    app.run(make_config(*TINY), tmp_path)
+    assert len(load(tmp_path, "cam")) == 12 * 2
+
+
+def test_sidecar_disk_full_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, *args, **kwargs):  # noqa: ANN001, ANN202
+        Path(filename).write_bytes(b"half")  # what a full disk leaves behind
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')  # fmt: skip
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    config = [*TINY, "hooks=[{kind: forward, layers: [features.2], save_tensors: true}]"]
+    with pytest.raises(RunnerError, match="No space left on device"):
+        app.run(make_config(*config), tmp_path)
+    assert not temporaries(tmp_path)
+
+
+def test_run_dir_that_is_a_file_or_read_only_is_one_clear_error(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(RunnerError, match="it is a file, not a directory. Choose another hydra.run.dir=PATH"):
+        app.check_output_arguments([f"hydra.run.dir={file}"])
+    with pytest.raises(RunnerError, match="Not a directory.*hydra.sweep.dir=PATH"):
+        app.check_output_arguments([f"hydra.sweep.dir={file}/sub"])
+    denied = OSError(errno.EACCES, "Permission denied")
+    with mock.patch.object(Path, "write_bytes", side_effect=denied):
+        with pytest.raises(RunnerError, match="Permission denied.*writable directory with hydra.run.dir=PATH"):
+            app.check_output_arguments([f"hydra.run.dir={tmp_path / 'ro'}"])
+    done = cli(*TINY, f"hydra.run.dir={file}")
+    assert done.returncode == 2
+    one_line_error(done.stderr, "it is a file, not a directory")
