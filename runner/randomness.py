@@ -28,6 +28,28 @@ def sample_generator(seed: int, sample_index: int, purpose: str, device: torch.d
     return torch.Generator(device=device).manual_seed(sample_seed(seed, sample_index, purpose))
 
 
+def _per_sample(
+    draw,
+    shape_per_sample: Sequence[int],
+    seed: int,
+    sample_indices: Iterable[int],
+    purpose: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """(n, *shape_per_sample) draws of `draw` (torch.randn or torch.rand), each sample's from its own generator.
+
+    Drawn in float32 on the CPU, then moved to `device` and cast to `dtype`, so a sample's values are
+    the same on every device, at every batch size and in every batch position.
+    """
+    draws = [
+        draw(tuple(shape_per_sample), generator=sample_generator(seed, int(i), purpose)) for i in sample_indices
+    ]  # each (*shape_per_sample)
+    if not draws:
+        return torch.empty((0, *shape_per_sample), device=device, dtype=dtype)
+    return torch.stack(draws).to(device=device, dtype=dtype)  # (n, *shape_per_sample)
+
+
 def per_sample_normal(
     shape_per_sample: Sequence[int],
     seed: int,
@@ -36,17 +58,8 @@ def per_sample_normal(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """(len(sample_indices), *shape_per_sample) standard normal draws, each sample's from its own generator.
-
-    Drawn in float32 on the CPU, then moved to `device` and cast to `dtype`, so a sample's values are
-    the same on every device, at every batch size and in every batch position.
-    """
-    draws = [
-        torch.randn(tuple(shape_per_sample), generator=sample_generator(seed, int(i), purpose)) for i in sample_indices
-    ]  # each (*shape_per_sample)
-    if not draws:
-        return torch.empty((0, *shape_per_sample), device=device, dtype=dtype)
-    return torch.stack(draws).to(device=device, dtype=dtype)  # (n, *shape_per_sample)
+    """(len(sample_indices), *shape_per_sample) standard normal draws, each sample's from its own generator."""
+    return _per_sample(torch.randn, shape_per_sample, seed, sample_indices, purpose, device, dtype)
 
 
 def per_sample_uniform(
@@ -58,9 +71,4 @@ def per_sample_uniform(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """(len(sample_indices), *shape_per_sample) uniform [0, 1) draws, each sample's from its own generator."""
-    draws = [
-        torch.rand(tuple(shape_per_sample), generator=sample_generator(seed, int(i), purpose)) for i in sample_indices
-    ]  # each (*shape_per_sample)
-    if not draws:
-        return torch.empty((0, *shape_per_sample), device=device, dtype=dtype)
-    return torch.stack(draws).to(device=device, dtype=dtype)  # (n, *shape_per_sample)
+    return _per_sample(torch.rand, shape_per_sample, seed, sample_indices, purpose, device, dtype)

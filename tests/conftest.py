@@ -93,3 +93,22 @@ class SlowNet(TinyNet):
 
         time.sleep(0.25)
         return super().forward(x)
+
+
+@pytest.fixture
+def simulate_oom(monkeypatch: pytest.MonkeyPatch):
+    """A call that makes GradCAM.run_batch raise CUDA out of memory for every batch of more than one sample."""
+
+    def apply() -> None:
+        from runner.methods.gradcam import GradCAM
+
+        original = GradCAM.run_batch
+
+        def small_batches_only(self, model, batch, session):  # noqa: ANN001, ANN202
+            if batch.x.shape[0] > 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return original(self, model, batch, session)
+
+        monkeypatch.setattr(GradCAM, "run_batch", small_batches_only)
+
+    return apply

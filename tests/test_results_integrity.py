@@ -27,7 +27,6 @@ from PIL import Image
 import runner.app as app
 import runner.provenance as provenance
 from runner.errors import RunnerError
-from runner.methods.gradcam import GradCAM
 from runner.results import DirectoryLock, load
 from tests.conftest import TinyNet, make_config
 
@@ -278,17 +277,10 @@ def test_kill_9_then_resume_with_a_noise_hook_equals_uninterrupted(tmp_path: Pat
 
 
 # ---- sidecar tensors after an OOM split --------------------------------------------------------------------------
-def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, simulate_oom) -> None:
     from safetensors.torch import load_file
 
-    original = GradCAM.run_batch
-
-    def small_batches_only(self, model, batch, session):  # noqa: ANN001, ANN202
-        if batch.x.shape[0] > 1:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return original(self, model, batch, session)
-
-    monkeypatch.setattr(GradCAM, "run_batch", small_batches_only)
+    simulate_oom()
     config = [*TINY, "data.count=8", "data.batch_size=4", "hooks=[{kind: forward, layers: [features.2], save_tensors: true}]"]  # fmt: skip
     app.run(make_config(*config), tmp_path)
     hooks = load(tmp_path, "hooks")

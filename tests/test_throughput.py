@@ -52,16 +52,9 @@ def test_workers_give_the_same_rows(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(table(tmp_path / "a", "hooks"), table(tmp_path / "b", "hooks"))
 
 
-def test_out_of_memory_halves_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+def test_out_of_memory_halves_the_batch(tmp_path: Path, simulate_oom, caplog) -> None:
     app.run(make_config(*TINY), tmp_path / "plain")
-    original = GradCAM.run_batch
-
-    def small_batches_only(self, model, batch, session):  # noqa: ANN001, ANN202
-        if batch.x.shape[0] > 1:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return original(self, model, batch, session)
-
-    monkeypatch.setattr(GradCAM, "run_batch", small_batches_only)
+    simulate_oom()
     app.run(make_config(*TINY), tmp_path / "halved")
     pd.testing.assert_frame_equal(table(tmp_path / "plain"), table(tmp_path / "halved"))
     pd.testing.assert_frame_equal(table(tmp_path / "plain", "hooks"), table(tmp_path / "halved", "hooks"))
