@@ -7,6 +7,7 @@ stderr and the traceback in the run's log; anything else is a bug in the runner.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -76,15 +77,40 @@ def _sweep_jobs(multirun_yaml: Path) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
 
 
+def config_error(error: Exception) -> str:
+    """Hydra's report of a config it cannot compose (several lines, some of them internals), as one line."""
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from runner.schema import config_error_line
+
+    cause = error.__cause__
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        return config_error_line(cause)  # names the key, and the option it belongs to
+    text = str(error).split("Config search path")[0]  # Hydra's search path: internals
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "Config error: " + " ".join(lines)
+
+
 if __name__ == "__main__":
     try:
         check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
     except RunnerError as e:
         print(f"[ERROR] {e}", file=sys.stderr)
         sys.exit(2)
+    # Hydra prints a config it cannot compose (unknown key, wrong type, missing group option) as several
+    # lines and exits 1; with HYDRA_FULL_ERROR it raises instead, so that it becomes one line and exit 2.
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
-    except SystemExit as done:
-        # Hydra reports a config it cannot compose (unknown key, wrong type, missing group option) with
-        # one message and exit 1; that is bad input too, so it gets the bad-input code.
-        sys.exit(2 if done.code == 1 and not _started else done.code)
+    except Exception as error:
+        if _started or full_error == "1":  # failed in the run itself (a bug), or the user asked for the traceback
+            raise
+        print(f"[ERROR] {config_error(error)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error

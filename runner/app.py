@@ -31,8 +31,7 @@ from runner.data import NO_LABEL, Batch, build_dataset, make_loader, skipped_fil
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.layers import Layer, resolve_layers
-from runner.methods import Runtime, build_method
-from runner.methods.hook_check import HookCheck
+from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
 from runner.provenance import provenance, resume_key, swept_columns
 from runner.results import Block, DirectoryLock, ShardedWriter, to_host, write_failure
@@ -41,15 +40,10 @@ from runner.stats import STAT_NAMES
 
 log = logging.getLogger(__name__)
 
-# What the console summary reports: per layer (and hook, role, call), the mean of these columns where present.
+# What the console summary reports: per layer (and hook, role, call), the mean of these columns where present:
+# the hooks table's, and those the method declares (`Method.summary_values`).
 SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call")
-SUMMARY_VALUES = (
-    "mean", "std", "frac_zero",  # hooks
-    "score", "cam_mean", "cam_max", "deletion_auc", "random_deletion_auc", "insertion_auc",
-    "random_insertion_auc", "avg_drop", "random_avg_drop",  # CAM family
-    "spearman", "max_abs_diff",  # sanity, hook_check
-    "restoration", "rank_correlation",  # patching
-)  # fmt: skip
+HOOK_SUMMARY_VALUES = ("mean", "std", "frac_zero")
 
 
 @dataclass
@@ -143,7 +137,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     target_layers = (
         resolve_layers(model, config.layers.include, config.layers.exclude) if config.layers.include else None
     )
-    if target_layers is None and config.method.name != "record":
+    if target_layers is None and method_class(config.method).needs_layers:
         raise RunnerError(f"method={config.method.name} needs target layers: set layers.include=[...].")
     hooks = _bind_hooks(model, config, target_layers)
     method = build_method(config.method, target_layers or [], runtime)
@@ -151,8 +145,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     dataset = build_dataset(config.data, bundle.preprocess, config.seed)
     # One forward: a shape the model refuses fails here.
     check_input(model, dataset[0][0], config.data.batch_size, device)
-    if hasattr(method, "bind_dataset"):  # patching pairs a sample with another one of the data set
-        method.bind_dataset(dataset)
+    method.prepare(dataset)
     rank, world = distributed.rank_and_world()
     shard_samples = config.output.shard_batches * config.data.batch_size
     num_shards = -(-len(dataset) // shard_samples)
@@ -208,14 +201,11 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
                 f" discarded. Run the same command with hydra.run.dir={out} to resume."
             ) from None
         raise
-    if isinstance(method, HookCheck) and method.failures():
-        raise RunnerError(
-            f"Hook check failed (max abs difference above {config.method.tolerance}): {method.failures()}; see {out}."
-        )
+    method.finish(out)  # a method's final check (hook_check's tolerance) fails the run after its tables are written
     distributed.barrier()
     tables = writer.tables()
     if rank == 0:
-        _summarise(tables)
+        _summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
         log.info("results: %s", out)
     return RunResult(out, tables)
 
@@ -403,11 +393,11 @@ def _with_ids(identity: dict[str, str], samples: dict[str, np.ndarray], columns:
     return {**ids, **columns}
 
 
-def _summarise(paths: dict[str, Path]) -> None:
+def _summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
     for table, path in paths.items():
         present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
         keys = [k for k in SUMMARY_KEYS if k in present]
-        values = [v for v in SUMMARY_VALUES if v in present]
+        values = [v for v in summary_values if v in present]
         frame = pd.read_parquet(path, columns=keys + values)
         summary = frame.groupby(keys, sort=False)[values].mean()
         with pd.option_context(

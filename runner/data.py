@@ -1,13 +1,17 @@
 """Data: the scikit-image photos (embedded default), any image folder, seeded synthetic tensors,
-and torchvision data sets by name. Every sample is (image tensor, label or -1, sample id)."""
+and torchvision data sets by name. Every sample is (image tensor, label or -1, sample id).
+
+Each source is a config dataclass (its option's schema: conf/data/<name>.yaml names it first) and a
+builder registered under that type with `@data_source(ItsConfig)`; a new source is one more pair here."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -16,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
 from runner.errors import RunnerError, suggest
-from runner.schema import DataConfig, ResizeMode
+from runner.schema import MAX_IMAGE_SIDE, DataConfig, ResizeMode
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,90 @@ PHOTOS = (
     "coins", "colorwheel", "grass", "gravel", "horse", "hubble_deep_field", "immunohistochemistry", "logo",
     "microaneurysms", "moon", "motorcycle", "page", "retina", "rocket", "shepp_logan_phantom", "text",
 )  # fmt: skip
+
+
+# ---- the sources' configs ---------------------------------------------------------------------------------------
+@dataclass
+class ImageDataConfig(DataConfig):
+    """A source of photos: how each becomes the model's input."""
+
+    resize: ResizeMode = ResizeMode.square
+
+
+@dataclass
+class SkimagePhotosConfig(ImageDataConfig):
+    name: str = "skimage_photos"
+    photos: list[str] = field(
+        default_factory=lambda: ["chelsea", "coffee", "rocket", "astronaut", "motorcycle", "horse"]
+    )
+
+
+@dataclass
+class ImageFolderConfig(ImageDataConfig):
+    name: str = "image_folder"
+    root: str | None = None  # the folder (class-per-subfolder layouts get labels)
+    strict: bool = False  # fail on an unreadable image instead of skipping it (skips are logged)
+
+
+@dataclass
+class TorchvisionDataConfig(ImageDataConfig):
+    name: str = "torchvision"
+    dataset: str | None = None  # the data set class name, e.g. CIFAR10
+    root: str | None = None  # where the files are
+    download: bool = False  # allowed to download (needs internet)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra constructor arguments
+
+
+# Bound that keeps a typo from allocating tens of gigabytes (data.shape=[3,60000,60000] is 43 GB a sample).
+MAX_SAMPLE_ELEMENTS = 3 * MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    name: str = "synthetic"
+    shape: list[int] = field(default_factory=lambda: [3, 224, 224])  # one sample's shape
+    count: int = 8  # how many samples
+    num_classes: int = 1000  # labels drawn from range(num_classes)
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        bad += [f"data.{key}={value}" for key, value in (("count", self.count), ("num_classes", self.num_classes))
+                if value < 1]  # fmt: skip
+        if len(self.shape) < 1 or min(self.shape) < 1:
+            bad.append(f"data.shape={self.shape} (positive sizes)")
+        elif math.prod(self.shape) > MAX_SAMPLE_ELEMENTS:
+            gigabytes = math.prod(self.shape) * 4 / 1e9
+            raise RunnerError(
+                f"data.shape={list(self.shape)} is {gigabytes:.1f} GB per sample in float32, above the bound of"
+                f" {MAX_SAMPLE_ELEMENTS} values ([3,{MAX_IMAGE_SIDE},{MAX_IMAGE_SIDE}]); use a smaller shape,"
+                " e.g. data.shape=[3,224,224]."
+            )
+        return bad
+
+
+Builder = Callable[[Any, Callable | None, int], Dataset]
+B = TypeVar("B", bound=Builder)
+# Every data source's builder by its config type: (config, the weights' preprocessing or None, seed) -> data set.
+DATA_SOURCES: dict[type[DataConfig], Builder] = {}
+
+
+def data_source(config: type[DataConfig]) -> Callable[[B], B]:
+    """Function decorator: `build` makes the data set of configs of type `config` (option `config.name`)."""
+
+    def add(build: B) -> B:
+        DATA_SOURCES[config] = build
+        return build
+
+    return add
+
+
+def data_config_class(name: str) -> type[DataConfig]:
+    """The config dataclass of the data source called `name`."""
+    for config in DATA_SOURCES:
+        if config.name == name:
+            return config
+    kinds = [config.name for config in DATA_SOURCES]
+    raise RunnerError(f"Unknown data source '{name}'.{suggest(name, kinds)} Use one of: {', '.join(kinds)}.")
 
 
 @dataclass
@@ -88,7 +176,7 @@ def describe_resize(size: int, resize: ResizeMode) -> str:
     }[resize]
 
 
-def image_transform(cfg: DataConfig, preprocess: Callable | None) -> tuple[Callable, str]:
+def image_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> tuple[Callable, str]:
     """The transform for photos and its description for the log.
 
     A model's own preprocessing (torchvision weights) wins for `square` and `crop`; for `pad` and `none`
@@ -181,22 +269,8 @@ class SyntheticDataset(Dataset):
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
     """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
     Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
-    transform, how = image_transform(cfg, preprocess)
-    if cfg.name in ("skimage_photos", "image_folder", "torchvision"):
-        log.info("images: %s", how)
-    if cfg.name == "skimage_photos":
-        dataset: Dataset = _skimage_dataset(cfg.photos, transform)
-    elif cfg.name == "image_folder":
-        dataset = _folder_dataset(cfg.root, transform, cfg.strict)
-    elif cfg.name == "synthetic":
-        dataset = SyntheticDataset(list(cfg.shape), cfg.count, cfg.num_classes, seed)
-    elif cfg.name == "torchvision":
-        dataset = _torchvision_dataset(cfg, transform)
-    else:
-        kinds = ["skimage_photos", "image_folder", "synthetic", "torchvision"]
-        raise RunnerError(
-            f"Unknown data source '{cfg.name}'.{suggest(cfg.name, kinds)} Use one of: {', '.join(kinds)}."
-        )
+    build = DATA_SOURCES.get(type(cfg)) or DATA_SOURCES[data_config_class(cfg.name)]  # raises for an unknown name
+    dataset = build(cfg, preprocess, seed)
     if cfg.limit is not None:
         dataset = torch.utils.data.Subset(dataset, range(min(cfg.limit, len(dataset))))  # type: ignore[arg-type]
     if len(dataset) == 0:  # type: ignore[arg-type]
@@ -205,6 +279,33 @@ def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Da
             " remove data.limit."
         )
     return dataset
+
+
+def _logged_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> Callable:
+    """The photos' transform, said in the log."""
+    transform, how = image_transform(cfg, preprocess)
+    log.info("images: %s", how)
+    return transform
+
+
+@data_source(SkimagePhotosConfig)
+def _skimage_source(cfg: SkimagePhotosConfig, preprocess: Callable | None, seed: int) -> Dataset:
+    return _skimage_dataset(cfg.photos, _logged_transform(cfg, preprocess))
+
+
+@data_source(ImageFolderConfig)
+def _folder_source(cfg: ImageFolderConfig, preprocess: Callable | None, seed: int) -> Dataset:
+    return _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict)
+
+
+@data_source(SyntheticConfig)
+def _synthetic_source(cfg: SyntheticConfig, preprocess: Callable | None, seed: int) -> Dataset:
+    return SyntheticDataset(list(cfg.shape), cfg.count, cfg.num_classes, seed)
+
+
+@data_source(TorchvisionDataConfig)
+def _torchvision_source(cfg: TorchvisionDataConfig, preprocess: Callable | None, seed: int) -> Dataset:
+    return _torchvision_dataset(cfg, _logged_transform(cfg, preprocess))
 
 
 def skipped_files(dataset: Dataset) -> list[str]:
@@ -303,7 +404,7 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
     return dataset
 
 
-def _torchvision_dataset(cfg: DataConfig, transform: Callable) -> Dataset:
+def _torchvision_dataset(cfg: TorchvisionDataConfig, transform: Callable) -> Dataset:
     import torchvision.datasets
 
     if not cfg.dataset or not hasattr(torchvision.datasets, cfg.dataset):
@@ -348,7 +449,7 @@ def make_loader(dataset: Dataset, cfg: DataConfig, device: torch.device) -> Data
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
-        collate_fn=pad_collate if cfg.resize is ResizeMode.none else None,
+        collate_fn=pad_collate if getattr(cfg, "resize", None) is ResizeMode.none else None,
         shuffle=False,  # sample order is part of the result's identity (and of resuming)
         num_workers=cfg.num_workers,
         pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,

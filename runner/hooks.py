@@ -1,6 +1,6 @@
 """The hook session: the one owner of every hook handle in a run.
 
-Methods and the runner never call `register_*` themselves; they ask the session, which
+The runner and its methods register no hook themselves; they ask the session, which
   - registers the four kinds from specs (pre, forward, backward, tensor), each with an action
     (record statistics, or modify the value in flight: scale, zero, add_noise, clamp);
   - counts calls per module per batch, so a module called twice per forward (EfficientNet's shared
@@ -13,6 +13,10 @@ Methods and the runner never call `register_*` themselves; they ask the session,
   - draws `add_noise` noise per sample, keyed by (hook seed, sample index, layer, role, call), so a sample's
     noise does not depend on the batch size, an OOM split or a resume (runner/randomness.py);
   - removes every handle in `__exit__`, also when the run raised.
+
+One exception: `method=captum` hands a layer to captum, whose `attribute` call registers its own hooks
+on it and removes them (in a `finally`) before it returns. Those hooks are not the session's, and none
+outlives the call (tests/test_experiments.py checks with `count_hooks`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -33,7 +38,8 @@ from runner.errors import RunnerError
 from runner.layers import Layer
 from runner.randomness import per_sample_normal
 from runner.schema import HookAction, HookKind, HookSpec
-from runner.stats import STAT_NAMES, per_sample_stats
+from runner.stats import STAT_NAMES, per_sample_stats, stat_fields
+from runner.tables import declare
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +143,23 @@ def _modifier(spec: HookSpec, sample_indices: Callable[[], Sequence[int]]) -> Mo
 
         return add_noise
     raise RunnerError(f"Hook action '{action}' is not a modification.")
+
+
+# The `hooks` table's own columns: the key of each recorded tensor (`HookSession._record`), then its statistics.
+HOOKS_SCHEMA = declare(
+    "hooks",
+    [
+        pa.field("layer", pa.string()),
+        pa.field("module_type", pa.string()),
+        pa.field("hook", pa.string()),  # pre | forward | backward | tensor
+        pa.field("role", pa.string()),  # input.0, output, grad_input.0, grad_output.0, grad
+        pa.field("call", pa.int32()),
+        pa.field("shape", pa.string()),  # of one sample, e.g. 8x4x4
+        pa.field("tensor_file", pa.string()),  # null unless save_tensors
+        pa.field("tensor_key", pa.string()),
+        *stat_fields(),
+    ],
+)
 
 
 class HookSession:

@@ -1,9 +1,13 @@
-"""Result rows -> Parquet.
+"""Result rows -> Parquet: each table a folder of shard files (`<table>.parquet/part-<shard>.parquet`), and a manifest.
 
 Methods hand over columns per batch, still on the device. The writer moves them to the host once
-per batch, adds the identifier columns, and appends them to one Parquet file per table as a row
-group, so memory stays flat in the data set's size. Files are written under a temporary name and
-renamed only when their shard completes: a failed or killed run leaves no half table behind.
+per batch (on a background thread), adds the identifier columns, holds them to the table's declared
+schema (runner/tables.py: a missing, undeclared or mistyped column raises), and appends them as a row
+group to the table's part file of the shard in progress, so memory stays flat in the data set's size.
+A shard is a fixed range of samples: its part files are written under temporary names and renamed
+together when it completes, and only then is it listed in the run's manifest (`manifest.json`, one per
+rank, replaced atomically). A failed or killed run loses at most the shard in progress and leaves no
+half table behind; run again on the same directory, it skips every listed shard whose files are intact.
 
 Temporary files start with '.', so pandas, pyarrow.dataset and DuckDB (`read_parquet('DIR/t.parquet/*.parquet')`)
 skip them while a run is live. One process writes a directory at a time (`DirectoryLock`). The manifest
@@ -34,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 
 from runner.errors import RunnerError
+from runner.tables import SchemaError, conform
 
 try:
     import fcntl
@@ -42,27 +47,6 @@ except ImportError:  # pragma: no cover - Windows: no flock; the run goes on unl
 
 log = logging.getLogger(__name__)
 
-# Identifier columns whose type must not depend on the first batch's values (nulls, small ints).
-ID_TYPES = {
-    "run_id": pa.string(),
-    "experiment": pa.string(),
-    "model": pa.string(),
-    "method": pa.string(),
-    "layer": pa.string(),
-    "module_type": pa.string(),
-    "hook": pa.string(),
-    "role": pa.string(),
-    "call": pa.int32(),
-    "sample": pa.int64(),
-    "sample_id": pa.string(),
-    "label": pa.int64(),
-    "predicted": pa.int64(),
-    "predicted_name": pa.string(),
-    "target": pa.int64(),
-    "shape": pa.string(),
-    "tensor_file": pa.string(),
-    "tensor_key": pa.string(),
-}
 METADATA_KEY = b"runner"
 LOCK_NAME = ".runner.lock"
 # Write failures that the user fixes (free space, permissions), reported as one message instead of a traceback.
@@ -206,28 +190,34 @@ def to_host(columns: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _arrow(name: str, value: Any) -> pa.Array:
-    if isinstance(value, pa.Array):
-        return value
-    return pa.array(value, type=ID_TYPES.get(name))
-
-
 class TableWriter:
-    """One Parquet file, appended by row groups, published by an atomic rename on `commit`."""
+    """One Parquet file of table `table`, appended by row groups, published by an atomic rename on `commit`.
 
-    def __init__(self, path: Path, metadata: dict[str, Any]) -> None:
+    Every batch is held to the table's declared schema (`runner.tables.conform`); the first batch fixes which
+    optional and swept columns the file has, and every later batch must have the same."""
+
+    def __init__(self, path: Path, metadata: dict[str, Any], table: str) -> None:
         self.path = path
+        self.table = table
         self.tmp = temp_name(path)
         self.metadata = {METADATA_KEY: json.dumps(metadata, default=str).encode()}
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
 
     def write(self, columns: dict[str, Any]) -> None:
-        table = pa.table({name: _arrow(name, value) for name, value in columns.items()})
+        table = conform(self.table, columns)  # the declared types, or SchemaError naming the column
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._writer = pq.ParquetWriter(self.tmp, table.schema.with_metadata(self.metadata))
-        table = table.cast(self._writer.schema)  # later batches take the first batch's types
+        elif not table.schema.equals(self._writer.schema):
+            first, now = self._writer.schema, table.schema
+            differ = sorted(set(first.names) ^ set(now.names)) or [
+                n for n in now.names if now.field(n).type != first.field(n).type
+            ]
+            raise SchemaError(
+                f"table '{self.table}': a batch's columns differ from the first batch's in {', '.join(differ)}"
+                " (an optional or swept column must be in every batch or in none)"
+            )
         self._writer.write_table(table)
         self.rows += table.num_rows
 
@@ -402,7 +392,7 @@ class ShardedWriter:
 
     def _write(self, shard: int, table: str, columns: dict[str, Any]) -> None:
         if table not in self._open:
-            self._open[table] = TableWriter(part_path(self.directory, table, shard), self.metadata)
+            self._open[table] = TableWriter(part_path(self.directory, table, shard), self.metadata, table)
         self._open[table].write(columns)
 
     def commit_shard(self) -> None:

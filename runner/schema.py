@@ -7,15 +7,15 @@ Library code receives these objects (via `to_run_config`), never a DictConfig.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, suggest
 
 
 class HookKind(str, Enum):
@@ -83,27 +83,39 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # skimage_photos | image_folder | synthetic | torchvision
+    """What every data source shares (loading, batching, the input size); each source's own fields live in
+    its config next to its code in runner/data.py (`SkimagePhotosConfig`, `SyntheticConfig`, ...).
+
+    `DataConfig(name=..., **fields)` builds that source's own config, so code can name a source by string."""
+
+    # skimage_photos | image_folder | synthetic | torchvision (runner/data.py's DATA_SOURCES)
     name: str = "skimage_photos"
-    photos: list[str] = field(
-        default_factory=lambda: ["chelsea", "coffee", "rocket", "astronaut", "motorcycle", "horse"]
-    )
-    root: Optional[str] = None  # image_folder / torchvision: where the files are
-    dataset: Optional[str] = None  # torchvision: the data set class name, e.g. CIFAR10
-    download: bool = False  # torchvision: allowed to download (needs internet)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # torchvision: extra constructor arguments
-    shape: list[int] = field(default_factory=lambda: [3, 224, 224])  # synthetic: one sample's shape
-    count: int = 8  # synthetic: how many samples
-    num_classes: int = 1000  # synthetic: labels drawn from range(num_classes)
+    # Photos are resized to this (see `resize`); a synthetic sample's size is its `shape`. In the base so
+    # that one override (e.g. debug=tiny's) applies to every source.
     image_size: int = 224
-    resize: ResizeMode = ResizeMode.square
     limit: Optional[int] = None  # use only the first N samples
     batch_size: int = 4
     num_workers: int = 0
     pin_memory: Optional[bool] = None  # null: on when the device is a GPU
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
     persistent_workers: bool = False  # keep workers alive between shards (num_workers > 0)
-    strict: bool = False  # image_folder: fail on an unreadable image instead of skipping it (skips are logged)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DataConfig:
+        if cls is DataConfig:  # the base named: build the named source's own config
+            from runner.data import data_config_class
+
+            cls = data_config_class(kwargs.get("name", "skimage_photos"))
+        return super().__new__(cls)
+
+    def check(self) -> list[str]:
+        """`key=value` for each value out of range (the caller names them all in one message)."""
+        positive = {"data.batch_size": self.batch_size, "data.image_size": self.image_size}
+        if self.limit is not None:
+            positive["data.limit"] = self.limit
+        bad = [f"{key}={value}" for key, value in positive.items() if value < 1]
+        if self.num_workers < 0:
+            bad.append(f"data.num_workers={self.num_workers}")
+        return bad
 
 
 @dataclass
@@ -218,30 +230,31 @@ class PatchingConfig:
 
 @dataclass
 class MethodConfig:
-    # CAM family: gradcam | gradcampp | xgradcam | hirescam | layercam | eigencam | scorecam;
-    # captum (a captum layer method, `captum`); sanity (model randomisation check);
-    # patching (activation patching, exact or attribution); record (hooks only);
-    # hook_check (hooks' captures vs. running each module directly)
+    """What every method shares: the class it explains, and its pictures. Each method's own fields live in
+    its config next to its code (runner/methods/<name>.py: `GradCamConfig`, `PatchingMethodConfig`, ...).
+
+    `MethodConfig(name=..., **fields)` builds that method's own config, so code can name a method by string."""
+
+    # One of runner/methods' registered options: gradcam, gradcampp, xgradcam, hirescam, layercam, eigencam,
+    # scorecam, captum, sanity, patching, record, hook_check, ...
     name: str = "gradcam"
     target: TargetMode = TargetMode.predicted
     class_ids: list[int] = field(default_factory=list)  # target=fixed: one id for all, or one per sample
     top_k: int = 1  # target=topk: explain the k highest-scoring classes of each sample
-    store_maps: bool = True  # put each map (at the layer's resolution) in its row
-    token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
-    faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
     pictures: Optional[bool] = None  # overlay PNGs per sample; null: on for single runs, off in sweeps
     pictures_max: int = 16  # pictures for the first N samples only (a PNG per sample of a large data set is noise)
-    feature_grid_layer: Optional[str] = None  # also a grid of this layer's first feature maps per sample
-    score_chunk: int = 64  # scorecam: masked inputs per batched forward
-    # scorecam: `paper` (each channel's weight is the target's softmax probability on the masked input, as
-    # Wang et al. 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
-    scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
-    captum: str = "LayerGradientXActivation"  # method=captum: the captum.attr layer method
-    captum_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {n_steps: 16} for integrated gradients
-    inner: str = "gradcam"  # method=sanity: the CAM method whose maps are compared
-    randomize: list[str] = field(default_factory=list)  # method=sanity: layers re-initialised in the copy
-    tolerance: float = 1e-5  # hook_check: max abs difference allowed
-    patching: PatchingConfig = field(default_factory=PatchingConfig)  # method=patching
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MethodConfig:
+        if cls is MethodConfig:  # the base named: build the named method's own config
+            from runner.methods import method_config_class
+
+            cls = method_config_class(kwargs.get("name", "gradcam"))
+        return super().__new__(cls)
+
+    def check(self) -> list[str]:
+        """`key=value` for each value out of range (the caller names them all in one message); an option
+        with range rules of its own extends this, and raises RunnerError for a rule that needs its own words."""
+        return [] if self.top_k >= 1 else [f"method.top_k={self.top_k}"]
 
 
 @dataclass
@@ -256,10 +269,12 @@ class OutputConfig:
 class RunConfig:
     name: str = "default"
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # Typed as the group's base; Hydra merges the chosen option's own schema in (conf/data/*.yaml and
+    # conf/method/*.yaml name it first in their defaults), so a key of another option fails at composition.
+    data: DataConfig = MISSING
     layers: LayersConfig = field(default_factory=LayersConfig)
     hooks: list[HookSpec] = field(default_factory=list)
-    method: MethodConfig = field(default_factory=MethodConfig)
+    method: MethodConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Precision = Precision.fp32
@@ -269,76 +284,32 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Make the schema available to the primary config's defaults list as `run_schema`."""
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    """Make the schemas available to Hydra: the run's as `run_schema` (the primary config's defaults list),
+    each option's as `/schema/<group>/<option>` (the first entry of conf/<group>/<option>.yaml's defaults)."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, options in option_schemas().items():
+        for option, schema in options.items():
+            store.store(group=f"schema/{group}", name=option, node=schema)
+
+
+def option_schemas() -> dict[str, dict[str, type]]:
+    """Each config group's options and their schemas, from the groups' registries."""
+    from runner.data import DATA_SOURCES  # imported here: those modules import this one
+    from runner.methods import METHODS
+
+    return {
+        "method": {config.name: config for config in METHODS},
+        "data": {config.name: config for config in DATA_SOURCES},
+    }
 
 
 def validate(config: RunConfig) -> RunConfig:
-    """Range checks the types cannot express; each failure names the key and what it accepts."""
-    positive = {
-        "data.batch_size": config.data.batch_size,
-        "data.image_size": config.data.image_size,
-        "data.count": config.data.count,
-        "data.num_classes": config.data.num_classes,
-        "method.top_k": config.method.top_k,
-        "method.score_chunk": config.method.score_chunk,
-        "method.faithfulness.steps": config.method.faithfulness.steps,
-        "method.faithfulness.chunk": config.method.faithfulness.chunk,
-        "method.patching.top_k": config.method.patching.top_k,
-        "output.shard_batches": config.output.shard_batches,
-    }
-    if config.method.patching.chunk is not None:
-        positive["method.patching.chunk"] = config.method.patching.chunk
-    if config.method.patching.cell_size is not None:
-        positive["method.patching.cell_size"] = config.method.patching.cell_size
-    if config.data.limit is not None:
-        positive["data.limit"] = config.data.limit
-    bad = [f"{key}={value}" for key, value in positive.items() if value < 1]
-    if config.data.num_workers < 0:
-        bad.append(f"data.num_workers={config.data.num_workers}")
-    if len(config.method.patching.grid) != 2 or min(config.method.patching.grid) < 1:
-        bad.append(f"method.patching.grid={config.method.patching.grid} (two positive numbers)")
-    patching = config.method.patching
-    if not patching.directions or len(set(patching.directions)) != len(patching.directions):
-        raise RunnerError(
-            f"method.patching.directions={[d.value for d in patching.directions]}: give each direction at most once"
-            " and at least one, e.g. method.patching.directions=[denoising] or [denoising,noising]."
-        )
-    corruption = patching.corruption
-    if (
-        not math.isfinite(corruption.std)
-        or corruption.std < 0
-        or not math.isfinite(corruption.sigma)
-        or corruption.sigma <= 0
-        or patching.call < 0
-        or (patching.contrast_class is not None and patching.contrast_class < 0)
-    ):
-        raise RunnerError(
-            f"Out of range: method.patching.corruption.std={corruption.std} (finite, >= 0),"
-            f" corruption.sigma={corruption.sigma} (finite, > 0), method.patching.call={patching.call} (>= 0),"
-            f" method.patching.contrast_class={patching.contrast_class} (null or a class id >= 0)."
-        )
-    box = corruption.box
-    if len(box) != 4 or not all(0 <= v <= 1 for v in box) or box[0] >= box[2] or box[1] >= box[3]:
-        raise RunnerError(
-            f"method.patching.corruption.box={box} must be [y0, x0, y1, x1], fractions of the image in [0, 1]"
-            " with y0 < y1 and x0 < x1, e.g. [0.25, 0.25, 0.75, 0.75]."
-        )
-    if corruption.kind is CorruptionKind.pair and not corruption.pair_with:
-        raise RunnerError(
-            "method.patching.corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee)"
-            " or a data set index."
-        )
-    if len(config.data.shape) < 1 or min(config.data.shape) < 1:
-        bad.append(f"data.shape={config.data.shape} (positive sizes)")
-    blur = config.method.faithfulness.insertion_blur
-    if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
-        raise RunnerError(
-            f"Out of range: method.faithfulness.insertion_blur.kernel_size={blur.kernel_size} (odd, >= 1),"
-            f" sigma={blur.sigma} (> 0). RISE's blur, the default: kernel_size=11, sigma=5."
-        )
-    if config.method.token_prefix < 0:
-        bad.append(f"method.token_prefix={config.method.token_prefix}")
+    """Range checks the types cannot express; each failure names the key and what it accepts. Each option
+    checks its own fields (`check()` beside its schema); what spans groups is checked here."""
+    bad = config.method.check() + config.data.check()
+    if config.output.shard_batches < 1:
+        bad.append(f"output.shard_batches={config.output.shard_batches}")
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:
@@ -348,16 +319,14 @@ def validate(config: RunConfig) -> RunConfig:
     return config
 
 
-# Bounds that keep a typo from allocating tens of gigabytes (data.shape=[3,60000,60000] is 43 GB a sample).
+# Bounds that keep a typo from allocating tens of gigabytes or running for days (checked where each key lives).
 MAX_IMAGE_SIDE = 8192
-MAX_SAMPLE_ELEMENTS = 3 * MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
 MAX_FAITHFULNESS_STEPS = 1000
 DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"
 
 
 def _validate_inputs(config: RunConfig) -> None:
-    """Device, input sizes and curve lengths: values that pass the types but could not run (or not finish)."""
-    import math
+    """Device and input sizes across groups: values that pass the types but could not run."""
     import re
 
     if not re.fullmatch(DEVICE_PATTERN, config.device):
@@ -367,30 +336,16 @@ def _validate_inputs(config: RunConfig) -> None:
         raise RunnerError(
             f"data.image_size={data.image_size} is above the bound of {MAX_IMAGE_SIDE} px; ImageNet models use 224."
         )
-    if data.name == "synthetic":
-        if config.model._target_ is None and len(data.shape) != 3:
-            raise RunnerError(
-                f"data.shape={list(data.shape)}: one sample of an image model is [channels, height, width],"
-                " e.g. data.shape=[3,224,224]."
-            )
-        if math.prod(data.shape) > MAX_SAMPLE_ELEMENTS:
-            gigabytes = math.prod(data.shape) * 4 / 1e9
-            raise RunnerError(
-                f"data.shape={list(data.shape)} is {gigabytes:.1f} GB per sample in float32, above the bound of"
-                f" {MAX_SAMPLE_ELEMENTS} values ([3,{MAX_IMAGE_SIDE},{MAX_IMAGE_SIDE}]); use a smaller shape,"
-                " e.g. data.shape=[3,224,224]."
-            )
-    steps = config.method.faithfulness.steps
-    if steps > MAX_FAITHFULNESS_STEPS:
+    shape = getattr(data, "shape", None)  # a source that makes its samples says their shape
+    if shape is not None and config.model._target_ is None and len(shape) != 3:
         raise RunnerError(
-            f"method.faithfulness.steps={steps} is above the bound of {MAX_FAITHFULNESS_STEPS}: each step costs"
-            " about 4 forwards per sample and layer. 20 to 100 steps resolve a deletion curve; use e.g. steps=50."
+            f"data.shape={list(shape)}: one sample of an image model is [channels, height, width],"
+            " e.g. data.shape=[3,224,224]."
         )
 
 
 def _validate_hooks(hooks: list[HookSpec]) -> None:
     """Hook values each action needs, checked before any model is built."""
-    import math
 
     for i, spec in enumerate(hooks):
         where = f"hooks[{i}] ({spec.kind.value}, {spec.action.value})"
@@ -410,15 +365,37 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     if isinstance(cfg, RunConfig):
         return validate(cfg)
     # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
-    # to_object would silently drop it; merging plain values into the schema refuses it instead.
+    # to_object would silently drop it; merging plain values into the schema refuses it instead. The
+    # schema's method and data are the named options' own, so a key of another option is refused too.
     plain = OmegaConf.to_container(cfg, resolve=True)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+        schema = OmegaConf.structured(RunConfig)
+        assert isinstance(plain, dict)
+        for group, options in option_schemas().items():
+            name = (plain.get(group) or {}).get("name")
+            if name not in options:
+                known = ", ".join(options)
+                raise RunnerError(f"Unknown {group} '{name}'.{suggest(str(name), options)} Available: {known}.")
+            schema[group] = OmegaConf.structured(options[name])
+        merged = OmegaConf.merge(schema, plain)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        key = f" (key: {e.full_key})" if getattr(e, "full_key", None) else ""
-        raise RunnerError(
-            f"Config error{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}."
-            " `python -m runner --cfg job` prints every valid key."
-        ) from None
+        raise RunnerError(config_error_line(e)) from None
     return validate(config)
+
+
+def config_error_line(error: BaseException) -> str:
+    """One line for a key or value the schema refuses, naming the key, and the option that owns it if another does."""
+    message = str(getattr(error, "msg", error)).splitlines()[0]
+    full_key = getattr(error, "full_key", None) or ""
+    line = f"Config error{f' (key: {full_key})' if full_key else ''}: {message}."
+    group, _, rest = full_key.partition(".")
+    key = rest.split(".")[0]
+    options = option_schemas().get(group, {})
+    if key and "not in" in message:
+        owners = [name for name, schema in options.items() if key in {f.name for f in fields(schema)}]
+        chosen = [name for name, schema in options.items() if schema is getattr(error, "object_type", None)]
+        if owners:
+            here = f"{group}={chosen[0]}" if chosen else f"the {group} chosen"
+            line += f" `{group}.{key}` belongs to {group}={' / '.join(owners)}, not to {here}."
+    return line + " `python -m runner --cfg job` prints every valid key."

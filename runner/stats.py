@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import torch
 
 STAT_NAMES = ("mean", "std", "min", "max", "l2_norm", "frac_zero", "nonfinite")
+
+
+def stat_fields(prefix: str = "") -> list[pa.Field]:
+    """The statistics' declared columns (`prefix` + name): float32, and the `nonfinite` flag a boolean."""
+    return [pa.field(f"{prefix}{s}", pa.bool_() if s == "nonfinite" else pa.float32()) for s in STAT_NAMES]
 
 
 def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, bool]:

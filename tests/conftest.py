@@ -1,12 +1,23 @@
-"""Shared fixtures: Hydra composition of the real config tree, tiny offline models, small inputs."""
+"""Shared fixtures: Hydra composition of the real config tree, the CLI in-process, tiny offline models, small inputs."""
 
 from __future__ import annotations
 
+import io
+import logging
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from torch import nn
 
 from runner.schema import RunConfig, register_configs, to_run_config
@@ -21,6 +32,55 @@ def make_config(*overrides: str) -> RunConfig:
         # Pictures off unless a test asks for them: they cost a second per sample and are tested on their own.
         cfg = compose(config_name="config", overrides=["progress=false", "method.pictures=false", *overrides])
     return to_run_config(cfg)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS progress=false` in this process: runner/__main__.py runs as `__main__` with
+    sys.argv set, so exit codes and stderr are the CLI's own, without paying a second interpreter and a
+    torch import (5-8 s a call). Tests of what only a real process shows (signals, launchers) use subprocess."""
+    argv = [*args, "progress=false"]
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    # Hydra's job_logging reconfigures logging for the run (console to the current stderr, a file in the run
+    # folder): put every logger back afterwards so later tests (caplog) see the logging they expect.
+    saved = [(lg, lg.level, lg.handlers[:], lg.propagate, lg.disabled) for lg in loggers]
+    hydra_config = HydraConfig.instance().cfg  # the run sets it; app.run in later tests must not see this run's
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    with (
+        mock.patch.object(sys, "argv", ["runner/__main__.py", *argv]),
+        mock.patch.dict(os.environ),  # as a process's environment ends with it
+        redirect_stdout(out),
+        redirect_stderr(err),
+    ):
+        try:
+            runpy.run_module("runner", run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            code = done.code
+        except Exception:  # uncaught, as in a real process: the traceback on stderr, exit 1
+            traceback.print_exc()
+            code = 1
+        finally:
+            GlobalHydra.instance().clear()
+            HydraConfig.instance().cfg = hydra_config
+            for lg, level, handlers, propagate, disabled in saved:
+                for handler in lg.handlers:
+                    if handler not in handlers:
+                        handler.close()  # the run's log file handler
+                lg.setLevel(level)
+                lg.handlers[:] = handlers
+                lg.propagate, lg.disabled = propagate, disabled
+            for lg in logging.Logger.manager.loggerDict.values():
+                if isinstance(lg, logging.Logger) and lg not in loggers:  # made by the run's config: as if new
+                    lg.setLevel(logging.NOTSET)
+                    lg.handlers.clear()
+                    lg.propagate, lg.disabled = True, False
+    if isinstance(code, str):  # sys.exit("text"): the interpreter prints the text and exits 1
+        err.write(f"{code}\n")
+    returncode = code if isinstance(code, int) else (0 if code is None else 1)
+    return subprocess.CompletedProcess(["python", "-m", "runner", *argv], returncode, out.getvalue(), err.getvalue())
 
 
 class TinyNet(nn.Module):

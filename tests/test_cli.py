@@ -1,4 +1,8 @@
-"""The real CLI in a subprocess: exit codes, one clear message, `--cfg job`, and a real multirun."""
+"""The real CLI: exit codes, one clear message, `--cfg job`, and a real multirun.
+
+Most tests run `python -m runner` in this process (tests.conftest.run_cli: the same __main__, argv and
+stderr, without a second interpreter's start-up); a few run it in a subprocess, so that the process
+boundary itself (the exit status, stderr) stays tested."""
 
 from __future__ import annotations
 
@@ -9,20 +13,26 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.conftest import run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_VGG = ["experiment=gradcam_vgg16", "model.weights=null", "data.image_size=32", "data.photos=[chelsea,coffee]"]
+SMALL_VGG = ["experiment=gradcam_vgg16", "debug=tiny", "model.weights=null"]  # 32 px, chelsea and coffee
 
 pytestmark = pytest.mark.slow
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def process_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS progress=false` in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "runner", *args, "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 
+cli = run_cli  # in this process: see the module docstring
+
+
 def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
-    done = cli(*SMALL_VGG, f"hydra.run.dir={tmp_path}")
+    done = process_cli(*SMALL_VGG, f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr
     assert f"results: {tmp_path}" in done.stderr
     frame = pd.read_parquet(tmp_path / "cam.parquet")
@@ -68,6 +78,18 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path, override: str, messa
 )
 def test_config_errors_exit_2_at_start(tmp_path: Path, override: str, message: str) -> None:
     assert_one_clear_error(cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}"), tmp_path, message)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.bach_size=2", "bach_size"),  # Hydra's own error (its exit 1 becomes 2 in __main__)
+        ("model.name=vgg61", "Unknown model 'vgg61'"),  # the runner's RunnerError
+    ],
+)
+def test_bad_input_exits_2_in_a_real_process(tmp_path: Path, override: str, message: str) -> None:
+    """The same as the in-process tests above, through the process boundary."""
+    assert_one_clear_error(process_cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}"), tmp_path, message)
 
 
 def test_cfg_job_prints_the_composed_config() -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from runner.errors import RunnerError
 from runner.schema import HookAction, HookKind, Precision, RunConfig
-from tests.conftest import CONF, make_config
+from tests.conftest import CONF, make_config, run_cli
 
 
 def test_default_composes_to_typed_objects() -> None:
@@ -43,3 +45,87 @@ def test_bad_config_fails_at_composition(override: str) -> None:
         make_config(override)
     message = str(info.value) + str(getattr(info.value, "__cause__", ""))
     assert any(word in message for word in ("nmae", "four", "fp8", "sideways", "explode"))
+
+
+# ---- each option owns its schema ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "key", "owner", "chosen"),
+    [
+        (["method.patching.grid=[3,3]"], "method.patching", "method=patching", "method=gradcam"),
+        (["method.tolerance=0.5"], "method.tolerance", "method=hook_check", "method=gradcam"),
+        (["method=hook_check", "method.store_maps=false"], "method.store_maps", "method=", "method=hook_check"),
+        (["method=record", "method.faithfulness.enabled=true"], "method.faithfulness", "method=", "method=record"),
+        (["data=synthetic", "data.root=/x"], "data.root", "data=image_folder / torchvision", "data=synthetic"),
+        (["data=image_folder", "data.photos=[chelsea]"], "data.photos", "data=skimage_photos", "data=image_folder"),
+        (["data.count=3"], "data.count", "data=synthetic", "data=skimage_photos"),
+    ],
+)
+def test_a_key_of_another_option_fails_at_composition(overrides: list[str], key: str, owner: str, chosen: str) -> None:
+    from runner.schema import config_error_line
+
+    with pytest.raises(ConfigCompositionException) as info:
+        make_config(*overrides)
+    line = config_error_line(info.value.__cause__)
+    assert "\n" not in line and f"(key: {key})" in line
+    assert f"belongs to {owner}" in line and f"not to {chosen}" in line
+
+
+def test_plus_cannot_smuggle_in_a_key_of_another_option() -> None:
+    with pytest.raises(RunnerError, match=r"key: method.patching\).*belongs to method=patching, not to method=gradcam"):
+        make_config("+method.patching.grid=[3,3]")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["method=gradcam", "method.patching.grid=[3,3]"], "method.patching"),
+        (["data=synthetic", "data.root=/x"], "data.root"),
+    ],
+)
+def test_cli_names_the_stray_key_in_one_line_and_exits_2(tmp_path: Path, overrides: list[str], key: str) -> None:
+    done = run_cli(*overrides, f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[ERROR] Config error") and f"(key: {key})" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("group", ["method", "data"])
+def test_every_option_composes_to_its_own_schema(group: str) -> None:
+    from runner.schema import option_schemas
+
+    schemas = option_schemas()[group]
+    options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    assert options and set(options) <= set(schemas), "every YAML option has a registered schema"
+    for option in options:
+        text = (CONF / group / f"{option}.yaml").read_text()
+        assert f"- /schema/{group}/{option}@_here_" in text  # the option's YAML starts from its schema
+        assert type(getattr(make_config(f"{group}={option}"), group)) is schemas[option]
+
+
+def test_base_config_named_by_string_builds_the_options_own_config() -> None:
+    from runner.data import SyntheticConfig
+    from runner.methods.patching import PatchingMethodConfig
+    from runner.methods.scorecam import ScoreCamConfig
+    from runner.schema import DataConfig, MethodConfig, PatchingConfig
+
+    scorecam = MethodConfig(name="scorecam", score_chunk=2)
+    assert type(scorecam) is ScoreCamConfig and scorecam.score_chunk == 2
+    assert type(MethodConfig(name="patching", patching=PatchingConfig(grid=[3, 3]))) is PatchingMethodConfig
+    assert type(DataConfig(name="synthetic", count=2)) is SyntheticConfig
+    with pytest.raises(TypeError, match="patching"):
+        MethodConfig(name="gradcam", patching=PatchingConfig())
+    with pytest.raises(TypeError, match="root"):
+        DataConfig(name="synthetic", root="/x")
+    with pytest.raises(RunnerError, match="Unknown method 'gradcan'.*gradcam"):
+        MethodConfig(name="gradcan")
+
+
+def test_run_loop_names_no_method() -> None:
+    """What `run()` once special-cased (record's layers, patching's data set, hook_check's verdict) is the
+    method protocol's; the core modules import no method's module."""
+    core = sorted((CONF.parent / "runner").glob("*.py"))
+    assert any(path.name == "app.py" for path in core)
+    for path in core:
+        source = path.read_text()
+        for special in ("HookCheck", "bind_dataset", '!= "record"', "from runner.methods."):
+            assert special not in source, f"{path.name}: {special}"

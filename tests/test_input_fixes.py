@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,8 @@ from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.layers import resolve_layers
 from runner.schema import HookAction, HookKind, HookSpec
-from tests.conftest import frozen, make_config
-from tests.test_cli import ROOT, SMALL_VGG, assert_one_clear_error
+from tests.conftest import frozen, make_config, run_cli
+from tests.test_cli import SMALL_VGG, assert_one_clear_error
 
 # ---- item 8: resize=none keeps the aspect ratio, resize=pad letterboxes --------------------------------------
 
@@ -153,12 +152,6 @@ def test_add_noise_rows_do_not_depend_on_batch_size_in_a_run(tmp_path: Path) -> 
 # ---- items 16 and 17: one clear message, exit 2 ------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args, "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 def assert_one_line(done: subprocess.CompletedProcess, out: Path, message: str) -> None:
     assert_one_clear_error(done, out, message)
     errors = [line for line in done.stderr.splitlines() if line.startswith("[ERROR]")]
@@ -194,7 +187,7 @@ SYNTHETIC = ["data=synthetic", "data.count=2", "data.batch_size=1"]
     ],
 )
 def test_bad_inputs_give_one_clear_message(tmp_path: Path, overrides: list[str], message: str) -> None:
-    assert_one_line(cli(*SMALL_VGG, *overrides, f"hydra.run.dir={tmp_path}"), tmp_path, message)
+    assert_one_line(run_cli(*SMALL_VGG, *overrides, f"hydra.run.dir={tmp_path}"), tmp_path, message)
 
 
 def test_every_image_unreadable_says_which_and_how_to_fix(tmp_path: Path) -> None:
@@ -213,7 +206,7 @@ def test_probe_rejects_an_input_the_model_cannot_take(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sweep_that_stops_at_a_bad_job_names_the_jobs_not_run(tmp_path: Path) -> None:
-    done = cli(
+    done = run_cli(
         "-m", *SMALL_VGG, "data.photos=[chelsea]", "method.target=fixed,predicted,label", f"hydra.sweep.dir={tmp_path}"
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -227,7 +220,7 @@ def test_sweep_that_stops_at_a_bad_job_names_the_jobs_not_run(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["a: b: c", "@v2", "*best"])
 def test_override_values_that_are_not_plain_yaml_run(tmp_path: Path, name: str) -> None:
-    done = cli(*SMALL_VGG, "data.photos=[chelsea]", "layers.include=[features.28]", f"name={name}",
+    done = run_cli(*SMALL_VGG, "data.photos=[chelsea]", "layers.include=[features.28]", f"name={name}",
                f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert set(pd.read_parquet(tmp_path / "cam.parquet")["sweep.name"]) == {name}

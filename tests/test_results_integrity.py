@@ -299,7 +299,7 @@ def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     torch.save(TinyNet().state_dict(), checkpoint)
     config = [*TINY, f"model.checkpoint={checkpoint}"]
     app.run(make_config(*config), tmp_path / "run")
-    app.run(make_config(*config, "data.num_workers=1", "method.patching.chunk=3"), tmp_path / "run")  # speed only
+    app.run(make_config(*config, "data.num_workers=1", "method.faithfulness.chunk=3"), tmp_path / "run")  # speed only
     torch.manual_seed(2)
     torch.save(TinyNet().state_dict(), checkpoint)  # the same path, other weights
     with pytest.raises(RunnerError, match='different run.*model.checkpoint \\(contents\\): "sha256:'):

@@ -13,7 +13,7 @@ from runner.hooks import count_hooks
 from runner.results import read_metadata
 from tests.conftest import make_config
 
-VGG_OFFLINE = ["model.weights=null", "data.image_size=32", "data.photos=[chelsea,coffee,rocket]", "data.batch_size=2"]
+VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
 
 
 @pytest.fixture

@@ -1,35 +1,66 @@
-"""Methods by name. Each is one small module; the CAM family shares `cam`, all share `base`."""
+"""Methods, one registry: each module of this package defines a config dataclass (its option's schema), a
+method class, and `@register(ItsConfig)`; importing the package imports every module, so a new method is
+one file here plus one YAML in conf/method/ (whose defaults list names `/schema/method/<name>`).
+The CAM family shares `cam`, all share `base`."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from runner.errors import RunnerError, suggest
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, Runtime
-from runner.methods.cam import CamMethod
-from runner.methods.captum_layer import CaptumLayer
-from runner.methods.eigencam import EigenCAM
-from runner.methods.gradcam import GradCAM
-from runner.methods.gradcampp import GradCAMPlusPlus
-from runner.methods.hirescam import HiResCAM
-from runner.methods.hook_check import HookCheck
-from runner.methods.layercam import LayerCAM
-from runner.methods.patching import Patching
-from runner.methods.record import Record
-from runner.methods.sanity import Sanity
-from runner.methods.scorecam import ScoreCAM
-from runner.methods.xgradcam import XGradCAM
+from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register
 from runner.schema import MethodConfig
 
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
+
+from runner.methods.cam import CamMethod  # noqa: E402 (after the modules that register)
+from runner.methods.captum_layer import CaptumLayer  # noqa: E402
+
+# The CAM variants: methods that make maps from a layer's activations (and gradients); `sanity` compares them.
 CAM_METHODS: dict[str, type[CamMethod]] = {
-    m.name: m for m in (GradCAM, GradCAMPlusPlus, XGradCAM, HiResCAM, LayerCAM, EigenCAM, ScoreCAM)
+    config.name: method
+    for config, method in METHODS.items()
+    if issubclass(method, CamMethod) and not issubclass(method, CaptumLayer)
 }
-METHODS = {**CAM_METHODS, **{m.name: m for m in (CaptumLayer, Sanity, Patching, Record, HookCheck)}}
+
+
+def method_config_class(name: str) -> type[MethodConfig]:
+    """The config dataclass of the method called `name`."""
+    for config in METHODS:
+        if config.name == name:
+            return config
+    names = [config.name for config in METHODS]
+    raise RunnerError(f"Unknown method '{name}'.{suggest(name, names)} Available: {', '.join(names)}.")
+
+
+def method_class(cfg: MethodConfig) -> type[Method]:
+    """The method class that runs `cfg`, chosen by its config type."""
+    method = METHODS.get(type(cfg))
+    if method is None:  # a config of another type than the option it names: refused, not guessed
+        expected = method_config_class(cfg.name)  # raises for an unknown name
+        raise RunnerError(
+            f"method={cfg.name} needs its own config ({expected.__name__}), not a {type(cfg).__name__}:"
+            f" build it with MethodConfig(name='{cfg.name}', ...)."
+        )
+    return method
 
 
 def build_method(cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> Method:
-    if cfg.name not in METHODS:
-        raise RunnerError(f"Unknown method '{cfg.name}'.{suggest(cfg.name, METHODS)} Available: {', '.join(METHODS)}.")
-    return METHODS[cfg.name](cfg, layers, runtime)
+    """The method that runs `cfg` on `layers`."""
+    return method_class(cfg)(cfg, layers, runtime)
 
 
-__all__ = ["CAM_METHODS", "METHODS", "BatchOutput", "Method", "Runtime", "build_method"]
+__all__ = [
+    "CAM_METHODS",
+    "METHODS",
+    "BatchOutput",
+    "Method",
+    "Runtime",
+    "build_method",
+    "method_class",
+    "method_config_class",
+    "register",
+]

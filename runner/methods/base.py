@@ -4,13 +4,14 @@ gradient pass that also drives the session's backward and tensor hooks."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from runner.data import NO_LABEL, Batch
 from runner.errors import RunnerError
@@ -28,12 +29,45 @@ class BatchOutput:
     tables: dict[str, Columns] = field(default_factory=dict)
 
 
-class Method(Protocol):
+class Method:
+    """What the run loop asks of a method; each method subclasses this, and registers under its config type.
+
+    `__init__(cfg, layers, runtime)`, then `prepare` and `setup` once, `run_batch` per batch, `finish`
+    after the last. The class attributes say what the run must provide and what its console summary shows.
+    """
+
     name: str
+    needs_layers: bool = True  # False: runs without `layers.include` (the hooks alone say what is recorded)
+    # Columns of the method's table that the console summary averages per layer (where present).
+    summary_values: tuple[str, ...] = ()
 
-    def setup(self, session: HookSession, num_samples: int) -> None: ...
+    def prepare(self, dataset: Dataset) -> None:
+        """Called once before `setup` with the whole data set (patching pairs a sample with another one)."""
 
-    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput: ...
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        """Called once before the first batch: register captures and replacements, check targets."""
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        """The method's rows for one batch."""
+        raise NotImplementedError
+
+    def finish(self, out: Path) -> None:
+        """Called after every batch ran and the tables are written: raise RunnerError if the run failed a check."""
+
+
+M = TypeVar("M", bound=type[Method])
+# Every method by its config type; runner/methods/__init__.py imports each module of the package to fill it.
+METHODS: dict[type[MethodConfig], type[Method]] = {}
+
+
+def register(config: type[MethodConfig]) -> Callable[[M], M]:
+    """Class decorator: the method runs configs of type `config`, an option named by `config.name`'s default."""
+
+    def add(method: M) -> M:
+        METHODS[config] = method
+        return method
+
+    return add
 
 
 @dataclass

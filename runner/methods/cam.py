@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import pyarrow as pa
 import torch
 from torch import nn
 
@@ -29,6 +30,7 @@ from runner.layers import Layer
 from runner.methods.base import (
     BatchOutput,
     Columns,
+    Method,
     Runtime,
     check_targets,
     forward,
@@ -37,10 +39,42 @@ from runner.methods.base import (
 )
 from runner.randomness import per_sample_uniform
 from runner.results import Block, Ragged
-from runner.schema import MethodConfig
-from runner.stats import STAT_NAMES, constant_rows, per_sample_stats
+from runner.schema import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig, MethodConfig
+from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
+from runner.tables import declare, optional
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CamConfig(MethodConfig):
+    """What every map-making method shares (the CAM variants, captum, sanity): maps, tokens, faithfulness."""
+
+    store_maps: bool = True  # put each map (at the layer's resolution) in its row
+    token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
+    faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
+    feature_grid_layer: str | None = None  # also a grid of this layer's first feature maps per sample
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        f = self.faithfulness
+        bad += [
+            f"method.faithfulness.{key}={value}" for key, value in (("steps", f.steps), ("chunk", f.chunk)) if value < 1
+        ]
+        blur = f.insertion_blur
+        if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
+            raise RunnerError(
+                f"Out of range: method.faithfulness.insertion_blur.kernel_size={blur.kernel_size} (odd, >= 1),"
+                f" sigma={blur.sigma} (> 0). RISE's blur, the default: kernel_size=11, sigma=5."
+            )
+        if self.token_prefix < 0:
+            bad.append(f"method.token_prefix={self.token_prefix}")
+        if f.steps > MAX_FAITHFULNESS_STEPS:
+            raise RunnerError(
+                f"method.faithfulness.steps={f.steps} is above the bound of {MAX_FAITHFULNESS_STEPS}: each step costs"
+                " about 4 forwards per sample and layer. 20 to 100 steps resolve a deletion curve; use e.g. steps=50."
+            )
+        return bad
 
 
 @dataclass
@@ -75,14 +109,41 @@ def to_spatial(
     )
 
 
-class CamMethod:
+# The `cam` table's own columns (`CamMethod._rows`; faithfulness.evaluate's metrics; captum's method name).
+CAM_SCHEMA = declare(
+    "cam",
+    [
+        pa.field("layer", pa.string()),
+        pa.field("module_type", pa.string()),
+        pa.field("call", pa.int32()),
+        pa.field("target", pa.int64()),
+        pa.field("target_rank", pa.int64()),
+        pa.field("score", pa.float32()),  # the target's logit
+        pa.field("probability", pa.float32()),
+        pa.field("map_height", pa.int64()),
+        pa.field("map_width", pa.int64()),
+        *stat_fields("cam_"),
+        pa.field("degenerate", pa.bool_()),
+        pa.field("constant_logits", pa.bool_()),
+        optional("map", pa.list_(pa.float32()), "method.store_maps=true"),
+        *(optional(c, pa.float32(), "method.faithfulness.enabled=true") for c in faithfulness.COLUMNS),
+        optional("captum_method", pa.string(), "method=captum"),
+    ],
+)
+
+
+class CamMethod(Method):
     """Base of the CAM family: capture, gradient pass per target, maps, rows, faithfulness, pictures."""
 
     name = "cam"
     table = "cam"  # every CAM method (and captum) writes the same table: a sweep over methods is one table
     needs_gradients = True
+    summary_values = (
+        "score", "cam_mean", "cam_max", "deletion_auc", "random_deletion_auc", "insertion_auc",
+        "random_insertion_auc", "avg_drop", "random_avg_drop",
+    )  # fmt: skip
 
-    def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+    def __init__(self, cfg: CamConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.module_types = {name: type(module).__name__ for name, module in layers}
         self._warned: set[str] = set()  # which once-per-run warnings were given

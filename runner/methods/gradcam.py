@@ -5,11 +5,20 @@ w_c = mean_{h,w} dy/dA_c        cam = ReLU(sum_c w_c A_c)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from runner.methods.cam import CamMethod
+from runner.methods.base import register
+from runner.methods.cam import CamConfig, CamMethod
 
 
+@dataclass
+class GradCamConfig(CamConfig):
+    name: str = "gradcam"
+
+
+@register(GradCamConfig)
 class GradCAM(CamMethod):
     name = "gradcam"
 

@@ -6,19 +6,46 @@ A difference beyond `method.tolerance` fails the run after the table is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
 import torch
 from torch import nn
 
 from runner.data import Batch
+from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Runtime, forward
+from runner.methods.base import BatchOutput, Method, Runtime, forward, register
+from runner.schema import MethodConfig
+from runner.tables import declare
+
+# The `hook_check` table's own columns (`HookCheck.run_batch`): one row per (sample, layer, call).
+HOOK_CHECK_SCHEMA = declare(
+    "hook_check",
+    [
+        pa.field("layer", pa.string()),
+        pa.field("module_type", pa.string()),
+        pa.field("call", pa.int32()),
+        pa.field("max_abs_diff", pa.float32()),
+        pa.field("passed", pa.bool_()),  # max_abs_diff <= method.tolerance
+    ],
+)
 
 
-class HookCheck:
+@dataclass
+class HookCheckConfig(MethodConfig):
+    name: str = "hook_check"
+    tolerance: float = 1e-5  # max abs difference allowed
+
+
+@register(HookCheckConfig)
+class HookCheck(Method):
     name = "hook_check"
+    summary_values = ("max_abs_diff",)
 
-    def __init__(self, cfg, layers: list[Layer], runtime: Runtime) -> None:
+    def __init__(self, cfg: HookCheckConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.modules = dict(layers)
         self.worst: dict[str, float] = {}
@@ -53,6 +80,13 @@ class HookCheck:
             "passed": max_abs_diff <= self.cfg.tolerance,
         }
         return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: columns})
+
+    def finish(self, out: Path) -> None:
+        """The run fails (after its table is written) when a layer's capture differs beyond the tolerance."""
+        if self.failures():
+            raise RunnerError(
+                f"Hook check failed (max abs difference above {self.cfg.tolerance}): {self.failures()}; see {out}."
+            )
 
     def failures(self) -> dict[str, float]:
         """Layers whose captured output differs from the direct computation beyond the tolerance."""

@@ -32,8 +32,10 @@ target_is_contrast and zero_span rows; `patched` is still reported.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
+import pyarrow as pa
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -45,10 +47,19 @@ from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession, Replacement
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Columns, Runtime, check_targets, select_targets
+from runner.methods.base import BatchOutput, Columns, Method, Runtime, check_targets, register, select_targets
 from runner.methods.cam import concat_columns
 from runner.methods.sanity import spearman
-from runner.schema import MethodConfig, PatchDirection, PatchMetric, PatchMode, PatchUnit
+from runner.schema import (
+    CorruptionKind,
+    MethodConfig,
+    PatchDirection,
+    PatchingConfig,
+    PatchMetric,
+    PatchMode,
+    PatchUnit,
+)
+from runner.tables import declare, optional
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +149,84 @@ def enumerate_units(
     return Units(kind, shape, n, [None] * n, ys, xs, [None] * n, cells, (len(edges_y) - 1, len(edges_x) - 1))
 
 
-class Patching:
-    name = "patching"
+# The `patching` table's own columns (`Patching._columns`): one row per (pair, direction, layer, unit, patch method).
+PATCHING_SCHEMA = declare(
+    "patching",
+    [
+        pa.field("corrupted_id", pa.string()),
+        pa.field("direction", pa.string()),  # denoising | noising
+        pa.field("layer", pa.string()),
+        pa.field("module_type", pa.string()),
+        pa.field("unit", pa.string()),  # layer | channel | cell | token
+        *(pa.field(n, pa.int64()) for n in ("channel", "y", "x", "token")),  # null where the unit has none
+        *(pa.field(n, pa.int64()) for n in ("grid_h", "grid_w")),  # null unless units=cell
+        pa.field("patch_method", pa.string()),  # exact | attribution
+        pa.field("metric", pa.string()),
+        pa.field("target", pa.int64()),
+        pa.field("contrast", pa.int64()),
+        *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),
+        pa.field("degenerate", pa.bool_()),
+        pa.field("degenerate_reason", pa.string()),
+        optional("rank_correlation", pa.float32(), "method.patching.mode=attribution_topk"),
+    ],
+)
 
-    def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+
+@dataclass
+class PatchingMethodConfig(MethodConfig):
+    """`method=patching`: the what and how of patching sit under `method.patching` (PatchingConfig)."""
+
+    name: str = "patching"
+    patching: PatchingConfig = field(default_factory=PatchingConfig)
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        p = self.patching
+        bad += [f"method.patching.top_k={p.top_k}"] if p.top_k < 1 else []
+        for key, value in (("chunk", p.chunk), ("cell_size", p.cell_size)):
+            if value is not None and value < 1:
+                bad.append(f"method.patching.{key}={value}")
+        if len(p.grid) != 2 or min(p.grid) < 1:
+            bad.append(f"method.patching.grid={p.grid} (two positive numbers)")
+        if not p.directions or len(set(p.directions)) != len(p.directions):
+            raise RunnerError(
+                f"method.patching.directions={[d.value for d in p.directions]}: give each direction at most once"
+                " and at least one, e.g. method.patching.directions=[denoising] or [denoising,noising]."
+            )
+        c = p.corruption
+        if (
+            not math.isfinite(c.std)
+            or c.std < 0
+            or not math.isfinite(c.sigma)
+            or c.sigma <= 0
+            or p.call < 0
+            or (p.contrast_class is not None and p.contrast_class < 0)
+        ):
+            raise RunnerError(
+                f"Out of range: method.patching.corruption.std={c.std} (finite, >= 0),"
+                f" corruption.sigma={c.sigma} (finite, > 0), method.patching.call={p.call} (>= 0),"
+                f" method.patching.contrast_class={p.contrast_class} (null or a class id >= 0)."
+            )
+        box = c.box
+        if len(box) != 4 or not all(0 <= v <= 1 for v in box) or box[0] >= box[2] or box[1] >= box[3]:
+            raise RunnerError(
+                f"method.patching.corruption.box={box} must be [y0, x0, y1, x1], fractions of the image in [0, 1]"
+                " with y0 < y1 and x0 < x1, e.g. [0.25, 0.25, 0.75, 0.75]."
+            )
+        if c.kind is CorruptionKind.pair and not c.pair_with:
+            raise RunnerError(
+                "method.patching.corruption.kind=pair needs corruption.pair_with=SAMPLE_ID (e.g. coffee)"
+                " or a data set index."
+            )
+        return bad
+
+
+@register(PatchingMethodConfig)
+class Patching(Method):
+    name = "patching"
+    summary_values = ("restoration", "rank_correlation")
+
+    def __init__(self, cfg: PatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.p, self.layers, self.runtime = cfg, cfg.patching, layers, runtime
         self.module_types = {n: type(m).__name__ for n, m in layers}
         self.dataset: Dataset | None = None
@@ -149,8 +234,11 @@ class Patching:
         self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
         self.warned: set[str] = set()  # degenerate reasons already warned about in this run
 
-    def bind_dataset(self, dataset: Dataset) -> None:
+    def prepare(self, dataset: Dataset) -> None:
+        """Keep the data set: corruption.kind=pair takes a sample's partner from it."""
         self.dataset = dataset
+
+    bind_dataset = prepare  # the name callers outside the run loop (tests) use
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)

@@ -5,17 +5,35 @@ down to the input, so that every gradient hook sees a real backward pass."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from runner.data import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Runtime, check_targets, forward, gradients, select_targets
+from runner.methods.base import (
+    BatchOutput,
+    Method,
+    Runtime,
+    check_targets,
+    forward,
+    gradients,
+    register,
+    select_targets,
+)
 from runner.schema import MethodConfig
 
 
-class Record:
+@dataclass
+class RecordConfig(MethodConfig):
+    name: str = "record"
+
+
+@register(RecordConfig)
+class Record(Method):
     name = "record"
+    needs_layers = False  # the hooks name their own layers
 
     def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.runtime = cfg, runtime

@@ -14,7 +14,9 @@ map that is constant (all zero, say) has no order, so rho is NaN and the row is 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field, fields
 
+import pyarrow as pa
 import torch
 from torch import nn
 
@@ -22,10 +24,11 @@ from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods.base import BatchOutput, Columns, Runtime
-from runner.methods.cam import CamMethod
+from runner.methods.base import BatchOutput, Columns, Method, Runtime, register
+from runner.methods.cam import CamConfig, CamMethod
 from runner.results import Ragged
 from runner.schema import MethodConfig, TargetMode
+from runner.tables import declare
 
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -51,10 +54,40 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((ra * rb).sum() / denominator).clamp(-1.0, 1.0).float()
 
 
-class Sanity:
-    name = "sanity"
+# The `sanity` table's own columns (`Sanity.run_batch`): one row per (sample, layer, call).
+SANITY_SCHEMA = declare(
+    "sanity",
+    [
+        pa.field("layer", pa.string()),
+        pa.field("module_type", pa.string()),
+        pa.field("call", pa.int32()),
+        pa.field("target", pa.int64()),
+        pa.field("map_height", pa.int64()),
+        pa.field("map_width", pa.int64()),
+        pa.field("spearman", pa.float32()),  # NaN where a map is constant or not finite
+        pa.field("degenerate", pa.bool_()),
+        pa.field("inner_method", pa.string()),
+        pa.field("randomized", pa.string()),  # method.randomize, comma-joined
+    ],
+)
 
-    def __init__(self, cfg: MethodConfig, layers, runtime: Runtime) -> None:
+
+@dataclass
+class SanityConfig(CamConfig):
+    """The inner method's maps are made with this config's CAM fields (store_maps, token_prefix, ...); an inner
+    method's own fields (scorecam's score_chunk, say) keep their defaults."""
+
+    name: str = "sanity"
+    inner: str = "gradcam"  # the CAM method whose maps are compared
+    randomize: list[str] = field(default_factory=list)  # layers re-initialised in the copy
+
+
+@register(SanityConfig)
+class Sanity(Method):
+    name = "sanity"
+    summary_values = ("spearman",)
+
+    def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
         from runner.methods import CAM_METHODS
 
         if cfg.inner not in CAM_METHODS:
@@ -67,7 +100,9 @@ class Sanity:
             )
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.inner_class = CAM_METHODS[cfg.inner]
-        self.trained: CamMethod = self.inner_class(cfg, layers, Runtime(runtime.device, runtime.precision))
+        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
+        self.inner_cfg = MethodConfig(name=cfg.inner, **shared)
+        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))
         self.random: CamMethod | None = None
 
     def setup(self, session: HookSession, num_samples: int) -> None:
@@ -95,12 +130,12 @@ class Sanity:
         if self.random is None:
             self.copy = self._randomised_copy(model)
             layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
-            self.random = self.inner_class(self.cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
+            self.random = self.inner_class(self.inner_cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
             self.random.setup(session, self.num_samples)
         trained_output = self.trained.run_batch(model, batch, session)
         trained = trained_output.tables[self.trained.table]
         # The randomised model explains the trained model's targets, so both maps answer the same question.
-        self.random.cfg = _with_fixed_targets(self.cfg, trained["target"], batch)
+        self.random.cfg = _with_fixed_targets(self.inner_cfg, trained["target"], batch)
         randomised = self.random.run_batch(self.copy, batch, session).tables[self.random.table]
         a, b = trained["map"], randomised["map"]
         assert isinstance(a, Ragged) and isinstance(b, Ragged)

@@ -18,13 +18,28 @@ No backward pass runs. Cost: C forwards per sample and layer (512 at VGG16's las
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runner.faithfulness import upsample
-from runner.methods.cam import CamContext, CamMethod
+from runner.methods.base import register
+from runner.methods.cam import CamConfig, CamContext, CamMethod
 from runner.schema import ScoreCamWeights
+
+
+@dataclass
+class ScoreCamConfig(CamConfig):
+    name: str = "scorecam"
+    score_chunk: int = 64  # masked inputs per batched forward
+    # `paper` (each channel's weight is the target's softmax probability on the masked input, as Wang et al.
+    # 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
+    scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
+
+    def check(self) -> list[str]:
+        return super().check() + ([f"method.score_chunk={self.score_chunk}"] if self.score_chunk < 1 else [])
 
 
 @torch.no_grad()
@@ -49,6 +64,7 @@ def pytorch_grad_cam_masks(maps: torch.Tensor, size: tuple[int, int] | torch.Siz
     return (up - lo) / (hi - lo + 1e-8)
 
 
+@register(ScoreCamConfig)
 class ScoreCAM(CamMethod):
     name = "scorecam"
     needs_gradients = False

@@ -5,11 +5,20 @@ w_c = sum_{h,w} (A_c / sum_{h,w} A_c) * dy/dA_c        cam = ReLU(sum_c w_c A_c)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from runner.methods.cam import CamMethod
+from runner.methods.base import register
+from runner.methods.cam import CamConfig, CamMethod
 
 
+@dataclass
+class XGradCamConfig(CamConfig):
+    name: str = "xgradcam"
+
+
+@register(XGradCamConfig)
 class XGradCAM(CamMethod):
     name = "xgradcam"
 

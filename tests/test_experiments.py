@@ -1,0 +1,93 @@
+"""Every experiment in conf/experiment/ runs at `debug=tiny` (32 px, two samples), writes its tables with
+rows, and leaves no hook on its model: a new or edited experiment file cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import runner.app as app
+import runner.models
+from runner.hooks import count_hooks
+from tests.conftest import CONF, make_config
+
+pytestmark = pytest.mark.slow
+
+EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
+# The tables each experiment writes (its method's table; `hooks` where it configures hooks). A new
+# experiment fails here until it is listed: say what it should write.
+TABLES = {
+    "attribution_patching_effnet": {"patching"},
+    "check_hooks_effnet": {"hook_check"},
+    "default": {"cam", "hooks"},
+    "gradcam_effnet": {"cam"},
+    "gradcam_resnet50": {"cam"},
+    "gradcam_vgg16": {"cam"},
+    "gradcam_vit": {"cam"},
+    "hooks_vgg16": {"hooks"},
+    "patching_channels": {"patching"},
+    "patching_effnet": {"patching"},
+    "patching_vgg16": {"patching"},
+    "sanity_randomization": {"sanity"},
+}
+ONE_PHOTO = {"patching_channels", "patching_effnet"}  # they set data.photos: [chelsea]
+
+
+@pytest.fixture
+def built_models(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every model a run builds, wherever the runner imported `build_model` from runner.models."""
+    seen: list = []
+    original = runner.models.build_model
+
+    def spy(cfg):  # noqa: ANN001, ANN202
+        bundle = original(cfg)
+        seen.append(bundle.model)
+        return bundle
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("runner")]:
+        if getattr(module, "build_model", None) is original:
+            monkeypatch.setattr(module, "build_model", spy)
+    return seen
+
+
+def offline(name: str) -> list[str]:
+    """What an experiment needs to run here: torchvision models have no cached weights (random init); the
+    embedded EfficientNet-Lite0 keeps its real weights. ViT-B/16 takes only its own image size: 32 px."""
+    model = make_config(f"experiment={name}").model.name
+    if model == runner.models.EMBEDDED:
+        return []
+    return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
+
+
+def test_debug_tiny_wins_over_the_experiment_and_yields_to_the_command_line() -> None:
+    config = make_config("experiment=gradcam_vgg16", "debug=tiny", "data.batch_size=3")
+    assert (config.data.image_size, config.data.limit, config.data.batch_size) == (32, 2, 3)
+    assert config.method.pictures is False and config.progress is False
+    assert config.layers.include == ["features.*:Conv2d"]  # the experiment's layers are kept
+    assert make_config("experiment=patching_effnet", "debug=tiny").data.photos == ["chelsea"]
+    assert make_config().data.image_size == 224  # off by default
+
+
+def test_every_experiment_is_listed() -> None:
+    assert set(EXPERIMENTS) == set(TABLES), "list each experiment's tables in TABLES"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: str) -> None:
+    result = app.run(make_config(f"experiment={name}", "debug=tiny", *offline(name)), tmp_path)
+    assert set(result.tables) == TABLES.get(name, set())
+    for table, path in result.tables.items():
+        frame = pd.read_parquet(path)
+        assert len(frame) > 0, table
+        assert set(frame["sample"]) == ({0} if name in ONE_PHOTO else {0, 1}), table  # debug=tiny: data.limit=2
+    assert built_models and all(count_hooks(model) == 0 for model in built_models)
+
+
+def test_captum_leaves_no_hook(tmp_path: Path, built_models: list) -> None:
+    """captum registers its own hooks inside `attribute` (runner/hooks.py's one exception): none survives."""
+    result = app.run(make_config("method=captum", "debug=tiny", "hooks=[]", "layers.include=[_blocks.5]"), tmp_path)
+    assert len(pd.read_parquet(result.tables["cam"])) == 2
+    assert built_models and count_hooks(built_models[0]) == 0

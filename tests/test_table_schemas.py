@@ -1,0 +1,198 @@
+"""Each table's declared schema (runner/tables.py and the modules that build rows) is what real runs write,
+the writer refuses a batch that departs from it, and README.md's Outputs section lists the same columns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import runner.app as app
+import runner.methods  # noqa: F401  (imports every method module: their tables get declared)
+import runner.provenance as provenance
+from runner.methods.hook_check import HookCheck
+from runner.results import TableWriter
+from runner.tables import ID_FIELDS, SWEEP_PREFIX, SchemaError, declared, full_schema, is_optional
+from tests.conftest import make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model._target_=tests.conftest.TinyNet",
+    "model.weights=null",
+    "data=synthetic",
+    "data.shape=[3,32,32]",
+    "data.count=2",
+    "data.batch_size=2",
+    "data.num_classes=5",
+    "layers.include=[features.0,features.2]",
+    "hooks=[]",
+]
+# One run per table, together writing every optional column (map, faithfulness, captum_method, rank_correlation).
+RUNS = {
+    "gradcam": [
+        "method=gradcam",
+        "method.faithfulness.enabled=true",
+        "method.faithfulness.steps=2",
+        "hooks=[{kind: forward, layers: [features.2], save_tensors: true}]",
+    ],
+    "captum": ["method=captum"],
+    "patching": [
+        "method=patching",
+        "method.patching.grid=[2,2]",
+        "method.patching.mode=attribution_topk",
+        "method.patching.top_k=2",
+    ],  # fmt: skip
+    "sanity": ["method=sanity", "method.randomize=[fc]"],
+    "hook_check": ["method=hook_check"],
+    "record": ["method=record", "hooks=[{kind: backward, layers: [features.2]}]"],
+}
+# The command line the first run pretends to have: one swept column of each type.
+OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
+SWEPT = [("sweep.seed", pa.int64()), ("sweep.method.faithfulness.enabled", pa.bool_()),
+         ("sweep.note.lr", pa.float64()), ("sweep.name", pa.string())]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, pa.Schema]]]:
+    """Per table, (run, file schema) of every real run above that wrote it."""
+    out: dict[str, list[tuple[str, pa.Schema]]] = {}
+    for name, extra in RUNS.items():
+        overrides = OVERRIDES if name == "gradcam" else []
+        with mock.patch.object(provenance, "hydra_overrides", return_value=overrides):
+            result = app.run(make_config(*TINY, *extra), tmp_path_factory.mktemp(name))
+        for table, folder in result.tables.items():
+            out.setdefault(table, []).append((name, pq.read_schema(sorted(folder.glob("part-*.parquet"))[0])))
+    return out
+
+
+def plain(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    return [(f.name, f.type) for f in schema]
+
+
+def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[tuple[str, pa.Schema]]]) -> None:
+    assert set(written) == set(declared()) == {"cam", "hooks", "patching", "sanity", "hook_check"}
+    for table, files in written.items():
+        seen: set[str] = set()
+        for run, schema in files:
+            swept = [pa.field(n, t) for n, t in SWEPT] if run == "gradcam" else []
+            expected = [f for f in full_schema(table, swept) if f.name in schema.names or not is_optional(f)]
+            assert plain(schema) == plain(pa.schema(expected)), (table, run)  # names, order and types
+            seen |= set(schema.names)
+        optional = {f.name for f in full_schema(table) if is_optional(f)}
+        assert optional <= seen, f"{table}: no run wrote {optional - seen}"
+
+
+# ---- the writer enforces the schema ------------------------------------------------------------------------------
+def valid_batch(table: str, rows: int = 2) -> dict[str, object]:
+    """A batch of `table` with every declared column (optional ones left out), each of its declared type."""
+    return {f.name: pa.nulls(rows, f.type) for f in full_schema(table) if not is_optional(f)}
+
+
+def write(tmp_path: Path, table: str, *batches: dict[str, object]) -> pa.Table:
+    writer = TableWriter(tmp_path / f"{table}.parquet" / "part-000000.parquet", {"run": 1}, table)
+    for columns in batches:
+        writer.write(columns)
+    writer.commit()
+    return pq.read_table(writer.path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.pop("passed"), r"table 'hook_check': declared column\(s\) 'passed' are missing"),
+        (lambda c: c.pop("sample"), r"table 'hook_check': declared column\(s\) 'sample' are missing"),
+        (lambda c: c.update(tolerance=[1.0, 1.0]), r"table 'hook_check': column\(s\) 'tolerance' are not declared"),
+        (lambda c: c.update(max_abs_diff=np.zeros(2)), r"table 'hook_check': column 'max_abs_diff' is double, declared float"),
+        (lambda c: c.update(passed=np.zeros(2, np.float32)), r"column 'passed' is float, declared bool"),
+        (lambda c: c.update(call=np.array([0, 2**40])), r"column 'call' does not fit its declared int32"),
+        (lambda c: c.update(label=["a", "b"]), r"column 'label' is string, declared int64"),
+        (lambda c: c.update({"sweep.x": [[1], [2]]}), r"swept column 'sweep.x' is list<item: int64>"),
+    ],
+)  # fmt: skip
+def test_the_writer_refuses_a_missing_extra_or_mistyped_column(tmp_path: Path, change, message: str) -> None:  # noqa: ANN001
+    columns = valid_batch("hook_check")
+    change(columns)
+    with pytest.raises(SchemaError, match=message):
+        write(tmp_path, "hook_check", columns)
+
+
+def test_the_writer_casts_only_losslessly_and_keeps_the_declared_order(tmp_path: Path) -> None:
+    columns = valid_batch("hook_check")
+    columns["call"] = np.array([0, 1])  # int64 values that fit the declared int32
+    columns["predicted_name"] = [None, None]  # all null: takes the declared string
+    columns["sweep.seed"] = [3, 3]
+    table = write(tmp_path, "hook_check", dict(reversed(columns.items())))
+    assert table.schema.field("call").type == pa.int32() and table.column("call").to_pylist() == [0, 1]
+    assert table.schema.field("predicted_name").type == pa.string()
+    assert table.schema.names == [f.name for f in full_schema("hook_check", [pa.field("sweep.seed", pa.int64())])]
+
+
+def test_optional_columns_are_in_every_batch_or_none(tmp_path: Path) -> None:
+    first = {**valid_batch("patching"), "rank_correlation": np.zeros(2, np.float32)}
+    with pytest.raises(SchemaError, match="table 'patching': a batch's columns differ .* in rank_correlation"):
+        write(tmp_path, "patching", first, valid_batch("patching"))
+
+
+def test_a_table_without_a_declared_schema_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SchemaError, match="table 'nowhere' has no declared schema"):
+        write(tmp_path, "nowhere", {"run_id": ["x"]})
+
+
+def test_an_undeclared_column_fails_a_real_run_and_leaves_no_table(tmp_path: Path) -> None:
+    original = HookCheck.run_batch
+
+    def with_extra_column(self, model, batch, session):  # noqa: ANN001, ANN202
+        output = original(self, model, batch, session)
+        output.tables["hook_check"]["extra"] = output.tables["hook_check"]["passed"]
+        return output
+
+    with (
+        mock.patch.object(HookCheck, "run_batch", with_extra_column),
+        pytest.raises(SchemaError, match="'extra' are not declared"),
+    ):
+        app.run(make_config(*TINY, "method=hook_check"), tmp_path)
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+# ---- README.md's column lists ------------------------------------------------------------------------------------
+def outside_parentheses(text: str) -> str:
+    """`text` without its parenthesised parts (nested ones too)."""
+    depth, kept = 0, []
+    for char in text:
+        depth += char == "("
+        if depth == 0:
+            kept.append(char)
+        depth -= char == ")" and depth > 0
+    return "".join(kept)
+
+
+def readme_columns() -> tuple[list[str], dict[str, list[str]]]:
+    """(the ID columns, {table: its own columns}) as README.md's Outputs section lists them: backticked names
+    outside parentheses, in the paragraph on identifier columns and in one bullet per table."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Outputs\n") :]
+    section = section[: section.index("\n## ", 1)]
+    ids = section[section.index("identifier columns") : section.index("then its own columns")]
+    tables = {}
+    for bullet in re.findall(r"^- (`\w+`.*?)(?=^- |^\s*$)", section, flags=re.M | re.S):
+        names = re.findall(r"`([^`]+)`", outside_parentheses(bullet))
+        tables[names[0]] = names[1:]
+    return re.findall(r"`([^`]+)`", outside_parentheses(ids)), tables
+
+
+def test_readme_lists_each_tables_declared_columns() -> None:
+    ids, tables = readme_columns()
+    assert [c for c in ids if not c.startswith(SWEEP_PREFIX)] == [f.name for f in ID_FIELDS]
+    assert [c for c in ids if c.startswith(SWEEP_PREFIX)] == ["sweep.<key>"]  # the open part is documented
+    assert set(tables) == set(declared())
+    for table, columns in tables.items():
+        assert len(columns) == len(set(columns)), f"README lists a {table} column twice"
+        assert set(columns) == set(declared()[table].names), (
+            f"{table}: README only {set(columns) - set(declared()[table].names)},"
+            f" schema only {set(declared()[table].names) - set(columns)}"
+        )
