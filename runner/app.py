@@ -317,7 +317,7 @@ def _run_shard(shard: int, loop: _Loop) -> None:
 def _run_with_backoff(batch: Batch, model, method, session, config: RunConfig) -> list[tuple[Batch, Any, Any]]:
     """(batch, method output, recorded hook rows) for the batch, halving it on CUDA out-of-memory until it fits."""
     # Keyed by the first sample, not the batch number: an OOM split's halves get their own sidecar files.
-    session.begin_batch(batch.x.shape[0], batch.first_index, first_index=batch.first_index)
+    session.begin_batch(batch.x.shape[0], batch.first_index)
     try:
         output = method.run_batch(model, batch, session)
         return [(batch, output, session.end_batch())]

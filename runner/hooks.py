@@ -176,7 +176,7 @@ class HookSession:
         self._inplace_restore: list[nn.Module] = []
         self._captures: list[Capture] = []
         self._batch_size = 0
-        self._batch_index = -1
+        self._first_index = -1
         self._sample_indices: list[int] = []  # data set indices of the current batch's samples
         self._backward_ran: list[str] = []  # backward-hooked modules in the order their forward ran (diagnosis)
         self._records: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
@@ -221,12 +221,15 @@ class HookSession:
             log.info("backward hooks: in-place ops turned off on %d modules for this run", len(self._inplace_restore))
 
     # ---- per batch ------------------------------------------------------------------------------
-    def begin_batch(self, batch_size: int, batch_index: int, first_index: int | None = None) -> None:
-        """Start a batch of `batch_size` samples from data set index `first_index` (default: batch_index * size)."""
+    def begin_batch(self, batch_size: int, first_index: int) -> None:
+        """Start a batch of `batch_size` samples from data set index `first_index`.
+
+        The first index, not a batch number, keys the batch: an OOM split's halves keep their samples' noise
+        and get sidecar files of their own.
+        """
         self._batch_size = batch_size
-        self._batch_index = batch_index
-        first = batch_index * batch_size if first_index is None else first_index
-        self._sample_indices = list(range(first, first + batch_size))
+        self._first_index = first_index
+        self._sample_indices = list(range(first_index, first_index + batch_size))
         self._calls.clear()
         self._backward_seen.clear()
         self._backward_ran.clear()
@@ -434,7 +437,7 @@ class HookSession:
         self._records.append((key, stats, index))
 
     def _tensor_file_name(self) -> str:
-        return f"batch-{self._batch_index:06d}.safetensors"
+        return f"batch-{self._first_index:06d}.safetensors"
 
     def _write_tensors(self) -> None:
         from safetensors.torch import save_file

@@ -100,7 +100,7 @@ def main() -> None:
         def runner() -> None:
             with HookSession(model, [BoundHook(HookSpec(kind=HookKind.forward), layers)]) as session, torch.no_grad():
                 for i, x in enumerate(xs):
-                    session.begin_batch(args.batch, i)
+                    session.begin_batch(args.batch, i * args.batch)
                     with runtime.autocast():
                         model(x)
                     columns = session.end_batch()

@@ -122,7 +122,7 @@ def test_add_noise_is_the_same_per_sample_at_batch_sizes_1_3_4() -> None:
         outs = []
         with HookSession(model, [BoundHook(spec, resolve_layers(model, ["0"]))]) as session:
             for first in range(0, 12, size):
-                session.begin_batch(size, first // size, first_index=first)
+                session.begin_batch(size, first)
                 outs.append(model(x[first : first + size]))
         by_size[size] = torch.cat(outs)  # (12, 5)
     torch.testing.assert_close(by_size[1], by_size[3], rtol=0, atol=0)
@@ -130,7 +130,7 @@ def test_add_noise_is_the_same_per_sample_at_batch_sizes_1_3_4() -> None:
     assert len({tuple(r.tolist()) for r in by_size[1]}) == 12  # each sample has its own noise
     # A resumed run starts at a later batch with a fresh session: sample 8 gets the same noise.
     with HookSession(model, [BoundHook(spec, resolve_layers(model, ["0"]))]) as session:
-        session.begin_batch(4, 2, first_index=8)
+        session.begin_batch(4, 8)
         torch.testing.assert_close(model(x[8:12]), by_size[1][8:12], rtol=0, atol=0)
 
 
