@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from runner.errors import RunnerError
 from runner.layers import Layer
 from runner.randomness import per_sample_normal
-from runner.schema import HookAction, HookKind, HookSpec
+from runner.schema import HookAction, HookKind, HookSpec, check_hook_spec
 from runner.stats import STAT_NAMES, per_sample_stats, stat_fields
 from runner.tables import declare
 
@@ -128,15 +128,10 @@ def _modifier(spec: HookSpec, sample_indices: Callable[[], Sequence[int]]) -> Mo
         return lambda t, where: t * spec.factor
     if action is HookAction.zero:
         return lambda t, where: torch.zeros_like(t)
+    check_hook_spec(spec, f"A `{action.value}` hook")  # library callers skip the config's validation
     if action is HookAction.clamp:
-        if spec.min is None and spec.max is None:
-            raise RunnerError("A `clamp` hook needs `min`, `max` or both, e.g. {kind: forward, action: clamp, min: 0}.")
-        if spec.min is not None and spec.max is not None and spec.min > spec.max:
-            raise RunnerError(f"A `clamp` hook has min={spec.min} above max={spec.max}; give min <= max.")
         return lambda t, where: t.clamp(min=spec.min, max=spec.max)
     if action is HookAction.add_noise:
-        if not spec.std >= 0:
-            raise RunnerError(f"An `add_noise` hook has std={spec.std}; the standard deviation must be >= 0.")
 
         def add_noise(t: torch.Tensor, where: str) -> torch.Tensor:
             return t + spec.std * keyed_noise(t, spec.seed, sample_indices(), f"add_noise|{where}")

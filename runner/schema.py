@@ -346,18 +346,21 @@ def _validate_inputs(config: RunConfig) -> None:
 
 def _validate_hooks(hooks: list[HookSpec]) -> None:
     """Hook values each action needs, checked before any model is built."""
-
     for i, spec in enumerate(hooks):
-        where = f"hooks[{i}] ({spec.kind.value}, {spec.action.value})"
-        if spec.action is HookAction.clamp:
-            if spec.min is None and spec.max is None:
-                raise RunnerError(f"{where}: a clamp needs min, max or both, e.g. {{action: clamp, min: 0}}.")
-            if spec.min is not None and spec.max is not None and spec.min > spec.max:
-                raise RunnerError(f"{where}: min={spec.min} is above max={spec.max}; give min <= max.")
-        if spec.action is HookAction.add_noise and not (math.isfinite(spec.std) and spec.std >= 0):
-            raise RunnerError(f"{where}: std={spec.std}; the noise's standard deviation must be >= 0 and finite.")
-        if spec.action is HookAction.scale and not math.isfinite(spec.factor):
-            raise RunnerError(f"{where}: factor={spec.factor}; a scale factor must be finite.")
+        check_hook_spec(spec, f"hooks[{i}] ({spec.kind.value}, {spec.action.value})")
+
+
+def check_hook_spec(spec: HookSpec, where: str) -> None:
+    """The values `spec`'s action needs (RunnerError naming `where` otherwise): for configs and library callers."""
+    if spec.action is HookAction.clamp:
+        if spec.min is None and spec.max is None:
+            raise RunnerError(f"{where}: a clamp needs min, max or both, e.g. {{action: clamp, min: 0}}.")
+        if spec.min is not None and spec.max is not None and spec.min > spec.max:
+            raise RunnerError(f"{where}: min={spec.min} is above max={spec.max}; give min <= max.")
+    if spec.action is HookAction.add_noise and not (math.isfinite(spec.std) and spec.std >= 0):
+        raise RunnerError(f"{where}: std={spec.std}; the noise's standard deviation must be >= 0 and finite.")
+    if spec.action is HookAction.scale and not math.isfinite(spec.factor):
+        raise RunnerError(f"{where}: factor={spec.factor}; a scale factor must be finite.")
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
