@@ -15,6 +15,11 @@ from runner.schema import CorruptionConfig, CorruptionKind
 NOISE_PURPOSE = "patching.corruption.noise"  # the randomness key's purpose for corruption noise
 
 
+def is_valid_box(box: list[float]) -> bool:
+    """Whether `box` is [y0, x0, y1, x1], fractions of the image in [0, 1], with y0 < y1 and x0 < x1."""
+    return len(box) == 4 and all(0 <= v <= 1 for v in box) and box[0] < box[2] and box[1] < box[3]
+
+
 def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, list[str]]:
     """(corrupted inputs (B, C, H, W), a description of each corrupted input)."""
     x = batch.x
@@ -34,12 +39,7 @@ def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tup
             f"{s}+blur(sigma={cfg.sigma:g})" for s in batch.sample_ids
         ]
     if kind is CorruptionKind.occlusion:
-        if (
-            len(cfg.box) != 4
-            or not all(0 <= v <= 1 for v in cfg.box)
-            or cfg.box[0] >= cfg.box[2]
-            or cfg.box[1] >= cfg.box[3]
-        ):
+        if not is_valid_box(cfg.box):  # a library caller may skip the config's check
             raise RunnerError(
                 f"corruption.box={cfg.box} must be [y0, x0, y1, x1] fractions of the image with y0<y1, x0<x1."
             )

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from runner import pictures
 from runner.cone import Cone
-from runner.corruption import corrupt
+from runner.corruption import corrupt, is_valid_box
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession, Replacement
@@ -207,10 +207,9 @@ class PatchingMethodConfig(MethodConfig):
                 f" corruption.sigma={c.sigma} (finite, > 0), method.patching.call={p.call} (>= 0),"
                 f" method.patching.contrast_class={p.contrast_class} (null or a class id >= 0)."
             )
-        box = c.box
-        if len(box) != 4 or not all(0 <= v <= 1 for v in box) or box[0] >= box[2] or box[1] >= box[3]:
+        if not is_valid_box(c.box):
             raise RunnerError(
-                f"method.patching.corruption.box={box} must be [y0, x0, y1, x1], fractions of the image in [0, 1]"
+                f"method.patching.corruption.box={c.box} must be [y0, x0, y1, x1], fractions of the image in [0, 1]"
                 " with y0 < y1 and x0 < x1, e.g. [0.25, 0.25, 0.75, 0.75]."
             )
         if c.kind is CorruptionKind.pair and not c.pair_with:
