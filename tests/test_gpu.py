@@ -154,7 +154,7 @@ def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> N
     assert tables, "no Parquet written"
 
 
-def test_no_hook_or_gpu_memory_left_after_a_run_fails_mid_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_hook_left_after_a_cuda_run_fails_mid_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
     original_build, original_rows = app.build_model, app._rows_for
 
