@@ -67,6 +67,16 @@ class Capture:
         self.outputs = {n: [] for n in self.names}
         self.inputs = {n: [] for n in self.names}
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside keep nothing and pass everything through; capturing resumes on exit, also on an error."""
+        was = self.active
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = was
+
 
 @dataclass
 class Replacement:

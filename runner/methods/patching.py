@@ -362,24 +362,23 @@ class Patching(Method):
         out = []
         chunk = self._chunk(base)
         cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
-        self.capture.active = False  # the variants' forwards need no capture
-        for start in range(0, len(order), chunk):
-            picked = order[start : start + chunk]
-            if cone is not None:  # only the patched cell's cone is recomputed through the local chain
-                chain, replacement = cone
-                variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # chain outputs (n, ...)
-                logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
-            else:
-                masks = (
-                    torch.cat([units.masks(u, u + 1, base.device) for u in picked])
-                    if units.kind is not PatchUnit.layer
-                    else units.masks(0, 1, base.device)
-                )
-                variants = base + masks * diff  # (n, ...)
-                logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
-            n = variants.shape[0]
-            out.append(self.metric(logits, target.expand(n), contrast.expand(n)))
-        self.capture.active = True
+        with self.capture.paused():  # the variants' forwards need no capture
+            for start in range(0, len(order), chunk):
+                picked = order[start : start + chunk]
+                if cone is not None:  # only the patched cell's cone is recomputed through the local chain
+                    chain, replacement = cone
+                    variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # chain outputs (n, ...)
+                    logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
+                else:
+                    masks = (
+                        torch.cat([units.masks(u, u + 1, base.device) for u in picked])
+                        if units.kind is not PatchUnit.layer
+                        else units.masks(0, 1, base.device)
+                    )
+                    variants = base + masks * diff  # (n, ...)
+                    logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
+                n = variants.shape[0]
+                out.append(self.metric(logits, target.expand(n), contrast.expand(n)))
         return torch.cat(out)
 
     def _cone(self, model: nn.Module, name: str) -> tuple[Cone, Replacement] | None:
