@@ -2,57 +2,52 @@
 
 config -> model, layers, hooks, method (all checked before any data is loaded) -> data -> per batch:
 hooks fire, the method computes rows -> Parquet tables in the output dir -> a per-layer summary.
+
+This module holds the run plan: the device, the output directory and its lock, the shards this process
+runs and those a resume skips, and what a failure keeps. The batch loop with its Ctrl-C and out-of-memory
+handling is runner/loop.py; the id columns on every row, runner/ids.py; the console summary, runner/summary.py.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import signal
-import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import pandas as pd
-import pyarrow.parquet as pq
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import Subset
 from tqdm import tqdm
 
 from runner import distributed
-from runner.data import NO_LABEL, Batch, build_dataset, make_loader, skipped_files, to_batch
+from runner.data import build_dataset, skipped_files
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
+from runner.ids import run_columns
 from runner.layers import Layer, resolve_layers
+from runner.loop import ShardLoop, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
-from runner.provenance import provenance, resume_key, swept_columns
-from runner.results import Block, DirectoryLock, ShardedWriter, to_host, write_failure
+from runner.provenance import provenance, resume_key
+from runner.results import DirectoryLock, ShardedWriter, write_failure
 from runner.schema import RunConfig, to_run_config
-from runner.stats import STAT_NAMES
+from runner.summary import HOOK_SUMMARY_VALUES, summarise
 
 log = logging.getLogger(__name__)
-
-# What the console summary reports: per layer (and hook, role, call), the mean of these columns where present:
-# the hooks table's, and those the method declares (`Method.summary_values`).
-SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call")
-HOOK_SUMMARY_VALUES = ("mean", "std", "frac_zero")
 
 
 @dataclass
 class RunResult:
+    """Where a run wrote its results, and each table's folder of shard files."""
+
     output_dir: Path
     tables: dict[str, Path]
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device for `device=` (auto: CUDA when there is one); a CUDA device without a GPU is refused."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -150,13 +145,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     shard_samples = config.output.shard_batches * config.data.batch_size
     num_shards = -(-len(dataset) // shard_samples)
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-    identity = {
-        "run_id": run_id,
-        "experiment": config.name,
-        "model": config.model._target_ or config.model.name,
-        "method": config.method.name,
-        **swept_columns(config),
-    }
+    id_columns = run_columns(config, run_id)
     key, details = resume_key(config, shard_samples, len(dataset))
     writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details)
     done = writer.resume()  # complete shards whose files are intact; a damaged one runs again
@@ -164,21 +153,21 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     if done:
         log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done), num_shards, len(mine))
     log.info(
-        "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, identity["model"], len(dataset), device
+        "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, id_columns["model"], len(dataset), device
     )
     side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
     try:
-        with HookSession(model, hooks, out / "tensors") as session, _stop_on_signals() as stop:
+        with HookSession(model, hooks, out / "tensors") as session, stop_on_signals() as stop:
             method.setup(session, len(dataset))
-            progress = tqdm(total=sum(_shard_batches(s, shard_samples, len(dataset), config) for s in mine),
+            progress = tqdm(total=sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine),
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
-            loop = _Loop(config, device, dataset, shard_samples, model, method, session, writer, identity,
-                         bundle.categories, stop)  # fmt: skip
+            loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
+                             bundle.categories, stop)  # fmt: skip
             for shard in mine:
                 writer.begin_shard(shard)
-                _run_shard(shard, loop)
+                run_shard(shard, loop)
                 writer.commit_shard()
-                progress.update(_shard_batches(shard, shard_samples, len(dataset), config))
+                progress.update(shard_batches(shard, shard_samples, len(dataset), config))
             progress.close()
             writer.finish()
             writer.close()
@@ -205,7 +194,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     distributed.barrier()
     tables = writer.tables()
     if rank == 0:
-        _summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
+        summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
         log.info("results: %s", out)
     return RunResult(out, tables)
 
@@ -242,165 +231,3 @@ def _complete_shards(writer: ShardedWriter) -> set[int]:
         return writer.completed_shards()
     except RunnerError:
         return set()
-
-
-# What `timeout`, SLURM and `docker stop` send, handled as Ctrl-C is: the run stops after the batch, resumable.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """Ctrl-C (SIGINT) or SIGTERM sets the event; the run stops after the current batch. A second one stops
-    at once (KeyboardInterrupt, which `run` turns into one line with the resume command)."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handle(signum: int, frame: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        name = signal.Signals(signum).name
-        log.warning("%s: stopping after the current batch (Ctrl-C or the signal again to stop now)", name)
-
-    previous = {number: signal.signal(number, handle) for number in STOP_SIGNALS}
-    try:
-        yield stop
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-
-
-def _shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
-    samples = min(shard_samples, total - shard * shard_samples)
-    return -(-samples // config.data.batch_size)
-
-
-@dataclass
-class _Loop:
-    """Everything the per-shard loop needs."""
-
-    config: RunConfig
-    device: torch.device
-    dataset: Any
-    shard_samples: int
-    model: torch.nn.Module
-    method: Any
-    session: HookSession
-    writer: ShardedWriter
-    identity: dict[str, Any]
-    categories: list[str] | None
-    stop: threading.Event
-
-
-def _run_shard(shard: int, loop: _Loop) -> None:
-    """Every batch of one shard through the method; rows go to the shard's files (on the writer thread)."""
-    start = shard * loop.shard_samples
-    indices = range(start, min(start + loop.shard_samples, len(loop.dataset)))
-    loader = make_loader(Subset(loop.dataset, indices), loop.config.data, loop.device)
-    first = start
-    for raw in loader:
-        batch = to_batch(raw, loop.device, first, loop.config.channels_last)
-        for part in _run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
-            loop.writer.submit(_rows_for(part, loop.identity, loop.categories))
-        if loop.stop.is_set():
-            done = len(loop.writer.completed_shards())
-            raise RunnerError(
-                f"Interrupted. {done} complete shard(s) are kept in {loop.writer.directory}; the shard in progress"
-                f" (from sample {start}) is discarded. Run the same command with hydra.run.dir={loop.writer.directory}"
-                " to resume."
-            )
-        first += batch.x.shape[0]
-
-
-def _run_with_backoff(batch: Batch, model, method, session, config: RunConfig) -> list[tuple[Batch, Any, Any]]:
-    """(batch, method output, recorded hook rows) for the batch, halving it on CUDA out-of-memory until it fits."""
-    # Keyed by the first sample, not the batch number: an OOM split's halves get their own sidecar files.
-    session.begin_batch(batch.x.shape[0], batch.first_index)
-    try:
-        output = method.run_batch(model, batch, session)
-        return [(batch, output, session.end_batch())]
-    except RuntimeError as error:
-        if not isinstance(error, torch.cuda.OutOfMemoryError):
-            explained = session.explain(error)  # a torch error the hooks caused, as one clear message
-            if explained is not None:
-                raise explained from error
-            raise
-        session.end_batch()  # drop what the failed attempt recorded
-        size = batch.x.shape[0]
-        if size == 1:
-            raise RunnerError(
-                "CUDA out of memory with a batch of 1: the model and method do not fit this GPU. Try precision=bf16,"
-                " fewer layers, or a smaller method.patching.chunk / method.score_chunk."
-            ) from None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        half = size // 2
-        log.warning(
-            "CUDA out of memory at batch size %d (samples from %d): retrying as %d + %d",
-            size,
-            batch.first_index,
-            half,
-            size - half,
-        )
-        parts = []
-        for lo, hi in ((0, half), (half, size)):
-            sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
-            parts += _run_with_backoff(sub, model, method, session, config)
-        return parts
-
-
-def _rows_for(part: tuple[Batch, Any, Any], identity: dict[str, Any], categories: list[str] | None):
-    """The writer thread's job for one batch: move rows to the host and add the identifier columns."""
-    batch, output, recorded = part
-
-    def produce() -> list[tuple[str, dict[str, Any]]]:
-        samples = _sample_columns(batch, output.predicted, categories)
-        rows = [(table, _with_ids(identity, samples, to_host(columns))) for table, columns in output.tables.items()]
-        if recorded is not None:
-            recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
-            rows.append(("hooks", _with_ids(identity, samples, to_host(recorded))))
-        return rows
-
-    return produce
-
-
-def _sample_columns(batch: Batch, predicted: torch.Tensor, categories: list[str] | None) -> dict[str, np.ndarray]:
-    """Per-sample identifiers of a batch, moved to the host in one transfer."""
-    host = torch.stack([batch.labels.to(predicted.device), predicted]).cpu().numpy()  # (2, B)
-    names = [categories[p] if categories and 0 <= p < len(categories) else None for p in host[1]]
-    return {
-        "sample": np.arange(batch.first_index, batch.first_index + len(batch.sample_ids)),
-        "sample_id": np.array(batch.sample_ids, dtype=object),
-        "label": np.array([None if y == NO_LABEL else int(y) for y in host[0]], dtype=object),
-        "predicted": host[1],
-        "predicted_name": np.array(names, dtype=object),
-    }
-
-
-def _with_ids(identity: dict[str, str], samples: dict[str, np.ndarray], columns: dict[str, Any]) -> dict[str, Any]:
-    """Identifier columns first (run, experiment, model, method, sample...), then the table's own."""
-    local = np.asarray(columns.pop("sample_index"))
-    rows = len(local)
-    per_batch = local >= 0  # -1: a row about the whole batch (a tensor without a batch dimension)
-    picked = np.where(per_batch, local, 0)
-    ids: dict[str, Any] = {k: [v] * rows for k, v in identity.items()}
-    for name, values in samples.items():
-        column = values[picked].astype(object)
-        column[~per_batch] = None
-        ids[name] = column
-    return {**ids, **columns}
-
-
-def _summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
-    for table, path in paths.items():
-        present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
-        keys = [k for k in SUMMARY_KEYS if k in present]
-        values = [v for v in summary_values if v in present]
-        frame = pd.read_parquet(path, columns=keys + values)
-        summary = frame.groupby(keys, sort=False)[values].mean()
-        with pd.option_context(
-            "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
-        ):
-            log.info("%s (%d rows, per layer):\n%s", table, len(frame), summary)

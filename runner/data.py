@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms as T
 
 from runner.errors import RunnerError, suggest
+from runner.registry import Registry
 from runner.schema import MAX_IMAGE_SIDE, DataConfig, ResizeMode
 
 log = logging.getLogger(__name__)
@@ -101,26 +102,22 @@ class SyntheticConfig(DataConfig):
 Builder = Callable[[Any, Callable | None, int], Dataset]
 B = TypeVar("B", bound=Builder)
 # Every data source's builder by its config type: (config, the weights' preprocessing or None, seed) -> data set.
-DATA_SOURCES: dict[type[DataConfig], Builder] = {}
+DATA_SOURCES: Registry[type[DataConfig], Builder] = Registry("data source", lambda config: config.name)
 
 
 def data_source(config: type[DataConfig]) -> Callable[[B], B]:
     """Function decorator: `build` makes the data set of configs of type `config` (option `config.name`)."""
-
-    def add(build: B) -> B:
-        DATA_SOURCES[config] = build
-        return build
-
-    return add
+    return DATA_SOURCES.register(config)
 
 
 def data_config_class(name: str) -> type[DataConfig]:
-    """The config dataclass of the data source called `name`."""
-    for config in DATA_SOURCES:
-        if config.name == name:
-            return config
-    kinds = [config.name for config in DATA_SOURCES]
-    raise RunnerError(f"Unknown data source '{name}'.{suggest(name, kinds)} Use one of: {', '.join(kinds)}.")
+    """The config dataclass of the data source called `name` (RunnerError with the nearest names if none is)."""
+    return DATA_SOURCES.key(name)
+
+
+def data_config(name: str, **fields: Any) -> DataConfig:
+    """The config of the data source called `name` with `fields` (a key of another source is a TypeError)."""
+    return data_config_class(name)(**fields)
 
 
 @dataclass
@@ -269,7 +266,13 @@ class SyntheticDataset(Dataset):
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
     """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
     Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
-    build = DATA_SOURCES.get(type(cfg)) or DATA_SOURCES[data_config_class(cfg.name)]  # raises for an unknown name
+    build = DATA_SOURCES.get(type(cfg))
+    if build is None:  # a config of another type than the source it names: refused, not guessed
+        expected = data_config_class(cfg.name)  # raises for an unknown name
+        raise RunnerError(
+            f"data={cfg.name} needs its own config ({expected.__name__}), not a {type(cfg).__name__}:"
+            f" build it with {expected.__name__}(...) or data_config('{cfg.name}', ...)."
+        )
     dataset = build(cfg, preprocess, seed)
     if cfg.limit is not None:
         dataset = torch.utils.data.Subset(dataset, range(min(cfg.limit, len(dataset))))  # type: ignore[arg-type]

@@ -21,6 +21,8 @@ Python loop per image. The random map has the layer's own resolution, so both ar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,39 @@ from torch import nn
 from runner.errors import RunnerError
 from runner.randomness import sample_generator
 from runner.results import Block
-from runner.schema import BlurConfig, BlurPadding, FaithfulnessConfig
 from runner.stats import constant_rows
+
+
+class BlurPadding(str, Enum):
+    """How the insertion blur fills the border: 0 (RISE's choice), mirrored pixels, or the edge pixel."""
+
+    zero = "zero"
+    reflect = "reflect"
+    replicate = "replicate"
+
+
+@dataclass
+class BlurConfig:
+    """The insertion baseline's Gaussian blur; the defaults are RISE's (Petsiuk et al. 2018, eclique/RISE)."""
+
+    kernel_size: int = 11  # odd
+    sigma: float = 5.0
+    padding: BlurPadding = BlurPadding.zero
+
+
+@dataclass
+class FaithfulnessConfig:
+    """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
+
+    enabled: bool = False
+    steps: int = 20  # deletion/insertion curve points (plus the start)
+    chunk: int = 64  # images per batched forward while scoring perturbed inputs
+    seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
+    insertion_blur: BlurConfig = field(default_factory=BlurConfig)
+
+
+# A bound that keeps a typo from running for days: each step costs about 4 forwards per sample and layer.
+MAX_FAITHFULNESS_STEPS = 1000
 
 METRICS = ("deletion_auc", "insertion_auc", "avg_drop", "increase")
 COLUMNS = [*METRICS, *(f"random_{m}" for m in METRICS)]

@@ -119,16 +119,16 @@ def input_fingerprints(config: RunConfig) -> dict[str, str]:
 
 
 def resume_key(config: RunConfig, shard_samples: int, num_samples: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(identity, details): what a directory's manifest must match for this run to resume it, and the flat
+    """(key, details): what a directory's manifest must match for this run to resume it, and the flat
     values behind it, so that a refusal can name each key that differs."""
     inputs = input_fingerprints(config)
-    identity = {
+    key = {
         "config_hash": config_hash(config),
         "inputs": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
         "shard_samples": shard_samples,
         "num_samples": num_samples,
     }
-    return identity, {**config_values(config), **inputs}
+    return key, {**config_values(config), **inputs}
 
 
 def _typed_override(key: str, value: Any, config: RunConfig | None) -> Any:

@@ -264,22 +264,22 @@ class ShardedWriter:
         self,
         directory: Path,
         metadata: dict[str, Any],
-        identity: dict[str, Any],
+        resume_key: dict[str, Any],
         rank: int = 0,
         queue_size: int = 4,
         details: dict[str, Any] | None = None,
     ) -> None:
         self.directory = directory
         self.metadata = metadata
-        self.identity = identity  # what must match to resume: config hash, inputs, shard size, sample count
-        # The values behind the identity (flat config keys, input fingerprints), kept in the manifest so that
+        self.resume_key = resume_key  # what must match to resume: config hash, inputs, shard size, sample count
+        # The values behind the resume key (flat config keys, input fingerprints), kept in the manifest so that
         # a refused resume can name the keys that differ.
         self.details = json.loads(json.dumps(details or {}, default=str))
         self.rank = rank
         self.manifest_path = directory / ("manifest.json" if rank == 0 else f"manifest-rank{rank}.json")
         self._open: dict[str, TableWriter] = {}
         self._shard: int | None = None
-        self._manifest = {**identity, "resume_details": self.details, "shards": {}, "complete": False}
+        self._manifest = {**resume_key, "resume_details": self.details, "shards": {}, "complete": False}
         if self.manifest_path.exists():
             self._manifest = self._load(self.manifest_path)
         self._queue: queue.Queue[tuple[int, Callable[[], list[tuple[str, dict[str, Any]]]]] | None] = queue.Queue(
@@ -323,7 +323,7 @@ class ShardedWriter:
 
     def _load(self, path: Path) -> dict[str, Any]:
         manifest = read_manifest(path)
-        mismatched = [k for k, v in self.identity.items() if manifest.get(k) != v]
+        mismatched = [k for k, v in self.resume_key.items() if manifest.get(k) != v]
         if mismatched:
             raise RunnerError(
                 f"{self.directory} holds results of a different run, so it cannot be resumed; what differs:"
@@ -333,7 +333,7 @@ class ShardedWriter:
         return manifest
 
     def _differences(self, manifest: dict[str, Any], mismatched: list[str]) -> str:
-        """'key: old -> new' for each differing config key or input (the identity's key names for old manifests)."""
+        """'key: old -> new' for each differing config key or input (the resume key's names for old manifests)."""
         old = manifest.get("resume_details")
         if not isinstance(old, dict) or not self.details:
             return ", ".join(mismatched)
@@ -348,7 +348,7 @@ class ShardedWriter:
             return text if len(text) <= 40 else text[:37] + "..."
 
         def value(source: dict[str, Any], key: str) -> Any:
-            return source.get(key, manifest.get(key, missing) if source is old else self.identity.get(key, missing))
+            return source.get(key, manifest.get(key, missing) if source is old else self.resume_key.get(key, missing))
 
         shown = [f"{k}: {show(value(old, k))} -> {show(value(self.details, k))}" for k in keys[:8]]
         return "; ".join(shown) + (f"; and {len(keys) - 8} more" if len(keys) > 8 else "")

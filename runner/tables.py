@@ -2,12 +2,12 @@
 that builds its rows, and the writer holds every batch to them.
 
 A table is `ID columns + swept columns + its own columns`, in that order:
-  - ID columns (`ID_FIELDS`, added by runner/app.py): which run, model and method; which sample.
+  - ID columns (`ID_FIELDS`, added by runner/ids.py): which run, model and method; which sample.
   - swept columns, the open part: one `sweep.<key>` column per command-line override of the job
     (runner/provenance.py `swept_columns`), typed bool, int64, double or string as the run used the value.
     Which keys a job has depends on its command line, so they are checked by prefix and type, not by name.
   - the table's own columns, declared with `declare(name, fields)` in the module that builds its rows
-    (`CAM_SCHEMA` in runner/methods/cam.py, `HOOKS_SCHEMA` in runner/hooks.py, ...). A column written only
+    (`CAM_SCHEMA` in runner/methods/cam.py, `HOOKS_SCHEMA` in runner/hooks/spec_hooks.py, ...). A column written only
     under some config (`map` with method.store_maps) is declared with `optional(...)`, naming when.
 
 `conform` turns one batch's host columns into an Arrow table of exactly the declared types: a missing

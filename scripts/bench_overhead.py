@@ -8,15 +8,18 @@
     max, L2 norm, fraction of zeros) the fastest way we know (four reads, no temporaries), kept on the
     device, one transfer per batch
 (c) runner: the hook session's `record` on the same modules, rows moved to the host once per batch
-Prints seconds per batch and the overheads; the target is (c) within 1.15x of (b).
+Each contender runs on its own copy of the model, checked for foreign hooks before every call, and the three are
+timed interleaved, round-robin (scripts/benchtools.py). Prints seconds per batch (median, spread), the overheads
+over a plain forward and the ratios; the target is (c) within 1.15x of (b).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
-from benchtools import pick_device, timed
+from benchtools import Contender, interleaved, pick_device, report
 from torch import nn
 
 from runner.hooks import BoundHook, HookSession
@@ -55,12 +58,62 @@ def floor_hooks(layers, batch: int):
     return kept, [m.register_forward_hook(hook) for _, m in layers]
 
 
+def plain(model: nn.Module, xs: list[torch.Tensor], runtime: Runtime) -> Contender:
+    """N batches through the model, no hooks."""
+
+    @torch.no_grad()
+    def run() -> None:
+        for x in xs:
+            with runtime.autocast():
+                model(x)
+
+    return Contender("plain", run, model)
+
+
+def floor(model: nn.Module, names: list[str], xs: list[torch.Tensor], batch: int, runtime: Runtime) -> Contender:
+    """The hand-written recording hooks, registered per call, one transfer per batch."""
+    layers = [(n, model.get_submodule(n)) for n in names]
+
+    def run() -> None:
+        kept, handles = floor_hooks(layers, batch)
+        try:
+            with torch.no_grad():
+                for x in xs:
+                    kept.clear()
+                    with runtime.autocast():
+                        model(x)
+                    torch.cat(kept).cpu().numpy()
+        finally:
+            for h in handles:
+                h.remove()
+
+    return Contender("floor", run, model)
+
+
+def runner(model: nn.Module, names: list[str], xs: list[torch.Tensor], batch: int, runtime: Runtime) -> Contender:
+    """The hook session's `record` (forward statistics), a session per call, rows to the host once per batch."""
+    layers = [(n, model.get_submodule(n)) for n in names]
+
+    def run() -> None:
+        with HookSession(model, [BoundHook(HookSpec(kind=HookKind.forward), layers)]) as session, torch.no_grad():
+            for i, x in enumerate(xs):
+                session.begin_batch(batch, i * batch)
+                with runtime.autocast():
+                    model(x)
+                columns = session.end_batch()
+                columns["stats"] = Block(columns.pop("stats"), list(STAT_NAMES))
+                to_host(columns)
+
+    return Contender("runner", run, model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--batches", type=int, default=3, help="batches per timed run")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=25, help="timed rounds, each contender once per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per contender first")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
@@ -68,48 +121,27 @@ def main() -> None:
     runtime = Runtime(device, Precision(args.precision))
     print(f"batch={args.batch} size={args.size} batches={args.batches} precision={args.precision} device={device} "
           f"torch={torch.__version__} threads={torch.get_num_threads()}")  # fmt: skip
-    print(
-        f"{'setup':32s} {'modules':>7s} {'plain s':>8s} {'floor s':>8s} {'runner s':>8s} {'floor+':>7s} {'runner+':>8s} {'runner/floor':>12s}"
-    )
+    summary = []
     for label, (name, selectors) in SETUPS.items():
         torch.manual_seed(0)
         weights = "embedded" if name == "efficientnet_lite0" else None
-        model = build_model(ModelConfig(name=name, weights=weights)).model.to(device)
-        layers = resolve_layers(model, selectors) if selectors else leaves(model)
+        base = build_model(ModelConfig(name=name, weights=weights)).model.to(device)
+        names = [n for n, _ in (resolve_layers(base, selectors) if selectors else leaves(base))]
         xs = [torch.randn(args.batch, 3, args.size, args.size, device=device) for _ in range(args.batches)]
-
-        @torch.no_grad()
-        def plain() -> None:
-            for x in xs:
-                with runtime.autocast():
-                    model(x)
-
-        def floor() -> None:
-            kept, handles = floor_hooks(layers, args.batch)
-            try:
-                with torch.no_grad():
-                    for x in xs:
-                        kept.clear()
-                        with runtime.autocast():
-                            model(x)
-                        torch.cat(kept).cpu().numpy()
-            finally:
-                for h in handles:
-                    h.remove()
-
-        def runner() -> None:
-            with HookSession(model, [BoundHook(HookSpec(kind=HookKind.forward), layers)]) as session, torch.no_grad():
-                for i, x in enumerate(xs):
-                    session.begin_batch(args.batch, i * args.batch)
-                    with runtime.autocast():
-                        model(x)
-                    columns = session.end_batch()
-                    columns["stats"] = Block(columns.pop("stats"), list(STAT_NAMES))
-                    to_host(columns)
-
-        t_plain, t_floor, t_runner = (timed(fn, device, args.repeat) / args.batches for fn in (plain, floor, runner))
-        print(f"{label:32s} {len(layers):7d} {t_plain:8.4f} {t_floor:8.4f} {t_runner:8.4f} "
-              f"{t_floor / t_plain - 1:+7.0%} {t_runner / t_plain - 1:+8.0%} {t_runner / t_floor:12.2f}")  # fmt: skip
+        timings = interleaved(
+            [plain(copy.deepcopy(base), xs, runtime), floor(copy.deepcopy(base), names, xs, args.batch, runtime),
+             runner(copy.deepcopy(base), names, xs, args.batch, runtime)],
+            device, reference="floor", rounds=args.rounds, warmup=args.warmup,
+        )  # fmt: skip
+        print(f"{label} ({len(names)} modules), seconds per batch:")
+        report(timings, per_call=args.batch, divide=args.batches)
+        t_plain, t_floor, t_runner = (timings.median(n) / args.batches for n in ("plain", "floor", "runner"))
+        summary.append(f"{label:32s} {len(names):7d} {t_plain:8.4f} {t_floor:8.4f} {t_runner:8.4f} "
+                       f"{t_floor / t_plain - 1:+7.0%} {t_runner / t_plain - 1:+8.0%} {t_runner / t_floor:12.2f} "
+                       f"{timings.paired('runner'):7.2f}")  # fmt: skip
+    print(f"{'setup':32s} {'modules':>7s} {'plain s':>8s} {'floor s':>8s} {'runner s':>8s} {'floor+':>7s} "
+          f"{'runner+':>8s} {'runner/floor':>12s} {'paired':>7s}")  # fmt: skip
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

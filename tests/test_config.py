@@ -102,22 +102,22 @@ def test_every_option_composes_to_its_own_schema(group: str) -> None:
         assert type(getattr(make_config(f"{group}={option}"), group)) is schemas[option]
 
 
-def test_base_config_named_by_string_builds_the_options_own_config() -> None:
-    from runner.data import SyntheticConfig
-    from runner.methods.patching import PatchingMethodConfig
+def test_an_option_named_by_string_builds_its_own_config() -> None:
+    from runner.data import SyntheticConfig, data_config
+    from runner.methods import method_config
+    from runner.methods.patching import PatchingConfig, PatchingMethodConfig
     from runner.methods.scorecam import ScoreCamConfig
-    from runner.schema import DataConfig, MethodConfig, PatchingConfig
 
-    scorecam = MethodConfig(name="scorecam", score_chunk=2)
+    scorecam = method_config("scorecam", score_chunk=2)
     assert type(scorecam) is ScoreCamConfig and scorecam.score_chunk == 2
-    assert type(MethodConfig(name="patching", patching=PatchingConfig(grid=[3, 3]))) is PatchingMethodConfig
-    assert type(DataConfig(name="synthetic", count=2)) is SyntheticConfig
+    assert type(method_config("patching", patching=PatchingConfig(grid=[3, 3]))) is PatchingMethodConfig
+    assert type(data_config("synthetic", count=2)) is SyntheticConfig
     with pytest.raises(TypeError, match="patching"):
-        MethodConfig(name="gradcam", patching=PatchingConfig())
+        method_config("gradcam", patching=PatchingConfig())
     with pytest.raises(TypeError, match="root"):
-        DataConfig(name="synthetic", root="/x")
+        data_config("synthetic", root="/x")
     with pytest.raises(RunnerError, match="Unknown method 'gradcan'.*gradcam"):
-        MethodConfig(name="gradcan")
+        method_config("gradcan")
 
 
 def test_run_loop_names_no_method() -> None:
@@ -129,3 +129,46 @@ def test_run_loop_names_no_method() -> None:
         source = path.read_text()
         for special in ("HookCheck", "bind_dataset", '!= "record"', "from runner.methods."):
             assert special not in source, f"{path.name}: {special}"
+
+
+# ---- one registry shape for methods, data sources and model sources ------------------------------------------------
+def test_every_group_uses_the_one_registry() -> None:
+    from runner.data import DATA_SOURCES, SyntheticConfig, data_config_class
+    from runner.methods import METHODS, method_config_class
+    from runner.methods.gradcam import GradCamConfig
+    from runner.models import MODEL_SOURCES
+    from runner.registry import Registry
+
+    assert all(isinstance(r, Registry) for r in (METHODS, DATA_SOURCES, MODEL_SOURCES))
+    assert method_config_class("gradcam") is GradCamConfig and data_config_class("synthetic") is SyntheticConfig
+    assert {"gradcam", "patching", "record"} <= set(METHODS.names())
+    assert set(MODEL_SOURCES.names()) == {"torchvision", "embedded", "target"}
+    with pytest.raises(RunnerError, match=r"Unknown data source 'synthtic'\. Did you mean: synthetic\? Available: "):
+        data_config_class("synthtic")
+
+
+def test_registry_refuses_a_second_implementation_of_one_option() -> None:
+    from runner.registry import Registry
+
+    registry: Registry[str, int] = Registry("thing", str)
+    registry.register("a")(1)
+    registry.register("a")(2)  # the same key again (a module imported twice): replaced, not duplicated
+    assert registry["a"] == 2 and registry.names() == ["a"]
+    by_name: Registry[tuple[str, int], int] = Registry("thing", lambda key: key[0])
+    by_name.register(("a", 1))(1)
+    with pytest.raises(ValueError, match="'a' is registered twice"):
+        by_name.register(("a", 2))(2)
+    with pytest.raises(RunnerError, match=r"Unknown thing 'b'\. Available: a\."):
+        by_name.key("b")
+
+
+def test_the_base_config_is_refused_not_guessed() -> None:
+    """Without the old `__new__` shims, a base config names an option but holds none of its keys."""
+    from runner.data import build_dataset
+    from runner.methods import method_class
+    from runner.schema import DataConfig, MethodConfig
+
+    with pytest.raises(RunnerError, match=r"data=synthetic needs its own config \(SyntheticConfig\)"):
+        build_dataset(DataConfig(name="synthetic"), None, 0)
+    with pytest.raises(RunnerError, match=r"method=gradcam needs its own config \(GradCamConfig\)"):
+        method_class(MethodConfig(name="gradcam"))

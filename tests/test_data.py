@@ -9,13 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data import build_dataset
+from runner.data import ImageFolderConfig, SkimagePhotosConfig, SyntheticConfig, build_dataset
 from runner.errors import RunnerError
-from runner.schema import DataConfig
 
 
 def test_skimage_photos_are_real_images_with_labels() -> None:
-    dataset = build_dataset(DataConfig(photos=["chelsea", "coffee", "astronaut"], image_size=64), None, 0)
+    dataset = build_dataset(SkimagePhotosConfig(photos=["chelsea", "coffee", "astronaut"], image_size=64), None, 0)
     samples = [dataset[i] for i in range(len(dataset))]
     assert [s[2] for s in samples] == ["chelsea", "coffee", "astronaut"]
     assert [s[1] for s in samples] == [285, 967, -1]
@@ -25,7 +24,7 @@ def test_skimage_photos_are_real_images_with_labels() -> None:
 
 def test_unknown_photo_is_a_clear_error() -> None:
     with pytest.raises(RunnerError, match="no photo 'chelsee'.*chelsea"):
-        build_dataset(DataConfig(photos=["chelsee"]), None, 0)
+        build_dataset(SkimagePhotosConfig(photos=["chelsee"]), None, 0)
 
 
 def write_image(path: Path, value: int) -> None:
@@ -36,22 +35,22 @@ def write_image(path: Path, value: int) -> None:
 def test_image_folder_with_class_subfolders(tmp_path: Path) -> None:
     write_image(tmp_path / "dog" / "a.png", 10)
     write_image(tmp_path / "cat" / "b.jpg", 200)
-    dataset = build_dataset(DataConfig(name="image_folder", root=str(tmp_path), image_size=16), None, 0)
+    dataset = build_dataset(ImageFolderConfig(root=str(tmp_path), image_size=16), None, 0)
     assert [(dataset[i][2], dataset[i][1]) for i in range(2)] == [("cat/b.jpg", 0), ("dog/a.png", 1)]
 
 
 def test_flat_image_folder_has_no_labels(tmp_path: Path) -> None:
     write_image(tmp_path / "a.png", 10)
-    dataset = build_dataset(DataConfig(name="image_folder", root=str(tmp_path), image_size=16), None, 0)
+    dataset = build_dataset(ImageFolderConfig(root=str(tmp_path), image_size=16), None, 0)
     assert dataset[0][1] == -1 and dataset[0][0].shape == (3, 16, 16)
 
 
 def test_empty_and_missing_folders_fail_clearly(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not an image")
     with pytest.raises(RunnerError, match="contains no images"):
-        build_dataset(DataConfig(name="image_folder", root=str(tmp_path)), None, 0)
+        build_dataset(ImageFolderConfig(root=str(tmp_path)), None, 0)
     with pytest.raises(RunnerError, match="Image folder not found"):
-        build_dataset(DataConfig(name="image_folder", root=str(tmp_path / "missing")), None, 0)
+        build_dataset(ImageFolderConfig(root=str(tmp_path / "missing")), None, 0)
 
 
 def test_corrupt_images_are_skipped_and_named_or_fail_when_strict(tmp_path: Path) -> None:
@@ -62,15 +61,15 @@ def test_corrupt_images_are_skipped_and_named_or_fail_when_strict(tmp_path: Path
     truncated = tmp_path / "truncated.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(truncated)
     truncated.write_bytes(truncated.read_bytes()[:2000])  # a real header and half the pixels
-    dataset = build_dataset(DataConfig(name="image_folder", root=str(tmp_path)), None, 0)
+    dataset = build_dataset(ImageFolderConfig(root=str(tmp_path)), None, 0)
     assert [dataset[i][2] for i in range(len(dataset))] == ["good.png"]
     assert sorted(Path(p).name for p in skipped_files(dataset)) == ["broken.png", "truncated.png"]
     with pytest.raises(RunnerError, match="2 unreadable or corrupt image file.*broken.png, truncated.png.*data.strict"):
-        build_dataset(DataConfig(name="image_folder", root=str(tmp_path), strict=True), None, 0)
+        build_dataset(ImageFolderConfig(root=str(tmp_path), strict=True), None, 0)
 
 
 def test_synthetic_is_seeded_and_limit_applies() -> None:
-    cfg = DataConfig(name="synthetic", shape=[3, 8, 8], count=5, num_classes=10, limit=3)
+    cfg = SyntheticConfig(shape=[3, 8, 8], count=5, num_classes=10, limit=3)
     a, b, c = build_dataset(cfg, None, 0), build_dataset(cfg, None, 0), build_dataset(cfg, None, 1)
     assert len(a) == 3
     assert torch.equal(a[2][0], b[2][0]) and a[2][1] == b[2][1]

@@ -87,7 +87,7 @@ def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: 
 
 
 def test_captum_leaves_no_hook(tmp_path: Path, built_models: list) -> None:
-    """captum registers its own hooks inside `attribute` (runner/hooks.py's one exception): none survives."""
+    """captum registers its own hooks inside `attribute` (runner/hooks/__init__.py's one exception): none survives."""
     result = app.run(make_config("method=captum", "debug=tiny", "hooks=[]", "layers.include=[_blocks.5]"), tmp_path)
     assert len(pd.read_parquet(result.tables["cam"])) == 2
     assert built_models and count_hooks(built_models[0]) == 0

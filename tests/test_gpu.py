@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import runner.app as app
+import runner.loop
 from runner.hooks import count_hooks
 from tests.conftest import make_config
 
@@ -156,7 +157,7 @@ def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> N
 
 def test_no_hook_left_after_a_cuda_run_fails_mid_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
-    original_build, original_rows = app.build_model, app._rows_for
+    original_build, original_rows = app.build_model, runner.loop.rows_for
 
     def spy(cfg):  # noqa: ANN001, ANN202
         bundle = original_build(cfg)
@@ -171,7 +172,7 @@ def test_no_hook_left_after_a_cuda_run_fails_mid_way(tmp_path: Path, monkeypatch
 
     fail_on_second_batch.calls = 0
     monkeypatch.setattr(app, "build_model", spy)
-    monkeypatch.setattr(app, "_rows_for", fail_on_second_batch)
+    monkeypatch.setattr(runner.loop, "rows_for", fail_on_second_batch)  # where the batch loop looks it up
     with pytest.raises(RuntimeError, match="planted failure"):
         app.run(make_config("device=cuda", "data.image_size=64", PHOTOS, "data.batch_size=2"), tmp_path)
     assert fail_on_second_batch.calls == 1 and len(seen) == 1

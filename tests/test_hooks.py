@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from runner.hooks import BoundHook, HookSession, count_hooks
+from runner.errors import RunnerError
+from runner.hooks import BoundHook, HookSession, InplaceOff, TensorSaver, count_hooks
 from runner.layers import resolve_layers
 from runner.schema import HookAction, HookKind, HookSpec
 from runner.stats import STAT_NAMES, per_sample_stats
@@ -205,3 +206,60 @@ def test_saved_tensors_are_clones_of_pre_inplace_values(tiny: nn.Module, tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(saved, tiny.features[0](x))
     assert float(saved.min()) < 0  # the in-place ReLU after it did not overwrite the saved copy
+
+
+def test_every_public_name_imports_from_runner_hooks() -> None:
+    """The package re-exports what callers imported from the old module, and the split pieces."""
+    import runner.hooks as hooks
+
+    names = {"HookSession", "BoundHook", "Capture", "Replacement", "map_tensors", "keyed_noise", "count_hooks",
+             "disable_inplace", "restore_inplace", "inplace_disabled", "GRADIENT_KINDS", "HOOKS_SCHEMA",
+             "STAT_NAMES", "InplaceOff", "SpecHooks", "TensorSaver"}  # fmt: skip
+    assert names <= set(hooks.__all__)
+    assert all(getattr(hooks, n) is not None for n in names)
+    assert hooks.HOOKS_SCHEMA.names[:2] == ["layer", "module_type"]
+
+
+def test_inplace_switch_is_a_handle_removed_once() -> None:
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.ReLU(inplace=False), nn.ReLU(inplace=True))
+    switch = InplaceOff(model)
+    assert [m.inplace for m in model] == [False, False, False]
+    switch.remove()
+    assert [m.inplace for m in model] == [True, False, True], "only the modules it switched are switched back"
+    model[0].inplace = False  # the caller's own choice after the switch is gone
+    switch.remove()
+    assert model[0].inplace is False, "a second remove() changes nothing"
+
+
+def test_failed_start_removes_the_inplace_switch_with_the_hooks(tiny: nn.Module) -> None:
+    """The in-place switch is one of the session's handles: a spec refused at `__enter__` undoes it with the hooks."""
+    bad = HookSpec(kind=HookKind.forward, action=HookAction.clamp)  # a clamp without min or max
+    specs = bind(tiny, (HookSpec(kind=HookKind.backward), ["features.0"]), (bad, ["features.2"]))
+    with pytest.raises(RunnerError, match="clamp needs min, max or both"):
+        with HookSession(tiny, specs):
+            pass
+    assert count_hooks(tiny) == 0
+    assert tiny.features[1].inplace is True and tiny.features[3].inplace is True
+
+
+def test_tensor_saver_writes_one_clone_file_per_batch(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    saver = TensorSaver(tmp_path / "tensors")
+    saver.begin_batch(4)
+    t = torch.arange(6.0).reshape(2, 3)  # (B, D)
+    assert saver.keep("x|forward|output|0", t) == "batch-000004.safetensors"
+    t.zero_()  # an in-place op after the hook must not reach the kept copy
+    saver.flush()
+    files = sorted(p.name for p in (tmp_path / "tensors").iterdir())
+    assert files == ["batch-000004.safetensors"], "one file, named by the first sample; no .tmp left behind"
+    saved = load_file(str(tmp_path / "tensors" / files[0]))["x|forward|output|0"]
+    torch.testing.assert_close(saved, torch.arange(6.0).reshape(2, 3))
+    saver.begin_batch(6)
+    saver.flush()  # nothing kept: no empty file
+    assert len(list((tmp_path / "tensors").iterdir())) == 1
+    unsaved = TensorSaver(None)
+    unsaved.begin_batch(0)
+    assert unsaved.keep("k", t) == "batch-000000.safetensors"
+    unsaved.flush()  # no directory: named for the rows, never written
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1

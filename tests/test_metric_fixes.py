@@ -15,12 +15,14 @@ from torch import nn
 
 from runner import faithfulness
 from runner.data import Batch
+from runner.faithfulness import BlurConfig, FaithfulnessConfig
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import CAM_METHODS, Runtime, build_method
+from runner.methods import CAM_METHODS, Runtime, build_method, method_config
 from runner.methods.cam import CamContext
-from runner.methods.sanity import average_ranks, spearman
-from runner.schema import BlurConfig, FaithfulnessConfig, MethodConfig, Precision, ScoreCamWeights, TargetMode
+from runner.methods.scorecam import ScoreCamConfig
+from runner.ranking import average_ranks, spearman
+from runner.schema import Precision, ScoreCamWeights, TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import SumModel
 
@@ -29,7 +31,7 @@ CPU = Runtime(torch.device("cpu"), Precision.fp32)
 
 def run_at(model: nn.Module, x: torch.Tensor, layers: list[str], first_index: int = 0, **cfg: object) -> dict:
     """One batch whose first sample is sample `first_index` of the data set (tests.test_cam_family.run_method: 0)."""
-    method = build_method(MethodConfig(**cfg), resolve_layers(model, layers), CPU)
+    method = build_method(method_config(**cfg), resolve_layers(model, layers), CPU)
     batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{first_index + i}" for i in range(x.shape[0])], first_index)
     with HookSession(model, []) as session:
         method.setup(session, first_index + x.shape[0])
@@ -267,7 +269,7 @@ def test_insertion_blur_is_configurable() -> None:
 
 
 def _scorecam(weights: ScoreCamWeights, act: torch.Tensor) -> torch.Tensor:
-    method = CAM_METHODS["scorecam"](MethodConfig(name="scorecam", score_chunk=2, scorecam_weights=weights), [], CPU)
+    method = CAM_METHODS["scorecam"](ScoreCamConfig(score_chunk=2, scorecam_weights=weights), [], CPU)
     return method.cam(act, None, CamContext(SumModel(), torch.ones(1, 1, 2, 2), torch.tensor([0]), CPU))[0]
 
 

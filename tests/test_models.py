@@ -112,3 +112,55 @@ def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     torch.save({"x": Evil()}, tmp_path / "evil.pt")
     with pytest.raises(RunnerError, match="Cannot read checkpoint"):
         load_checkpoint(TinyNet(), tmp_path / "evil.pt")
+
+
+# ---- model sources: one registry, the source inferred when model.source is null ------------------------------------
+@pytest.mark.parametrize(
+    ("cfg", "source"),
+    [
+        (ModelConfig(), "embedded"),  # the default model
+        (ModelConfig(name="vgg16"), "torchvision"),
+        (ModelConfig(_target_="tests.conftest.TinyNet"), "target"),  # `_target_` wins over the default name
+        (ModelConfig(name="vgg16", _target_="tests.conftest.TinyNet"), "target"),
+        (ModelConfig(name="resnet18", source="torchvision"), "torchvision"),
+    ],
+)
+def test_model_source_is_inferred_or_named(cfg: ModelConfig, source: str) -> None:
+    from runner.models import MODEL_SOURCES, model_source_of
+
+    assert model_source_of(cfg) is MODEL_SOURCES[source]
+
+
+def test_target_on_the_default_model_builds_the_target() -> None:
+    bundle = build_model(ModelConfig(_target_="tests.conftest.TinyNet", weights=None))
+    assert type(bundle.model) is TinyNet and bundle.categories is None
+
+
+def test_unknown_model_source_lists_the_registered_ones() -> None:
+    with pytest.raises(
+        RunnerError, match=r"Unknown model source 'torchvison'\. Did you mean: torchvision\? Available: "
+    ):
+        build_model(ModelConfig(name="resnet18", source="torchvison"))
+
+
+def test_a_named_source_that_ignores_target_is_refused() -> None:
+    with pytest.raises(RunnerError, match=r"model\._target_ is set but model\.source=torchvision"):
+        build_model(ModelConfig(name="resnet18", source="torchvision", _target_="tests.conftest.TinyNet"))
+
+
+def test_a_new_source_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a timm / Hugging Face source does: subclass ModelSource, register it, set model.source."""
+    from runner.models import MODEL_SOURCES, ModelBundle, ModelSource, model_source
+
+    monkeypatch.setattr(MODEL_SOURCES, "_entries", dict(MODEL_SOURCES._entries))  # registered for this test only
+
+    @model_source("tiny_zoo")
+    class TinyZoo(ModelSource):
+        def build(self, cfg: ModelConfig) -> ModelBundle:
+            return ModelBundle(TinyNet(), None, ["a", "b", "c", "d", "e"])
+
+    bundle = build_model(ModelConfig(name="anything", source="tiny_zoo", weights=None))
+    assert type(bundle.model) is TinyNet and not bundle.model.training  # frozen in eval mode by build_model
+    assert all(not p.requires_grad for p in bundle.model.parameters())
+    with pytest.raises(RunnerError, match="Unknown model 'anything'"):  # never claimed without model.source
+        build_model(ModelConfig(name="anything", weights=None))

@@ -12,30 +12,30 @@ import torchvision
 from torch import nn
 
 import runner.app as app
-from runner.corruption import NOISE_PURPOSE
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
-from runner.randomness import per_sample_normal
-from runner.schema import (
+from runner.methods.patching import (
     CorruptionConfig,
     CorruptionKind,
-    MethodConfig,
     PatchDirection,
     PatchingConfig,
+    PatchingMethodConfig,
     PatchMode,
     PatchUnit,
-    Precision,
 )
+from runner.methods.patching.corruption import NOISE_PURPOSE
+from runner.randomness import per_sample_normal
+from runner.schema import Precision
 from tests.conftest import TinyNet, frozen, make_config
 
 CPU = Runtime(torch.device("cpu"), Precision.fp32)
 
 
 def patch(model: nn.Module, x: torch.Tensor, layers: list[str], **patching: object) -> dict:
-    cfg = MethodConfig(name="patching", patching=PatchingConfig(**patching))
+    cfg = PatchingMethodConfig(patching=PatchingConfig(**patching))
     method = build_method(cfg, resolve_layers(model, layers), CPU)
     batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{i}" for i in range(x.shape[0])], 0)
     with HookSession(model, []) as session:
@@ -93,7 +93,7 @@ def test_whole_last_feature_layer_restores_exactly_one(small_vgg: nn.Module) -> 
 def test_patching_with_the_corrupted_runs_own_activation_gives_zero(small_vgg: nn.Module) -> None:
     torch.manual_seed(2)
     x = torch.randn(1, 3, 32, 32)
-    cfg = MethodConfig(name="patching", patching=PatchingConfig(units=PatchUnit.cell))
+    cfg = PatchingMethodConfig(patching=PatchingConfig(units=PatchUnit.cell))
     method = build_method(cfg, resolve_layers(small_vgg, ["features.16"]), CPU)
     with HookSession(small_vgg, []) as session:
         method.setup(session, 1)

@@ -14,26 +14,25 @@ from torch import nn
 
 import runner.app as app
 from runner import pictures
-from runner.cone import Cone
-from runner.corruption import NOISE_PURPOSE, corrupt
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
-from runner.methods.patching import enumerate_units
-from runner.randomness import per_sample_normal
-from runner.schema import (
+from runner.methods.patching import (
     CorruptionConfig,
     CorruptionKind,
-    MethodConfig,
     PatchDirection,
     PatchingConfig,
+    PatchingMethodConfig,
     PatchMetric,
     PatchUnit,
-    Precision,
-    TargetMode,
+    enumerate_units,
 )
+from runner.methods.patching.cone import Cone
+from runner.methods.patching.corruption import NOISE_PURPOSE, corrupt
+from runner.randomness import per_sample_normal
+from runner.schema import Precision, TargetMode
 from tests.conftest import frozen, make_config
 from tests.test_patching import naive_loop
 
@@ -41,9 +40,11 @@ CPU = Runtime(torch.device("cpu"), Precision.fp32)
 LOGGER = "runner.methods.patching"
 
 
-def patch(model: nn.Module, x: torch.Tensor, layers: list[str], method: MethodConfig | None = None, **p) -> dict:
+def patch(
+    model: nn.Module, x: torch.Tensor, layers: list[str], method: PatchingMethodConfig | None = None, **p
+) -> dict:
     """The patching table's columns for one batch `x` (sample ids s0, s1, ...)."""
-    cfg = method or MethodConfig(name="patching")
+    cfg = method or PatchingMethodConfig()
     cfg.patching = PatchingConfig(**p)
     runner_method = build_method(cfg, resolve_layers(model, layers), CPU)
     batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{i}" for i in range(x.shape[0])], 0)
@@ -193,7 +194,7 @@ def test_self_pair_is_flagged_with_nan_restoration(caplog: pytest.LogCaptureFixt
 
 def test_target_equal_to_contrast_is_flagged(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(3)
-    method = MethodConfig(name="patching", target=TargetMode.fixed, class_ids=[1])
+    method = PatchingMethodConfig(target=TargetMode.fixed, class_ids=[1])
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         columns = patch(
             frozen(CornerNet()), torch.randn(1, 3, 4, 4), ["conv"], method, units=PatchUnit.layer,

@@ -23,11 +23,13 @@ from torch import nn
 
 from runner import faithfulness
 from runner.data import Batch
+from runner.faithfulness import FaithfulnessConfig
 from runner.hooks import HookSession, inplace_disabled
 from runner.layers import resolve_layers
 from runner.methods import build_method
+from runner.methods.sanity import SanityConfig
 from runner.models import build_model
-from runner.schema import FaithfulnessConfig, MethodConfig, ModelConfig, ScoreCamWeights, TargetMode
+from runner.schema import ModelConfig, ScoreCamWeights, TargetMode
 from tests.test_cam_family import CPU, run_method
 from tests.test_gradcam import maps_of
 
@@ -159,7 +161,7 @@ def test_sanity_spearman_equals_scipy(effnet: nn.Module, photos: torch.Tensor) -
     """Per (layer, sample) rho between the trained and the randomised model's maps equals
     scipy.stats.spearmanr of the same two maps (NaN where scipy's is). Tolerance 1e-6 absolute."""
     layers = LAYERS[1:]
-    cfg = MethodConfig(name="sanity", randomize=["_conv_head", "_bn1", "_fc"])
+    cfg = SanityConfig(randomize=["_conv_head", "_bn1", "_fc"])
     method = build_method(cfg, resolve_layers(effnet, layers), CPU)
     batch = Batch(photos, torch.full((2,), -1), ["chelsea", "coffee"], 0)
     with HookSession(effnet, []) as session:
@@ -241,12 +243,18 @@ def test_patching_equals_one_forward_per_unit(effnet: nn.Module, photos: torch.T
     from runner.hooks import HookSession
     from runner.layers import resolve_layers
     from runner.methods import build_method
-    from runner.schema import CorruptionConfig, CorruptionKind, MethodConfig, PatchDirection, PatchingConfig
+    from runner.methods.patching import (
+        CorruptionConfig,
+        CorruptionKind,
+        PatchDirection,
+        PatchingConfig,
+        PatchingMethodConfig,
+    )
 
     layers = ["_blocks.5", "_conv_head"]
     directions = [PatchDirection.denoising, PatchDirection.noising]
     corruption = CorruptionConfig(kind=CorruptionKind.pair, pair_with="coffee")
-    cfg = MethodConfig(name="patching", patching=PatchingConfig(corruption=corruption, directions=directions))
+    cfg = PatchingMethodConfig(patching=PatchingConfig(corruption=corruption, directions=directions))
     method = build_method(cfg, resolve_layers(effnet, layers), CPU)
     method.bind_dataset([(photos[0], -1, "chelsea"), (photos[1], -1, "coffee")])
     clean, corrupted = photos[:1], photos[1:]  # (1, 3, 64, 64) each

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
 import runner.app as app
-from runner.corruption import corrupt
 from runner.data import Batch
 from runner.errors import RunnerError
+from runner.methods.patching import CorruptionConfig, CorruptionKind
+from runner.methods.patching.corruption import corrupt
 from runner.results import load, read_metadata
-from runner.schema import CorruptionConfig, CorruptionKind
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,14 +1,16 @@
 """Methods, one registry: each module of this package defines a config dataclass (its option's schema), a
 method class, and `@register(ItsConfig)`; importing the package imports every module, so a new method is
-one file here plus one YAML in conf/method/ (whose defaults list names `/schema/method/<name>`).
+one file here plus one YAML in conf/method/ (whose defaults list names `/schema/method/<name>`). A method
+too large for one file is a subpackage whose `__init__` registers it (`patching/`).
 The CAM family shares `cam`, all share `base`."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
 
-from runner.errors import RunnerError, suggest
+from runner.errors import RunnerError
 from runner.layers import Layer
 from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register
 from runner.schema import MethodConfig
@@ -28,12 +30,13 @@ CAM_METHODS: dict[str, type[CamMethod]] = {
 
 
 def method_config_class(name: str) -> type[MethodConfig]:
-    """The config dataclass of the method called `name`."""
-    for config in METHODS:
-        if config.name == name:
-            return config
-    names = [config.name for config in METHODS]
-    raise RunnerError(f"Unknown method '{name}'.{suggest(name, names)} Available: {', '.join(names)}.")
+    """The config dataclass of the method called `name` (RunnerError with the nearest names if none is)."""
+    return METHODS.key(name)
+
+
+def method_config(name: str, **fields: Any) -> MethodConfig:
+    """The config of the method called `name` with `fields` (a key of another method is a TypeError)."""
+    return method_config_class(name)(**fields)
 
 
 def method_class(cfg: MethodConfig) -> type[Method]:
@@ -43,7 +46,7 @@ def method_class(cfg: MethodConfig) -> type[Method]:
         expected = method_config_class(cfg.name)  # raises for an unknown name
         raise RunnerError(
             f"method={cfg.name} needs its own config ({expected.__name__}), not a {type(cfg).__name__}:"
-            f" build it with MethodConfig(name='{cfg.name}', ...)."
+            f" build it with {expected.__name__}(...) or method_config('{cfg.name}', ...)."
         )
     return method
 
@@ -61,6 +64,7 @@ __all__ = [
     "Runtime",
     "build_method",
     "method_class",
+    "method_config",
     "method_config_class",
     "register",
 ]

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from runner.data import NO_LABEL, Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
+from runner.registry import Registry
 from runner.schema import MethodConfig, Precision, TargetMode
 
 Columns = dict[str, Any]
@@ -56,18 +57,14 @@ class Method:
 
 
 M = TypeVar("M", bound=type[Method])
-# Every method by its config type; runner/methods/__init__.py imports each module of the package to fill it.
-METHODS: dict[type[MethodConfig], type[Method]] = {}
+# Every method by its config type (the option's name is its `name` default); runner/methods/__init__.py
+# imports each module of the package to fill it.
+METHODS: Registry[type[MethodConfig], type[Method]] = Registry("method", lambda config: config.name)
 
 
 def register(config: type[MethodConfig]) -> Callable[[M], M]:
     """Class decorator: the method runs configs of type `config`, an option named by `config.name`'s default."""
-
-    def add(method: M) -> M:
-        METHODS[config] = method
-        return method
-
-    return add
+    return METHODS.register(config)
 
 
 @dataclass

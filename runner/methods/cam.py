@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from runner import faithfulness, pictures
+from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError
+from runner.faithfulness import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import (
@@ -39,7 +41,7 @@ from runner.methods.base import (
 )
 from runner.randomness import per_sample_uniform
 from runner.results import Block, Ragged
-from runner.schema import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig, MethodConfig
+from runner.schema import MethodConfig
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional
 
@@ -179,17 +181,17 @@ class CamMethod(Method):
         entries = [(n, c, a) for n in self.capture.names for c, a in enumerate(self.capture.outputs[n])]
         probs = logits.detach().softmax(dim=1)
         parts: list[Columns] = []
-        for rank in range(target_sets.shape[1]):
-            target = target_sets[:, rank]  # (B,)
+        for k in range(target_sets.shape[1]):
+            target = target_sets[:, k]  # (B,)
             score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
             if self.needs_gradients:
-                last = rank == target_sets.shape[1] - 1
+                last = k == target_sets.shape[1] - 1
                 grads = gradients(score, [a for _, _, a in entries], x, session, retain_graph=not last)
             else:
                 grads = [None] * len(entries)
             ctx = CamContext(model, batch.x, target, self.runtime)
             maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
-            parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
+            parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
         return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: concat_columns(parts)})
 
     def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
@@ -205,7 +207,7 @@ class CamMethod(Method):
         entries: list[tuple[str, int, torch.Tensor]],
         maps: list[torch.Tensor],
         target: torch.Tensor,
-        rank: int,
+        target_rank: int,
         score: torch.Tensor,
         probs: torch.Tensor,
         batch: Batch,
@@ -235,7 +237,7 @@ class CamMethod(Method):
             "call": [call for _, call, _ in entries for _ in range(b)],
             "sample_index": torch.arange(b).repeat(n),
             "target": target.repeat(n),
-            "target_rank": [rank] * (b * n),
+            "target_rank": [target_rank] * (b * n),
             "score": score.detach().repeat(n),
             "probability": probs.gather(1, target[:, None]).squeeze(1).repeat(n),
             "map_height": [h for h, _ in sizes for _ in range(b)],
@@ -272,7 +274,7 @@ class CamMethod(Method):
                 sample_indices=indices, degenerate=degenerate, undefined=flat_logits,
             )  # fmt: skip
             columns["faithfulness"] = metrics
-        if self.runtime.pictures_dir is not None and rank == 0:
+        if self.runtime.pictures_dir is not None and target_rank == 0:
             pictures.write_overlays(
                 self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name,
                 self.cfg.pictures_max,
@@ -296,21 +298,3 @@ class CamMethod(Method):
         self._warned.add(key)
         ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
         log.warning("%s: %s (first: %s)", self.name, message, ", ".join(ids[:5]))
-
-
-def concat_columns(parts: list[Columns]) -> Columns:
-    """Row-wise concatenation of column dicts with the same keys (lists, tensors, blocks, ragged)."""
-    if len(parts) == 1:
-        return parts[0]
-    out: Columns = {}
-    for key, first in parts[0].items():
-        values = [p[key] for p in parts]
-        if isinstance(first, Block):
-            out[key] = Block(torch.cat([v.values for v in values]), first.names)
-        elif isinstance(first, Ragged):
-            out[key] = Ragged(torch.cat([v.values for v in values]), [n for v in values for n in v.lengths])
-        elif torch.is_tensor(first):
-            out[key] = torch.cat(values)
-        else:
-            out[key] = [item for v in values for item in v]
-    return out

@@ -13,11 +13,12 @@ from typing import Any
 
 from torch import nn
 
+from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
 from runner.methods.base import BatchOutput, check_targets, forward, register, select_target_sets
-from runner.methods.cam import CamConfig, CamContext, CamMethod, concat_columns, to_spatial
+from runner.methods.cam import CamConfig, CamContext, CamMethod, to_spatial
 
 SUPPORTED = (
     "LayerGradientXActivation",
@@ -57,8 +58,8 @@ class CaptumLayer(CamMethod):
         probs = logits.softmax(dim=1)
         entries = [(name, 0, None) for name, _ in self.layers]
         parts = []
-        for rank in range(target_sets.shape[1]):
-            target = target_sets[:, rank]
+        for k in range(target_sets.shape[1]):
+            target = target_sets[:, k]  # (B,)
             maps = []
             for name, module in self.layers:
                 method = self.attribution(model, module)
@@ -72,7 +73,7 @@ class CaptumLayer(CamMethod):
                 maps.append(spatial.sum(dim=1))  # (B, h, w), signed
             score = logits.gather(1, target[:, None]).squeeze(1)
             ctx = CamContext(model, batch.x, target, self.runtime)
-            parts.append(self._rows(entries, maps, target, rank, score, probs, batch, ctx))
+            parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
         return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: columns})

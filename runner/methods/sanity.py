@@ -6,9 +6,9 @@ inputs and targets; each row holds the Spearman rank correlation between the two
 (sample, layer). A map that does not change when the weights it claims to explain are destroyed
 (correlation near 1) explains the input, not the model.
 
-Spearman's rho is Pearson's r of average ranks (ties share the mean of their ranks), the textbook
-definition and `scipy.stats.spearmanr`'s: CAM maps are full of ties (every pixel ReLU set to 0). A
-map that is constant (all zero, say) has no order, so rho is NaN and the row is flagged `degenerate`.
+Spearman's rho (runner/ranking.py) is Pearson's r of average ranks, as `scipy.stats.spearmanr`: CAM maps
+are full of ties (every pixel ReLU set to 0). A map that is constant (all zero, say) has no order, so rho is
+NaN and the row is flagged `degenerate`.
 """
 
 from __future__ import annotations
@@ -26,33 +26,10 @@ from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods.base import BatchOutput, Columns, Method, Runtime, register
 from runner.methods.cam import CamConfig, CamMethod
+from runner.ranking import spearman
 from runner.results import Ragged
 from runner.schema import MethodConfig, TargetMode
 from runner.tables import declare
-
-
-def average_ranks(values: torch.Tensor) -> torch.Tensor:
-    """(N,) float64 ranks 1..N of a 1-D tensor, ties given the mean of the ranks they span (scipy's `rankdata`)."""
-    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()  # (U,) rank of each distinct value's last occurrence
-    return (ends - (counts.double() - 1) / 2)[inverse]  # mean of ranks end-count+1 .. end
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Spearman's rho of two 1-D tensors: Pearson's r of their average ranks, as `scipy.stats.spearmanr`.
-
-    NaN (float32) where it is undefined: either side constant (all ranks tied, e.g. an all-zero map),
-    holding a NaN/inf, or fewer than two values.
-    """
-    if a.numel() < 2 or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return torch.tensor(float("nan"), device=a.device)
-    ra, rb = average_ranks(a), average_ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denominator = ra.norm() * rb.norm()
-    if float(denominator) == 0.0:  # a constant side: every rank equal, no order to correlate
-        return torch.tensor(float("nan"), device=a.device)
-    return ((ra * rb).sum() / denominator).clamp(-1.0, 1.0).float()
-
 
 # The `sanity` table's own columns (`Sanity.run_batch`): one row per (sample, layer, call).
 SANITY_SCHEMA = declare(
@@ -88,7 +65,7 @@ class Sanity(Method):
     summary_values = ("spearman",)
 
     def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS
+        from runner.methods import CAM_METHODS, method_config
 
         if cfg.inner not in CAM_METHODS:
             raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
@@ -101,7 +78,7 @@ class Sanity(Method):
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.inner_class = CAM_METHODS[cfg.inner]
         shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
-        self.inner_cfg = MethodConfig(name=cfg.inner, **shared)
+        self.inner_cfg = method_config(cfg.inner, **shared)
         self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))
         self.random: CamMethod | None = None
 

@@ -9,15 +9,10 @@ from torchvision.transforms.functional import gaussian_blur
 
 from runner.data import Batch
 from runner.errors import RunnerError
+from runner.methods.patching.config import CorruptionConfig, CorruptionKind, is_valid_box
 from runner.randomness import per_sample_normal
-from runner.schema import CorruptionConfig, CorruptionKind
 
 NOISE_PURPOSE = "patching.corruption.noise"  # the randomness key's purpose for corruption noise
-
-
-def is_valid_box(box: list[float]) -> bool:
-    """Whether `box` is [y0, x0, y1, x1], fractions of the image in [0, 1], with y0 < y1 and x0 < x1."""
-    return len(box) == 4 and all(0 <= v <= 1 for v in box) and box[0] < box[2] and box[1] < box[3]
 
 
 def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tuple[torch.Tensor, list[str]]:

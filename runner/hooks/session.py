@@ -1,0 +1,236 @@
+"""The hook session: handle lifetime, call counting, and the captures and replacements methods ask for.
+
+Spec hooks and their rows are runner/hooks/spec_hooks.py, tensor saving runner/hooks/tensors.py, in-place
+switching runner/hooks/inplace.py; the session holds all their handles in one list and removes them on one path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from runner.errors import RunnerError
+from runner.hooks.inplace import InplaceOff
+from runner.hooks.spec_hooks import GRADIENT_KINDS, BoundHook, SpecHooks, map_tensors
+from runner.hooks.tensors import TensorSaver
+from runner.layers import Layer
+from runner.schema import HookKind
+
+log = logging.getLogger(__name__)
+
+
+class Removable(Protocol):
+    """What the session holds: a hook's RemovableHandle, or the in-place switch."""
+
+    def remove(self) -> None: ...
+
+
+@dataclass
+class Capture:
+    """Per-batch copies of some layers' inputs and outputs, one list entry per call, for a method."""
+
+    names: list[str]
+    outputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    inputs: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    active: bool = True  # off: the hooks pass everything through untouched and keep nothing
+
+    def clear(self) -> None:
+        self.outputs = {n: [] for n in self.names}
+        self.inputs = {n: [] for n in self.names}
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside keep nothing and pass everything through; capturing resumes on exit, also on an error."""
+        was = self.active
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = was
+
+
+@dataclass
+class Replacement:
+    """A module output swapped in for activation patching: while `value` is set, the module's output at
+    call `call` is replaced by it (its batch may be larger than the input's: later layers broadcast)."""
+
+    name: str
+    call: int = 0
+    value: torch.Tensor | None = None
+
+
+class HookSession:
+    """Registers hooks from specs and captures for methods; removes them all on exit."""
+
+    def __init__(self, model: nn.Module, hooks: list[BoundHook], tensor_dir: Path | None = None) -> None:
+        self.model = model
+        self.hooks = hooks
+        self._handles: list[Removable] = []
+        self._counted: set[str] = set()
+        self._calls: dict[str, int] = defaultdict(int)  # shared with the spec hooks, which read it per call
+        self._captures: list[Capture] = []
+        self._tensors = TensorSaver(tensor_dir)
+        self._spec_hooks = SpecHooks(self._calls, self._tensors)
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def __enter__(self) -> HookSession:
+        try:
+            if any(h.spec.kind is HookKind.backward for h in self.hooks):
+                self._disable_inplace()
+            for bound in self.hooks:
+                for name, module in bound.layers:
+                    self._count_calls(name, module)
+                    self._spec_hooks.register(bound.spec, name, module, self._handles)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every handle (hooks and the in-place switch), drop every tensor held."""
+        for handle in reversed(self._handles):  # last in, first out: the in-place switch goes last
+            handle.remove()
+        self._handles.clear()
+        for capture in self._captures:
+            capture.clear()
+        self._spec_hooks.clear()
+        self._tensors.clear()
+
+    @property
+    def needs_input_grad(self) -> bool:
+        """Whether gradients must flow all the way to the input, so backward and tensor hooks fire everywhere."""
+        return any(h.spec.kind in GRADIENT_KINDS for h in self.hooks)
+
+    def _disable_inplace(self) -> None:
+        switch = InplaceOff(self.model)
+        self._handles.append(switch)
+        if switch.modules:
+            log.info("backward hooks: in-place ops turned off on %d modules for this run", len(switch.modules))
+
+    # ---- per batch ------------------------------------------------------------------------------
+    def begin_batch(self, batch_size: int, first_index: int) -> None:
+        """Start a batch of `batch_size` samples from data set index `first_index`.
+
+        The first index, not a batch number, keys the batch: an OOM split's halves keep their samples' noise
+        and get sidecar files of their own.
+        """
+        self._calls.clear()
+        self._spec_hooks.begin_batch(batch_size, first_index)
+        self._tensors.begin_batch(first_index)
+        for capture in self._captures:
+            capture.clear()
+
+    def end_batch(self) -> dict[str, Any] | None:
+        """This batch's recorded rows as columns (stats still on the device), then forget them."""
+        self._tensors.flush()
+        columns = self._spec_hooks.take_rows()
+        if columns is None:
+            return None
+        for capture in self._captures:
+            capture.clear()
+        return columns
+
+    def new_forward(self) -> None:
+        """Start another forward within the batch: call indices count from 0 again (patching runs many)."""
+        self._calls.clear()
+        self._spec_hooks.new_forward()
+
+    def explain(self, error: BaseException) -> RunnerError | None:
+        """A clear message for a torch error the hooks caused (None when they did not cause it)."""
+        return self._spec_hooks.explain(error, self.model)
+
+    # ---- captures and replacements for methods --------------------------------------------------
+    def capture(self, layers: list[Layer], differentiable: bool = True, inputs: bool = False) -> Capture:
+        """Keep each layer's output per call (as a tensor gradients can be taken to), and optionally its inputs.
+
+        The model continues on a clone of the output, so an in-place op after the layer cannot
+        overwrite what was captured (VGG's conv -> ReLU(inplace=True)).
+        """
+        capture = Capture([n for n, _ in layers])
+        capture.clear()
+        self._captures.append(capture)
+        for name, module in layers:
+            self._count_calls(name, module)
+            if inputs:
+                self._handles.append(module.register_forward_pre_hook(self._input_keeper(capture, name)))
+            self._handles.append(module.register_forward_hook(self._output_keeper(capture, name, differentiable)))
+        return capture
+
+    @staticmethod
+    def _input_keeper(capture: Capture, name: str) -> Callable[..., None]:
+        def keep(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if capture.active:
+                capture.inputs[name].append(map_tensors(args, lambda t: t.detach().clone()))
+
+        return keep
+
+    @staticmethod
+    def _output_keeper(capture: Capture, name: str, differentiable: bool) -> Callable[..., Any]:
+        def keep(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not capture.active:
+                return None
+            if not torch.is_tensor(output):
+                raise RunnerError(
+                    f"Layer '{name}' ({type(module).__name__}) returns {type(output).__name__}, not a tensor;"
+                    " pick a layer whose output is one tensor."
+                )
+            act = output
+            if differentiable and not act.requires_grad and torch.is_grad_enabled():
+                act = act.detach().requires_grad_()  # frozen weights: start the graph here, truncating backward
+            capture.outputs[name].append(act)
+            return act.clone()
+
+        return keep
+
+    def replace(self, layers: list[Layer], call: int = 0) -> dict[str, Replacement]:
+        """A replacement per layer, inactive until its `value` is set (activation patching)."""
+        replacements = {}
+        for name, module in layers:
+            self._count_calls(name, module)
+            replacement = Replacement(name, call)
+            self._handles.append(module.register_forward_hook(self._replacer(replacement)))
+            replacements[name] = replacement
+        return replacements
+
+    def _replacer(self, replacement: Replacement) -> Callable[..., Any]:
+        calls = self._calls
+
+        def swap(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if replacement.value is None or calls[replacement.name] - 1 != replacement.call:
+                return None
+            return replacement.value
+
+        return swap
+
+    # ---- call counting --------------------------------------------------------------------------
+    def _count_calls(self, name: str, module: nn.Module) -> None:
+        """Count `module`'s calls per forward with a pre-hook that runs before every other hook on it."""
+        if name in self._counted:
+            return
+        self._counted.add(name)
+        calls = self._calls
+
+        def count(module: nn.Module, args: tuple[Any, ...]) -> None:
+            calls[name] += 1
+
+        self._handles.append(module.register_forward_pre_hook(count, prepend=True))
+
+
+def count_hooks(model: nn.Module) -> int:
+    """How many module hooks are registered anywhere in the model (0 after a clean run)."""
+    total = 0
+    for module in model.modules():
+        total += len(module._forward_hooks) + len(module._forward_pre_hooks)
+        total += len(module._backward_hooks) + len(getattr(module, "_backward_pre_hooks", {}))
+    return total

@@ -1,0 +1,138 @@
+"""The batch loop of one shard: each batch through the hooks and the method, its rows to the writer.
+
+Two things can cut a batch short, and both are handled here: a stop signal (Ctrl-C or SIGTERM: the run
+stops after the current batch, `stop_on_signals`), and CUDA out-of-memory (the batch is halved until it
+fits, `run_with_backoff`). `run` (runner/app.py) plans the shards and keeps the complete ones on a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from runner.data import Batch, make_loader, to_batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.ids import rows_for
+from runner.methods import BatchOutput, Method
+from runner.results import ShardedWriter
+from runner.schema import RunConfig
+
+log = logging.getLogger(__name__)
+
+# What `timeout`, SLURM and `docker stop` send, handled as Ctrl-C is: the run stops after the batch, resumable.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """Ctrl-C (SIGINT) or SIGTERM sets the event; the run stops after the current batch. A second one stops
+    at once (KeyboardInterrupt, which `run` turns into one line with the resume command)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        name = signal.Signals(signum).name
+        log.warning("%s: stopping after the current batch (Ctrl-C or the signal again to stop now)", name)
+
+    previous = {number: signal.signal(number, handle) for number in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
+    """How many batches shard `shard` holds (the last shard may be short)."""
+    samples = min(shard_samples, total - shard * shard_samples)
+    return -(-samples // config.data.batch_size)
+
+
+@dataclass
+class ShardLoop:
+    """Everything the per-shard loop needs."""
+
+    config: RunConfig
+    device: torch.device
+    dataset: Dataset
+    shard_samples: int
+    model: torch.nn.Module
+    method: Method
+    session: HookSession
+    writer: ShardedWriter
+    id_columns: dict[str, Any]  # the run's id columns (runner/ids.py `run_columns`)
+    categories: list[str] | None
+    stop: threading.Event
+
+
+def run_shard(shard: int, loop: ShardLoop) -> None:
+    """Every batch of one shard through the method; rows go to the shard's files (on the writer thread)."""
+    start = shard * loop.shard_samples
+    indices = range(start, min(start + loop.shard_samples, len(loop.dataset)))
+    loader = make_loader(Subset(loop.dataset, indices), loop.config.data, loop.device)
+    first = start
+    for raw in loader:
+        batch = to_batch(raw, loop.device, first, loop.config.channels_last)
+        for part in run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
+            loop.writer.submit(rows_for(part, loop.id_columns, loop.categories))
+        if loop.stop.is_set():
+            done = len(loop.writer.completed_shards())
+            raise RunnerError(
+                f"Interrupted. {done} complete shard(s) are kept in {loop.writer.directory}; the shard in progress"
+                f" (from sample {start}) is discarded. Run the same command with hydra.run.dir={loop.writer.directory}"
+                " to resume."
+            )
+        first += batch.x.shape[0]
+
+
+def run_with_backoff(
+    batch: Batch, model: torch.nn.Module, method: Method, session: HookSession, config: RunConfig
+) -> list[tuple[Batch, BatchOutput, dict[str, Any] | None]]:
+    """(batch, method output, recorded hook rows) for the batch, halving it on CUDA out-of-memory until it fits."""
+    # Keyed by the first sample, not the batch number: an OOM split's halves get their own sidecar files.
+    session.begin_batch(batch.x.shape[0], batch.first_index)
+    try:
+        output = method.run_batch(model, batch, session)
+        return [(batch, output, session.end_batch())]
+    except RuntimeError as error:
+        if not isinstance(error, torch.cuda.OutOfMemoryError):
+            explained = session.explain(error)  # a torch error the hooks caused, as one clear message
+            if explained is not None:
+                raise explained from error
+            raise
+        session.end_batch()  # drop what the failed attempt recorded
+        size = batch.x.shape[0]
+        if size == 1:
+            raise RunnerError(
+                "CUDA out of memory with a batch of 1: the model and method do not fit this GPU. Try precision=bf16,"
+                " fewer layers, or a smaller method.patching.chunk / method.score_chunk."
+            ) from None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = size // 2
+        log.warning(
+            "CUDA out of memory at batch size %d (samples from %d): retrying as %d + %d",
+            size,
+            batch.first_index,
+            half,
+            size - half,
+        )
+        parts = []
+        for lo, hi in ((0, half), (half, size)):
+            sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
+            parts += run_with_backoff(sub, model, method, session, config)
+        return parts

@@ -1,0 +1,119 @@
+"""Exact patching: the metric of every patched variant of one layer's activation, `chunk` variants per forward.
+
+Each variant is base_act + mask_u * (source_act - base_act), stacked along the batch. With `reuse_prefix`,
+the forward takes the base input at batch 1 and the session's replacement returns the n variants at the
+patched layer, so the layers before it run once per chunk instead of n times (skip connections broadcast
+the batch-1 tensors). A model that cannot (one that reshapes with the input's batch size, e.g.
+`x.view(bs, -1)`) is detected on the first chunk and run with the base input repeated instead. With
+`local_recompute`, a cell in a chain of local ops is carried through only its cone (cone.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from runner.hooks import Capture, HookSession, Replacement
+from runner.methods.base import Runtime
+from runner.methods.patching.cone import Cone
+from runner.methods.patching.config import PatchingConfig, PatchUnit
+from runner.methods.patching.metric import metric
+from runner.methods.patching.units import Units
+
+log = logging.getLogger(__name__)
+
+
+class ExactEngine:
+    """Runs the patched variants of the session's target layers; remembers per layer whether the prefix broadcasts
+    and which cone follows it."""
+
+    def __init__(
+        self, p: PatchingConfig, runtime: Runtime, session: HookSession, capture: Capture,
+        replacements: dict[str, Replacement],
+    ) -> None:  # fmt: skip
+        self.p, self.runtime, self.session, self.capture, self.replacements = p, runtime, session, capture, replacements
+        self.prefix_ok: dict[str, bool] = {}
+        self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
+
+    def _chunk(self, base: torch.Tensor) -> int:
+        if self.p.chunk:
+            return self.p.chunk
+        if base.device.type != "cuda":
+            return 64
+        free, _ = torch.cuda.mem_get_info(base.device)
+        # A variant's forward keeps a few times the patched activation per later layer; a rough, safe budget.
+        per_variant = base.numel() * base.element_size() * 64
+        return int(max(1, min(1024, free // 4 // per_variant)))
+
+    @torch.no_grad()
+    def patched_metrics(
+        self, model: nn.Module, name: str, base_input: torch.Tensor, base: torch.Tensor, source: torch.Tensor,
+        units: Units, target: torch.Tensor, contrast: torch.Tensor, order: list[int] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Metric of each patched variant (units in `order`, default all), chunked, prefix reused where possible."""
+        order = order if order is not None else list(range(units.count))
+        diff = source - base
+        out = []
+        chunk = self._chunk(base)
+        cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
+        with self.capture.paused():  # the variants' forwards need no capture
+            for start in range(0, len(order), chunk):
+                picked = order[start : start + chunk]
+                if cone is not None:  # only the patched cell's cone is recomputed through the local chain
+                    chain, replacement = cone
+                    # under autocast as the model's own forward: bf16 activations meet the convs' fp32 weights
+                    with self.runtime.autocast():
+                        variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # (n, ...)
+                    logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
+                else:
+                    masks = (
+                        torch.cat([units.masks(u, u + 1, base.device) for u in picked])
+                        if units.kind is not PatchUnit.layer
+                        else units.masks(0, 1, base.device)
+                    )
+                    variants = base + masks * diff  # (n, ...)
+                    logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
+                n = variants.shape[0]
+                out.append(metric(self.p.metric, logits, target.expand(n), contrast.expand(n)))
+        return torch.cat(out)
+
+    def _cone(self, model: nn.Module, name: str) -> tuple[Cone, Replacement] | None:
+        """The local chain after `name` (with a replacement on its output), or None; found once per layer."""
+        if name not in self.cones:
+            chain = Cone.find(model, name)
+            if chain is not None and self.p.call != 0:
+                chain = None  # a module called several times: its calls are not one chain
+            replacement = (
+                self.session.replace([(chain.parent_name, chain.parent)])[chain.parent_name] if chain else None
+            )
+            self.cones[name] = (chain, replacement) if chain else None
+            if chain:
+                log.info("patching at %s: recomputing only each cell's cone through %s", name, chain.parent_name)
+        return self.cones[name]
+
+    def _run_variants(
+        self, model: nn.Module, name: str, base_input: torch.Tensor, variants: torch.Tensor, replacement: Replacement
+    ) -> torch.Tensor:
+        n = variants.shape[0]
+        try:
+            replacement.value = variants
+            if self.p.reuse_prefix and self.prefix_ok.get(name, True):
+                self.session.new_forward()
+                try:
+                    with self.runtime.autocast():
+                        logits = model(base_input).float()  # prefix at batch 1, the layer returns n variants
+                    if logits.shape[0] == n:
+                        self.prefix_ok[name] = True
+                        return logits
+                except RuntimeError:
+                    pass
+                if name not in self.prefix_ok or self.prefix_ok[name]:
+                    log.info("patching at %s: the model cannot broadcast a batch-1 prefix; running full forwards", name)
+                self.prefix_ok[name] = False
+            self.session.new_forward()
+            with self.runtime.autocast():
+                return model(base_input.expand(n, *base_input.shape[1:])).float()
+        finally:
+            replacement.value = None

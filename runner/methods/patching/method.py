@@ -1,0 +1,154 @@
+"""The `patching` method: pairs a batch with its corruption, measures both runs, and patches each unit of each
+target layer in each direction (exactly through engine.py, estimated through attribution.py) into rows.py's table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner import pictures
+from runner.columns import concat_columns
+from runner.data import Batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.base import BatchOutput, Columns, Method, Runtime, check_targets, register, select_targets
+from runner.methods.patching.attribution import estimate_maps, unit_estimates
+from runner.methods.patching.config import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
+from runner.methods.patching.corruption import corrupt
+from runner.methods.patching.engine import ExactEngine
+from runner.methods.patching.metric import metric
+from runner.methods.patching.rows import UNDEFINED, Site, degenerate_reasons, unit_columns
+from runner.methods.patching.units import Units, enumerate_units
+from runner.ranking import spearman
+
+
+@register(PatchingMethodConfig)
+class Patching(Method):
+    name = "patching"
+    summary_values = ("restoration", "rank_correlation")
+
+    def __init__(self, cfg: PatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+        self.cfg, self.p, self.layers, self.runtime = cfg, cfg.patching, layers, runtime
+        self.module_types = {n: type(m).__name__ for n, m in layers}
+        self.dataset: Dataset | None = None
+        self.warned: set[str] = set()  # degenerate reasons already warned about in this run
+
+    def prepare(self, dataset: Dataset) -> None:
+        """Keep the data set: corruption.kind=pair takes a sample's partner from it."""
+        self.dataset = dataset
+
+    bind_dataset = prepare  # the name callers outside the run loop (tests) use
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        check_targets(self.cfg, num_samples)
+        self.session = session
+        self.capture = session.capture(self.layers, differentiable=self.p.mode is not PatchMode.exact)
+        self.replacements = session.replace(self.layers, call=self.p.call)
+        self.engine = ExactEngine(self.p, self.runtime, session, self.capture, self.replacements)
+
+    # ---- one batch of pairs --------------------------------------------------------------------
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        b = batch.x.shape[0]
+        corrupted, corrupted_ids = corrupt(batch, self.p.corruption, self.dataset)
+        both = torch.cat([batch.x, corrupted])  # (2B, C, H, W)
+        attribution = self.p.mode is not PatchMode.exact
+        session.new_forward()
+        self.capture.clear()
+        with torch.set_grad_enabled(attribution), self.runtime.autocast():
+            logits = model(both).float()  # (2B, K)
+        acts = {}
+        for name in self.capture.names:
+            calls = self.capture.outputs[name]
+            if len(calls) <= self.p.call:
+                raise RunnerError(
+                    f"Layer '{name}' was called {len(calls)} time(s) per forward; method.patching.call={self.p.call}."
+                )
+            acts[name] = calls[self.p.call]  # (2B, ...)
+        clean_logits, corrupted_logits = logits[:b].detach(), logits[b:].detach()
+        target = select_targets(self.cfg, clean_logits, batch)  # (B,)
+        contrast = self._contrast(corrupted_logits, target)
+        metric_clean = self.metric(clean_logits, target, contrast)
+        metric_corrupted = self.metric(corrupted_logits, target, contrast)
+        reasons = degenerate_reasons(
+            batch, corrupted, logits.detach(), target, contrast, metric_clean, metric_corrupted, self.p.metric,
+            self.warned,
+        )  # fmt: skip
+        undefined = [any(r in UNDEFINED for r in rs.split(",")) for rs in reasons]  # per sample
+        names = [n for n, _ in self.layers]
+        estimates = (
+            estimate_maps(self.p.metric, self.p.directions, logits, acts, names, target, contrast, b)
+            if attribution
+            else {}
+        )
+        self.capture.clear()
+        parts: list[Columns] = []
+        for direction in self.p.directions:
+            for i in range(b):
+                base_input = (corrupted if direction is PatchDirection.denoising else batch.x)[i : i + 1]
+                for name, _ in self.layers:
+                    clean_act, corrupted_act = acts[name][i].detach(), acts[name][b + i].detach()
+                    base, source = (
+                        (corrupted_act, clean_act)
+                        if direction is PatchDirection.denoising
+                        else (clean_act, corrupted_act)
+                    )
+                    units = enumerate_units(name, tuple(base.shape), self.p.units, self.p.grid, self.p.cell_size)
+                    site = Site(
+                        i, direction, name, self.module_types[name], units, self.p.metric, target[i], contrast[i],
+                        metric_clean[i], metric_corrupted[i], corrupted_ids[i], reasons[i], undefined[i],
+                    )  # fmt: skip
+                    parts += self._unit_rows(model, base_input, base, source, site, estimates.get((direction, name)))
+        columns = concat_columns(parts)
+        if self.runtime.pictures_dir is not None and self.p.units is PatchUnit.cell:
+            pictures.write_patching_heatmaps(self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max)
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.name: columns})
+
+    def metric(self, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:
+        """(n,) metric of logits (n, K) for the class `target` (and `contrast` for logit_diff), per row."""
+        return metric(self.p.metric, logits, target, contrast)
+
+    def _contrast(self, corrupted_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.p.contrast_class is not None:
+            if not 0 <= self.p.contrast_class < corrupted_logits.shape[1]:
+                raise RunnerError(f"patching.contrast_class={self.p.contrast_class} is outside the model's classes.")
+            return torch.full_like(target, self.p.contrast_class)
+        return corrupted_logits.argmax(dim=1)
+
+    def patched_metrics(
+        self, model: nn.Module, name: str, base_input: torch.Tensor, base: torch.Tensor, source: torch.Tensor,
+        units: Units, target: torch.Tensor, contrast: torch.Tensor, order: list[int] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Metric of each patched variant (units in `order`, default all): the exact engine's (engine.py)."""
+        return self.engine.patched_metrics(model, name, base_input, base, source, units, target, contrast, order)
+
+    def _unit_rows(
+        self, model: nn.Module, base_input: torch.Tensor, base: torch.Tensor, source: torch.Tensor, site: Site,
+        estimate_map: torch.Tensor | None,
+    ) -> list[Columns]:  # fmt: skip
+        """The rows of every unit at `site`: attribution estimates (if any), then exact patches (unless attribution)."""
+        units = site.units
+        rows: list[Columns] = []
+        estimates = None
+        if estimate_map is not None:
+            estimates = unit_estimates(units, estimate_map[site.sample_index])
+            rows.append(unit_columns(site, list(range(units.count)), "attribution", site.base_metric + estimates))
+        if self.p.mode is PatchMode.attribution:
+            return rows
+        order = list(range(units.count))
+        if self.p.mode is PatchMode.attribution_topk:
+            assert estimates is not None
+            order = estimates.argsort(descending=True)[: self.p.top_k].tolist()
+        patched = self.engine.patched_metrics(
+            model, site.layer, base_input, base, source, units, site.target, site.contrast, order
+        )
+        exact = unit_columns(site, order, "exact", patched)
+        if estimates is not None:
+            # an undefined pair's effects are float noise around 0: their rank says nothing
+            ranked = len(order) > 1 and not site.undefined
+            rho = spearman(estimates[order], patched - site.base_metric) if ranked else torch.tensor(float("nan"))
+            exact["rank_correlation"] = rho.repeat(len(order))
+            rows[0]["rank_correlation"] = torch.full((units.count,), float("nan"))
+        rows.append(exact)
+        return rows

@@ -1,0 +1,80 @@
+"""The units patched in one layer (the whole output, a channel, a spatial cell, a token) and their masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.errors import RunnerError
+from runner.methods.patching.config import PatchUnit
+
+
+@dataclass
+class Units:
+    """The units of one layer: broadcastable masks on demand, and their identifier columns."""
+
+    kind: PatchUnit
+    shape: tuple[int, ...]  # one sample's activation shape
+    count: int
+    channel: list[int | None]
+    y: list[int | None]
+    x: list[int | None]
+    token: list[int | None]
+    cells: list[tuple[int, int, int, int]]  # cell bounds (y0, y1, x0, x1) for cell units
+    grid: tuple[int, int] | None
+
+    def masks(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """(n, *shape) bool masks of units start..stop, broadcastable (size 1 where a unit spans the dim)."""
+        n = stop - start
+        if self.kind is PatchUnit.layer:
+            return torch.ones((1, *self.shape), dtype=torch.bool, device=device)
+        if self.kind is PatchUnit.channel:
+            dims = (n, self.shape[0]) + (1,) * (len(self.shape) - 1)
+            mask = torch.zeros(dims, dtype=torch.bool, device=device)
+            mask[torch.arange(n), torch.arange(start, stop)] = True
+            return mask
+        if self.kind is PatchUnit.token:
+            mask = torch.zeros((n, self.shape[0], 1), dtype=torch.bool, device=device)
+            mask[torch.arange(n), torch.arange(start, stop)] = True
+            return mask
+        mask = torch.zeros((n, 1, *self.shape[1:]), dtype=torch.bool, device=device)
+        for i, (y0, y1, x0, x1) in enumerate(self.cells[start:stop]):
+            mask[i, 0, y0:y1, x0:x1] = True
+        return mask
+
+
+def enumerate_units(
+    name: str, shape: tuple[int, ...], kind: PatchUnit, grid: list[int], cell_size: int | None
+) -> Units:
+    """The units of a layer whose per-sample activation has `shape`."""
+    if kind is PatchUnit.layer:
+        return Units(kind, shape, 1, [None], [None], [None], [None], [], None)
+    if kind is PatchUnit.channel:
+        c = shape[0]
+        return Units(kind, shape, c, list(range(c)), [None] * c, [None] * c, [None] * c, [], None)
+    if kind is PatchUnit.token:
+        if len(shape) != 2:
+            raise RunnerError(f"units=token needs (batch, tokens, dim) outputs; layer '{name}' gives {(None, *shape)}.")
+        t = shape[0]
+        return Units(kind, shape, t, [None] * t, [None] * t, [None] * t, list(range(t)), [], None)
+    if len(shape) != 3:
+        raise RunnerError(
+            f"units=cell needs spatial outputs (batch, channels, height, width); layer '{name}' gives {(None, *shape)}."
+            " Use units=channel or token, or pick convolutional layers."
+        )
+    h, w = shape[1:]
+    if cell_size:
+        edges_y, edges_x = list(range(0, h, cell_size)) + [h], list(range(0, w, cell_size)) + [w]
+    else:
+        gh, gw = min(grid[0], h), min(grid[1], w)
+        edges_y = [round(i * h / gh) for i in range(gh + 1)]
+        edges_x = [round(j * w / gw) for j in range(gw + 1)]
+    cells, ys, xs = [], [], []
+    for i in range(len(edges_y) - 1):
+        for j in range(len(edges_x) - 1):
+            cells.append((edges_y[i], edges_y[i + 1], edges_x[j], edges_x[j + 1]))
+            ys.append(i)
+            xs.append(j)
+    n = len(cells)
+    return Units(kind, shape, n, [None] * n, ys, xs, [None] * n, cells, (len(edges_y) - 1, len(edges_x) - 1))

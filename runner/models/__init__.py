@@ -1,0 +1,74 @@
+"""Models, one registry of sources: torchvision classifiers by name, the embedded pretrained EfficientNet-Lite0,
+any module by `_target_`. Each module of this package is one source (a `ModelSource` registered with
+`@model_source(name)`); importing the package imports every module, so a new source (timm, Hugging Face) is
+one file here, plus YAMLs in conf/model/ that set `source: <name>`.
+
+Trained weights are loaded or the run fails: nothing here falls back to random initialisation
+unless the config says `weights: null`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from runner.errors import RunnerError, suggest
+from runner.models.base import MODEL_SOURCES, ModelBundle, ModelSource, load_checkpoint, model_source
+from runner.models.check import check_input
+from runner.schema import ModelConfig
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")
+
+from runner.models.embedded import EMBEDDED  # noqa: E402 (after the modules that register)
+
+
+def model_source_of(cfg: ModelConfig) -> ModelSource:
+    """The source that builds `cfg`: the one `model.source` names, or else the one source that claims it."""
+    if cfg.source is not None:
+        source = MODEL_SOURCES[MODEL_SOURCES.key(cfg.source)]  # raises for an unknown source
+        if cfg._target_ is not None and not source.claims(cfg):  # else the `_target_` would be silently ignored
+            raise RunnerError(
+                f"model._target_ is set but model.source={cfg.source} does not build by `_target_`:"
+                " drop one of them (model.source=null infers the source)."
+            )
+        return source
+    claiming = [source for source in MODEL_SOURCES.items() if source[1].claims(cfg)]
+    if len(claiming) == 1:
+        return claiming[0][1]
+    if claiming:  # two sources' rules overlap: a bug in a source, not the user's config
+        raise RunnerError(
+            f"Model '{cfg.name}' is claimed by the sources {', '.join(name for name, _ in claiming)}:"
+            " choose one with model.source=NAME."
+        )
+    sources = [source for _, source in MODEL_SOURCES.items()]
+    known = [name for source in sources for name in source.known_names()]
+    accepts = [source.accepts for source in sources if source.accepts]
+    raise RunnerError(
+        f"Unknown model '{cfg.name}'.{suggest(cfg.name, known)} Use {', '.join(accepts[:-1])}, or {accepts[-1]}"
+        f" (or model.source: {', '.join(MODEL_SOURCES.names())})."
+    )
+
+
+def build_model(cfg: ModelConfig) -> ModelBundle:
+    """Build the configured model, load its weights, freeze it (no weight gradients are ever needed)."""
+    bundle = model_source_of(cfg).build(cfg)
+    if cfg.checkpoint:
+        load_checkpoint(bundle.model, cfg.checkpoint)
+    bundle.model.eval()
+    for p in bundle.model.parameters():
+        p.requires_grad_(False)
+    return bundle
+
+
+__all__ = [
+    "EMBEDDED",
+    "MODEL_SOURCES",
+    "ModelBundle",
+    "ModelSource",
+    "build_model",
+    "check_input",
+    "load_checkpoint",
+    "model_source",
+    "model_source_of",
+]
