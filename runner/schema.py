@@ -15,7 +15,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.errors import RunnerError, suggest
+from runner.errors import RunnerError
+from runner.registry import Registry
 
 
 class HookKind(str, Enum):
@@ -195,15 +196,17 @@ def register_configs() -> None:
             store.store(group=f"schema/{group}", name=option, node=schema)
 
 
-def option_schemas() -> dict[str, dict[str, type]]:
-    """Each config group's options and their schemas, from the groups' registries."""
+def option_registries() -> dict[str, Registry[Any, Any]]:
+    """The registries of the config groups whose options each have their own schema (keyed by that schema)."""
     from runner.data import DATA_SOURCES  # imported here: those modules import this one
     from runner.methods import METHODS
 
-    return {
-        "method": {config.name: config for config in METHODS},
-        "data": {config.name: config for config in DATA_SOURCES},
-    }
+    return {"method": METHODS, "data": DATA_SOURCES}
+
+
+def option_schemas() -> dict[str, dict[str, type]]:
+    """Each config group's options and their schemas, from the groups' registries."""
+    return {group: {config.name: config for config in registry} for group, registry in option_registries().items()}
 
 
 def validate(config: RunConfig) -> RunConfig:
@@ -276,12 +279,9 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     try:
         schema = OmegaConf.structured(RunConfig)
         assert isinstance(plain, dict)
-        for group, options in option_schemas().items():
+        for group, registry in option_registries().items():
             name = (plain.get(group) or {}).get("name")
-            if name not in options:
-                known = ", ".join(options)
-                raise RunnerError(f"Unknown {group} '{name}'.{suggest(str(name), options)} Available: {known}.")
-            schema[group] = OmegaConf.structured(options[name])
+            schema[group] = OmegaConf.structured(registry.key(str(name)))  # raises for an unknown name
         merged = OmegaConf.merge(schema, plain)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
