@@ -108,31 +108,35 @@ def run_with_backoff(
     try:
         output = method.run_batch(model, batch, session)
         return [(batch, output, session.end_batch())]
+    except torch.cuda.OutOfMemoryError:
+        # Retried below, after this block: inside it, the exception's traceback keeps the failed attempt's frames
+        # (its activations and autograd graph) alive, so the halves would run short of that memory and fail too.
+        pass
     except RuntimeError as error:
-        if not isinstance(error, torch.cuda.OutOfMemoryError):
-            explained = session.explain(error)  # a torch error the hooks caused, as one clear message
-            if explained is not None:
-                raise explained from error
-            raise
-        session.end_batch()  # drop what the failed attempt recorded
-        size = batch.x.shape[0]
-        if size == 1:
-            raise RunnerError(
-                "CUDA out of memory with a batch of 1: the model and method do not fit this GPU. Try precision=bf16,"
-                " fewer layers, or a smaller method.patching.chunk / method.score_chunk."
-            ) from None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        half = size // 2
-        log.warning(
-            "CUDA out of memory at batch size %d (samples from %d): retrying as %d + %d",
-            size,
-            batch.first_index,
-            half,
-            size - half,
+        explained = session.explain(error)  # a torch error the hooks caused, as one clear message
+        if explained is not None:
+            raise explained from error
+        raise
+    # Drop what the failed attempt recorded; the halves' begin_batch clears the method's captures.
+    session.end_batch()
+    size = batch.x.shape[0]
+    if size == 1:
+        raise RunnerError(
+            "CUDA out of memory with a batch of 1: the model and method do not fit this GPU. Try precision=bf16,"
+            " fewer layers, or a smaller method.patching.chunk / method.score_chunk."
         )
-        parts = []
-        for lo, hi in ((0, half), (half, size)):
-            sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
-            parts += run_with_backoff(sub, model, method, session, config)
-        return parts
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = size // 2
+    log.warning(
+        "CUDA out of memory at batch size %d (samples from %d): retrying as %d + %d",
+        size,
+        batch.first_index,
+        half,
+        size - half,
+    )
+    parts = []
+    for lo, hi in ((0, half), (half, size)):
+        sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
+        parts += run_with_backoff(sub, model, method, session, config)
+    return parts

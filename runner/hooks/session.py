@@ -134,12 +134,9 @@ class HookSession:
     def end_batch(self) -> dict[str, Any] | None:
         """This batch's recorded rows as columns (stats still on the device), then forget them."""
         self._tensors.flush()
-        columns = self._spec_hooks.take_rows()
-        if columns is None:
-            return None
-        for capture in self._captures:
+        for capture in self._captures:  # also when nothing was recorded: an OOM retry must not hold them
             capture.clear()
-        return columns
+        return self._spec_hooks.take_rows()
 
     def new_forward(self) -> None:
         """Start another forward within the batch: call indices count from 0 again (patching runs many)."""

@@ -107,6 +107,8 @@ class ExactEngine:
                     if logits.shape[0] == n:
                         self.prefix_ok[name] = True
                         return logits
+                except torch.cuda.OutOfMemoryError:
+                    raise  # not a model that cannot broadcast: the run loop's back-off halves the batch
                 except RuntimeError:
                     pass
                 if name not in self.prefix_ok or self.prefix_ok[name]:

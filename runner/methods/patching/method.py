@@ -147,8 +147,11 @@ class Patching(Method):
         if estimates is not None:
             # an undefined pair's effects are float noise around 0: their rank says nothing
             ranked = len(order) > 1 and not site.undefined
-            rho = spearman(estimates[order], patched - site.base_metric) if ranked else torch.tensor(float("nan"))
-            exact["rank_correlation"] = rho.repeat(len(order))
-            rows[0]["rank_correlation"] = torch.full((units.count,), float("nan"))
+            # every part of a column on the rows' device: the table concatenates them (CPU with CUDA fails)
+            device = patched.device
+            nan = torch.tensor(float("nan"), device=device)
+            rho = spearman(estimates[order], patched - site.base_metric) if ranked else nan
+            exact["rank_correlation"] = rho.repeat(len(order))  # (len(order),)
+            rows[0]["rank_correlation"] = torch.full((units.count,), float("nan"), device=device)
         rows.append(exact)
         return rows
