@@ -266,13 +266,7 @@ class SyntheticDataset(Dataset):
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
     """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
     Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
-    build = DATA_SOURCES.get(type(cfg))
-    if build is None:  # a config of another type than the source it names: refused, not guessed
-        expected = data_config_class(cfg.name)  # raises for an unknown name
-        raise RunnerError(
-            f"data={cfg.name} needs its own config ({expected.__name__}), not a {type(cfg).__name__}:"
-            f" build it with {expected.__name__}(...) or data_config('{cfg.name}', ...)."
-        )
+    build = DATA_SOURCES.for_config(cfg, "data")
     dataset = build(cfg, preprocess, seed)
     if cfg.limit is not None:
         dataset = torch.utils.data.Subset(dataset, range(min(cfg.limit, len(dataset))))  # type: ignore[arg-type]

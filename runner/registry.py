@@ -5,7 +5,7 @@ a user's option name finds the key, and an unknown name fails with the nearest v
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from runner.errors import RunnerError, suggest
 
@@ -46,6 +46,18 @@ class Registry(Generic[K, V]):
                 return key
         names = self.names()
         raise RunnerError(f"Unknown {self.group} '{name}'.{suggest(name, names)} Available: {', '.join(names)}.")
+
+    def for_config(self, config: Any, option: str) -> V:
+        """The implementation registered under `config`'s type. A config of another type (the group's base class
+        naming an option) is refused, not guessed: the message names the class to build (`option`: the config key)."""
+        found = self._entries.get(type(config))  # type: ignore[arg-type]  # keyed by config type in these groups
+        if found is None:
+            expected: Any = self.key(config.name)  # raises for an unknown name
+            raise RunnerError(
+                f"{option}={config.name} needs its own config ({expected.__name__}), not a {type(config).__name__}:"
+                f" build it with {expected.__name__}(...) or {option}_config('{config.name}', ...)."
+            )
+        return found
 
     def names(self) -> list[str]:
         """Every option's name, in registration order."""

@@ -10,7 +10,6 @@ import importlib
 import pkgutil
 from typing import Any
 
-from runner.errors import RunnerError
 from runner.layers import Layer
 from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register
 from runner.schema import MethodConfig
@@ -41,14 +40,7 @@ def method_config(name: str, **fields: Any) -> MethodConfig:
 
 def method_class(cfg: MethodConfig) -> type[Method]:
     """The method class that runs `cfg`, chosen by its config type."""
-    method = METHODS.get(type(cfg))
-    if method is None:  # a config of another type than the option it names: refused, not guessed
-        expected = method_config_class(cfg.name)  # raises for an unknown name
-        raise RunnerError(
-            f"method={cfg.name} needs its own config ({expected.__name__}), not a {type(cfg).__name__}:"
-            f" build it with {expected.__name__}(...) or method_config('{cfg.name}', ...)."
-        )
-    return method
+    return METHODS.for_config(cfg, "method")
 
 
 def build_method(cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> Method:
