@@ -8,6 +8,8 @@ A shard is a fixed range of samples: its part files are written under temporary 
 together when it completes, and only then is it listed in the run's manifest (`manifest.json`, one per
 rank, replaced atomically). A failed or killed run loses at most the shard in progress and leaves no
 half table behind; run again on the same directory, it skips every listed shard whose files are intact.
+A kill between the renames and the manifest's replacement leaves parts that no manifest lists: `load`
+reads listed parts only, and the resumed run removes them before it runs their shard again.
 
 Temporary files start with '.', so pandas, pyarrow.dataset and DuckDB (`read_parquet('DIR/t.parquet/*.parquet')`)
 skip them while a run is live. One process writes a directory at a time (`DirectoryLock`). The manifest
@@ -385,8 +387,12 @@ class ShardedWriter:
         return done
 
     def begin_shard(self, shard: int) -> None:
+        # Left by a killed run (one writer per directory, so none is live): temporaries, and part files renamed
+        # into place just before the kill but never listed in a manifest. Readers skip both; the shard runs anew.
         for stale in self.directory.glob(f"*.parquet/.part-{shard:06d}.parquet.*.tmp"):
-            stale.unlink(missing_ok=True)  # left by a killed run; one writer per directory, so none is live
+            stale.unlink(missing_ok=True)
+        for orphan in self.directory.glob(f"*.parquet/part-{shard:06d}.parquet"):
+            orphan.unlink(missing_ok=True)
         self._shard = shard
         self._open = {}
 

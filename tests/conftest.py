@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import runpy
@@ -24,6 +25,18 @@ from runner.schema import RunConfig, register_configs, to_run_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
+
+
+def committed_shards(run: Path) -> int:
+    """The shards some manifest of `run` lists as complete: what a resume skips. Part files alone can run
+    ahead of the manifest by a moment (they are renamed into place just before it is replaced)."""
+    done: set[str] = set()
+    for path in run.glob("manifest*.json"):
+        try:
+            done |= set(json.loads(path.read_text())["shards"])
+        except (OSError, ValueError):
+            continue  # replaced between the glob and the read
+    return len(done)
 
 
 def make_config(*overrides: str) -> RunConfig:

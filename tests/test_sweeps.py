@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from runner.results import load, read_metadata
+from tests.conftest import committed_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -83,13 +84,12 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     process = cli(*slow, f"hydra.run.dir={killed}", wait=False)
     deadline = time.time() + 120
     while time.time() < deadline:  # kill once at least one shard is on disk and the run is not finished
-        parts = list(killed.glob("cam.parquet/part-*.parquet"))
-        if len(parts) >= 2:
+        if committed_shards(killed) >= 2:
             break
         time.sleep(0.05)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    written = len(list(killed.glob("cam.parquet/part-*.parquet")))
+    written = committed_shards(killed)
     assert 2 <= written < 6, "killed mid-way"
     # What a reader sees meanwhile is the complete shards only (a half-written shard is a hidden temp file,
     # never read), with a warning that the run is unfinished.
