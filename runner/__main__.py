@@ -1,7 +1,9 @@
-"""CLI: `python -m runner [experiment=NAME] [key=value ...]`; `-m` for sweeps; `--cfg job` prints the config.
+"""CLI: `python -m runner [experiment=NAME] [key=value ...]`; `-m` for sweeps; `--cfg job` prints the config;
+`ls`, `layers` and `--help` as the `runner` command (runner/cli.py).
 
 Exit codes: 0 done; 2 bad input (config, files, data) or an interrupted run, with one message on
 stderr and the traceback in the run's log; anything else is a bug in the runner.
+Torch is imported by the task only (runner.app): composing and printing the config does without it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from runner.app import check_output_arguments, run
+from runner.cli import register_schemas
 from runner.errors import RunnerError
-from runner.schema import register_configs
 
 log = logging.getLogger("runner")
 
-register_configs()
 _started = False  # whether Hydra got as far as calling the task: if not, it failed on the config
 
 
@@ -28,6 +28,8 @@ _started = False  # whether Hydra got as far as calling the task: if not, it fai
 def main(cfg: DictConfig) -> None:
     global _started
     _started = True
+    from runner.app import run  # here, not at the top: `--cfg job` composes without importing torch
+
     try:
         run(cfg)
     except RunnerError as e:
@@ -92,9 +94,23 @@ def config_error(error: Exception) -> str:
     return "Config error: " + " ".join(lines)
 
 
+def _check_output_arguments(argv: list[str]) -> None:
+    """runner.app's check of `hydra.run.dir=` / `hydra.sweep.dir=`, imported (with torch) only when one is given."""
+    if any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
+        from runner.app import check_output_arguments
+
+        check_output_arguments(argv)
+
+
 if __name__ == "__main__":
+    from runner.cli import dispatch
+
+    handled = dispatch(sys.argv[1:])  # `ls`, `layers`, `--help`: not a Hydra run
+    if handled is not None:
+        sys.exit(handled)
+    register_schemas(sys.argv[1:])  # before Hydra composes: the options' schemas (without torch when it only prints)
     try:
-        check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
+        _check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
     except RunnerError as e:
         print(f"[ERROR] {e}", file=sys.stderr)
         sys.exit(2)

@@ -25,9 +25,10 @@ from runner import distributed
 from runner.data import build_dataset, skipped_files
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
-from runner.ids import run_columns
-from runner.layers import Layer, resolve_layers
-from runner.loop import ShardLoop, run_shard, shard_batches, stop_on_signals
+from runner.ids import ClassNames, run_columns
+from runner.layer_table import check_selection, probe_input
+from runner.layers import Layer, layer_order, resolve_layers
+from runner.loop import ShardLoop, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
 from runner.provenance import provenance, resume_key
@@ -101,24 +102,24 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     if device.type == "cuda" and distributed.rank_and_world()[1] > 1:
-        device = torch.device("cuda", distributed.local_device_index())  # torchrun: one GPU per process
+        device = distributed.local_cuda_device()  # torchrun: one GPU per process (more processes: refused here)
         torch.cuda.set_device(device)
-    distributed.init(device)
-    out = distributed.shared_directory(out)
-    lock = DirectoryLock(out)
-    refusal = None
-    if distributed.rank_and_world()[0] == 0:  # rank 0 holds the lock for all ranks of a torchrun
+    with distributed.process_group(device, config.distributed_timeout_minutes):  # left also on a failure
+        out = distributed.shared_directory(out)
+        lock = DirectoryLock(out)
+        refusal = None
+        if distributed.rank_and_world()[0] == 0:  # rank 0 holds the lock for all ranks of a torchrun
+            try:
+                lock.acquire()
+            except RunnerError as e:
+                refusal = str(e)
+        refusal = distributed.from_rank0(refusal)
+        if refusal is not None:
+            raise RunnerError(refusal)
         try:
-            lock.acquire()
-        except RunnerError as e:
-            refusal = str(e)
-    refusal = distributed.from_rank0(refusal)
-    if refusal is not None:
-        raise RunnerError(refusal)
-    try:
-        return _run_locked(config, out, device)
-    finally:
-        lock.release()
+            return _run_locked(config, out, device)
+        finally:
+            lock.release()
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
@@ -135,9 +136,14 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     if target_layers is None and method_class(config.method).needs_layers:
         raise RunnerError(f"method={config.method.name} needs target layers: set layers.include=[...].")
     hooks = _bind_hooks(model, config, target_layers)
-    method = build_method(config.method, target_layers or [], runtime)
+    # One dry forward of one input of the configured size: a selected module the forward never calls fails now.
+    hooked = [*(target_layers or []), *(layer for bound in hooks for layer in bound.layers)]
+    check_selection(model, hooked, probe_input(config.data, bundle.preprocess))
+    # Targets by name (method.class_names) become class ids here, before any data loads.
+    method = build_method(config.method, target_layers or [], runtime, bundle.categories)
 
     dataset = build_dataset(config.data, bundle.preprocess, config.seed)
+    class_names = ClassNames.of(config.data, dataset, bundle.categories)  # label_name, predicted_name, target_name
     # One forward: a shape the model refuses fails here.
     check_input(model, dataset[0][0], config.data.batch_size, device)
     method.prepare(dataset)
@@ -147,7 +153,8 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     id_columns = run_columns(config, run_id)
     key, details = resume_key(config, shard_samples, len(dataset))
-    writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details)
+    writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details,
+                           layer_order=layer_order(model))  # fmt: skip
     done = writer.resume()  # complete shards whose files are intact; a damaged one runs again
     mine = [s for s in range(num_shards) if s % world == rank and s not in done]
     if done:
@@ -161,8 +168,9 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
             method.setup(session, len(dataset))
             progress = tqdm(total=sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine),
                             desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
+            batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader for every shard
             loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
-                             bundle.categories, stop)  # fmt: skip
+                             class_names, stop, batches)  # fmt: skip
             for shard in mine:
                 writer.begin_shard(shard)
                 run_shard(shard, loop)

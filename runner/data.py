@@ -6,9 +6,11 @@ builder registered under that type with `@data_source(ItsConfig)`; a new source 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms as T
 
 from runner.errors import RunnerError, suggest
@@ -238,6 +240,8 @@ class ImageListDataset(Dataset):
         self.items = items
         self.transform = transform
         self.skipped: list[str] = []  # files left out because they could not be read
+        self.classes: list[str] | None = None  # the labels' names by index, where the data set has them
+        self.model_labels = False  # whether labels are the model's class indices (the photos' ImageNet ones)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -249,6 +253,8 @@ class ImageListDataset(Dataset):
 
 class SyntheticDataset(Dataset):
     """Seeded random tensors: the same seed gives the same samples, in any order of access."""
+
+    model_labels = True  # labels are drawn from range(num_classes): class indices of the model, as target=label uses
 
     def __init__(self, shape: list[int], count: int, num_classes: int, seed: int) -> None:
         self.shape, self.count, self.num_classes, self.seed = shape, count, num_classes, seed
@@ -312,6 +318,16 @@ def skipped_files(dataset: Dataset) -> list[str]:
     return list(getattr(dataset, "skipped", []))
 
 
+def label_classes(dataset: Dataset) -> tuple[list[str] | None, bool]:
+    """(the data set's own names of its labels by index, or None; whether its labels are the model's classes)."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    classes = getattr(dataset, "classes", None)
+    if not isinstance(classes, (list, tuple)) or not all(isinstance(c, str) for c in classes):
+        classes = None  # e.g. torchvision's ImageNet: a tuple of synonyms per class
+    return (list(classes) if classes else None), bool(getattr(dataset, "model_labels", False))
+
+
 def _skimage_dataset(names: list[str], transform: Callable) -> ImageListDataset:
     valid = f"Photos shipped with scikit-image: {', '.join(PHOTOS)}."
     if not names:
@@ -321,7 +337,9 @@ def _skimage_dataset(names: list[str], transform: Callable) -> ImageListDataset:
         if name not in PHOTOS:
             _check_other_photo(name, valid)
         items.append((name, lambda name=name: _to_rgb(_skimage_photo(name)), PHOTO_LABELS.get(name, NO_LABEL)))
-    return ImageListDataset(items, transform)
+    dataset = ImageListDataset(items, transform)
+    dataset.model_labels = True  # ImageNet-1k indices
+    return dataset
 
 
 def _check_other_photo(name: str, valid: str) -> None:
@@ -398,6 +416,7 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
 
     dataset = ImageListDataset([(str(p.relative_to(folder)), opener(p), label(p)) for p in files], transform)
     dataset.skipped = [str(p) for p in unreadable]
+    dataset.classes = classes if has_classes else None  # label_name: the class folders' names
     return dataset
 
 
@@ -419,6 +438,8 @@ def _torchvision_dataset(cfg: TorchvisionDataConfig, transform: Callable) -> Dat
         ) from e
 
     class WithIds(Dataset):
+        classes = getattr(base, "classes", None)  # label_name (CIFAR10's 'airplane', ...), where the set names them
+
         def __len__(self) -> int:
             return len(base)
 
@@ -440,16 +461,56 @@ def pad_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Ten
     return torch.stack(padded), labels, [i for _, _, i in samples]  # (B, C, height, width)
 
 
-def make_loader(dataset: Dataset, cfg: DataConfig, device: torch.device) -> DataLoader:
-    """Batches in data set order; pinned memory (for non-blocking copies) on GPUs unless configured otherwise."""
-    workers = cfg.num_workers > 0
+class RangesSampler(Sampler[int]):
+    """The indices of `ranges`, one range after another: one loader's order over a run's shards."""
+
+    def __init__(self, ranges: list[range]) -> None:
+        self.ranges = ranges
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(self.ranges)
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.ranges)
+
+
+# Workers a GPU run gets when data.num_workers is null: enough to decode JPEGs ahead of the GPU, few enough
+# not to crowd a shared node (each worker holds a copy of the data set's Python state).
+GPU_DEFAULT_WORKERS = 4
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one: a SLURM job's share, not the node's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def loader_settings(cfg: DataConfig, device: torch.device) -> tuple[int, bool]:
+    """(num_workers, pin_memory) for `device`: explicit values as given; null workers are 0 on the CPU (the
+    model competes with them for the same cores) and min(4, CPUs) on a GPU; null pinning is on for a GPU."""
+    on_gpu = device.type == "cuda"
+    workers = cfg.num_workers
+    if workers is None:
+        workers = min(GPU_DEFAULT_WORKERS, available_cpus()) if on_gpu else 0
+    return workers, on_gpu if cfg.pin_memory is None else cfg.pin_memory
+
+
+def make_loader(
+    dataset: Dataset, cfg: DataConfig, device: torch.device, sampler: Sampler[int] | None = None
+) -> DataLoader:
+    """Batches in data set order (or `sampler`'s); workers and pinned memory as `loader_settings` resolves them."""
+    num_workers, pin_memory = loader_settings(cfg, device)
+    workers = num_workers > 0
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
+        sampler=sampler,
         collate_fn=pad_collate if getattr(cfg, "resize", None) is ResizeMode.none else None,
         shuffle=False,  # sample order is part of the result's identity (and of resuming)
-        num_workers=cfg.num_workers,
-        pin_memory=device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
         prefetch_factor=cfg.prefetch_factor if workers else None,
         persistent_workers=cfg.persistent_workers and workers,
     )

@@ -2,23 +2,50 @@
 (`sample_columns`); their declared types are runner/tables.py's `RUN_FIELDS` and `SAMPLE_FIELDS`.
 
 A method hands over its rows with a `sample_index` column (the row's sample within the batch, -1 for a row
-about the whole batch); `rows_for` turns it into the sample's id columns on the writer thread.
+about the whole batch); `rows_for` turns it into the sample's id columns on the writer thread, and names the
+classes (`label_name`, `predicted_name`, and `target_name` in tables with a `target`) from `ClassNames`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from runner.data import NO_LABEL, Batch
+from runner.data import NO_LABEL, Batch, label_classes
+from runner.errors import RunnerError
 from runner.methods import BatchOutput
+from runner.models import model_label
 from runner.provenance import swept_columns
 from runner.results import Block, to_host
-from runner.schema import RunConfig
+from runner.schema import DataConfig, RunConfig
 from runner.stats import STAT_NAMES
+from runner.tables import TARGET_NAME
+
+
+@dataclass(frozen=True)
+class ClassNames:
+    """Names of classes by index: the model's outputs (predicted, target) and the data set's labels."""
+
+    model: list[str] | None = None
+    labels: list[str] | None = None
+
+    @classmethod
+    def of(cls, data: DataConfig, dataset: Any, model: list[str] | None) -> ClassNames:
+        """`data.class_names`, else the data set's own (class folders), else the model's where labels are its classes."""
+        own, model_labels = label_classes(dataset)
+        if data.class_names is not None:
+            given = list(data.class_names)
+            if own is not None and len(given) != len(own):
+                raise RunnerError(
+                    f"data.class_names has {len(given)} names but the data set has {len(own)} classes"
+                    f" ({', '.join(own[:10])}{', ...' if len(own) > 10 else ''}): give one name per class, in that order."
+                )
+            return cls(model, given)
+        return cls(model, own if own is not None else model if model_labels else None)
 
 
 def run_columns(config: RunConfig, run_id: str) -> dict[str, Any]:
@@ -26,21 +53,24 @@ def run_columns(config: RunConfig, run_id: str) -> dict[str, Any]:
     return {
         "run_id": run_id,
         "experiment": config.name,
-        "model": config.model._target_ or config.model.name,
+        "model": model_label(config.model),  # timm:convnext_tiny, hf:<id>, torchvision:vgg16, target:pkg.Class
         "method": config.method.name,
         **swept_columns(config),
     }
 
 
 def rows_for(
-    part: tuple[Batch, BatchOutput, dict[str, Any] | None], id_columns: dict[str, Any], categories: list[str] | None
+    part: tuple[Batch, BatchOutput, dict[str, Any] | None], id_columns: dict[str, Any], names: ClassNames
 ) -> Callable[[], list[tuple[str, dict[str, Any]]]]:
     """The writer thread's job for one batch: move rows to the host and add the identifier columns."""
     batch, output, recorded = part
 
     def produce() -> list[tuple[str, dict[str, Any]]]:
-        samples = sample_columns(batch, output.predicted, categories)
-        rows = [(table, with_ids(id_columns, samples, to_host(columns))) for table, columns in output.tables.items()]
+        samples = sample_columns(batch, output.predicted, names)
+        rows = [
+            (table, with_ids(id_columns, samples, with_target_names(to_host(columns), names.model)))
+            for table, columns in output.tables.items()
+        ]
         if recorded is not None:
             recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
             rows.append(("hooks", with_ids(id_columns, samples, to_host(recorded))))
@@ -49,17 +79,30 @@ def rows_for(
     return produce
 
 
-def sample_columns(batch: Batch, predicted: torch.Tensor, categories: list[str] | None) -> dict[str, np.ndarray]:
+def sample_columns(batch: Batch, predicted: torch.Tensor, names: ClassNames) -> dict[str, np.ndarray]:
     """Per-sample identifiers of a batch, moved to the host in one transfer."""
     host = torch.stack([batch.labels.to(predicted.device), predicted]).cpu().numpy()  # (2, B)
-    names = [categories[p] if categories and 0 <= p < len(categories) else None for p in host[1]]
     return {
         "sample": np.arange(batch.first_index, batch.first_index + len(batch.sample_ids)),
         "sample_id": np.array(batch.sample_ids, dtype=object),
         "label": np.array([None if y == NO_LABEL else int(y) for y in host[0]], dtype=object),
+        "label_name": name_column(host[0], names.labels),  # NO_LABEL (-1) is outside any list: null
         "predicted": host[1],
-        "predicted_name": np.array(names, dtype=object),
+        "predicted_name": name_column(host[1], names.model),
     }
+
+
+def name_column(indices: Sequence[int] | np.ndarray, names: list[str] | None) -> np.ndarray:
+    """The name of each class index (object array); null without names or for an index outside them."""
+    known = names or []
+    return np.array([known[i] if 0 <= i < len(known) else None for i in np.asarray(indices).tolist()], dtype=object)
+
+
+def with_target_names(columns: dict[str, Any], model_names: list[str] | None) -> dict[str, Any]:
+    """A table's host columns with `target_name` (the model's name of each row's `target`) where it has a `target`."""
+    if "target" in columns:
+        columns[TARGET_NAME.name] = name_column(columns["target"], model_names)
+    return columns
 
 
 def with_ids(id_columns: dict[str, Any], samples: dict[str, np.ndarray], columns: dict[str, Any]) -> dict[str, Any]:

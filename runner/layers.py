@@ -16,7 +16,7 @@ import re
 
 from torch import nn
 
-from runner.errors import RunnerError, suggest
+from runner.errors import RunnerError, closest, suggest
 
 Layer = tuple[str, nn.Module]
 
@@ -63,6 +63,24 @@ def _matches(selector: str, model: nn.Module) -> list[str]:
     return picked
 
 
+def _glob_hint(pattern: str, names: list[str]) -> str:
+    """'Did you mean' for a glob that matches nothing: the nearest modules at the level where the glob starts
+    (as globs where they have submodules), or else every module at that level."""
+    literal = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    parent = literal.rpartition(".")[0]  # the complete dotted segments before the first wildcard
+    if parent and not any(n.startswith(parent + ".") for n in names):
+        parent = ""  # a parent that does not exist: look at the top level
+    depth = parent.count(".") + 1 if parent else 0  # the dots in a name at that level
+    level = [n for n in names if n.count(".") == depth and (not parent or n.startswith(parent + "."))]
+    candidates = [f"{n}.*" if any(m.startswith(n + ".") for m in names) else n for n in level]
+    hits = closest(pattern, candidates) or closest(literal.rstrip("."), candidates)
+    if hits:
+        return f" Did you mean: {', '.join(hits)}? (`*` crosses dots: 'features.*' is every module under features.)"
+    where = f"under '{parent}'" if parent else "at the top level"
+    shown = ", ".join(candidates[:16]) + (f", ... ({len(candidates)} in all)" if len(candidates) > 16 else "")
+    return f" Modules {where}: {shown}. (`*` crosses dots: 'features.*' is every module under features.)"
+
+
 def resolve_layers(model: nn.Module, include: list[str], exclude: list[str] | None = None) -> list[Layer]:
     """The modules the selectors pick, in the model's own order, without duplicates."""
     if not include:
@@ -72,8 +90,12 @@ def resolve_layers(model: nn.Module, include: list[str], exclude: list[str] | No
         hits = _matches(selector, model)
         if not hits:
             names = [n for n, _ in model.named_modules() if n]
-            probe = (_split(selector)[0] or selector).replace("*", "")
-            raise RunnerError(f"Layer selector '{selector}' matches no module.{suggest(probe, names)}")
+            pattern = _split(selector)[0]
+            if pattern is not None and _GLOB_CHARS & set(pattern):
+                hint = _glob_hint(pattern, names)
+            else:
+                hint = suggest((pattern or selector).replace("*", ""), names)
+            raise RunnerError(f"Layer selector '{selector}' matches no module.{hint}")
         chosen.update(hits)
     for selector in exclude or []:
         chosen.difference_update(_matches(selector, model))
@@ -86,3 +108,8 @@ def resolve_layers(model: nn.Module, include: list[str], exclude: list[str] | No
             " Narrow layers.exclude (e.g. exclude one name, not a glob) or widen layers.include."
         )
     return [(n, m) for n, m in model.named_modules() if n in chosen]
+
+
+def layer_order(model: nn.Module) -> dict[str, int]:
+    """Each submodule's position in model order (`named_modules()`, the root excluded): the `layer_index` column."""
+    return {name: index for index, name in enumerate(n for n, _ in model.named_modules() if n)}

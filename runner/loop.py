@@ -10,18 +10,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
-from runner.data import Batch, make_loader, to_batch
+from runner.data import Batch, RangesSampler, make_loader, to_batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.ids import rows_for
+from runner.ids import ClassNames, rows_for
 from runner.methods import BatchOutput, Method
 from runner.results import ShardedWriter
 from runner.schema import RunConfig
@@ -75,17 +75,36 @@ class ShardLoop:
     session: HookSession
     writer: ShardedWriter
     id_columns: dict[str, Any]  # the run's id columns (runner/ids.py `run_columns`)
-    categories: list[str] | None
+    categories: ClassNames  # the model's and the labels' class names (runner/ids.py)
     stop: threading.Event
+    batches: Iterator[Any]  # the run's one loader (`run_loader`), consumed shard by shard
+
+
+def shard_range(shard: int, shard_samples: int, total: int) -> range:
+    """The data set indices of shard `shard`."""
+    start = shard * shard_samples
+    return range(start, min(start + shard_samples, total))
+
+
+def run_loader(
+    dataset: Dataset, shards: Iterable[int], shard_samples: int, config: RunConfig, device: torch.device
+) -> DataLoader:
+    """One loader over `shards`' samples in shard order: its workers live for the whole run, not one shard.
+
+    A shard holds whole batches (shard_samples is a multiple of the batch size and only the data set's last
+    shard is short), so no batch straddles two shards; shards a resume skips are not in the sampler."""
+    total = len(dataset)  # type: ignore[arg-type]
+    sampler = RangesSampler([shard_range(s, shard_samples, total) for s in shards])
+    return make_loader(dataset, config.data, device, sampler)
 
 
 def run_shard(shard: int, loop: ShardLoop) -> None:
     """Every batch of one shard through the method; rows go to the shard's files (on the writer thread)."""
-    start = shard * loop.shard_samples
-    indices = range(start, min(start + loop.shard_samples, len(loop.dataset)))
-    loader = make_loader(Subset(loop.dataset, indices), loop.config.data, loop.device)
+    indices = shard_range(shard, loop.shard_samples, len(loop.dataset))  # type: ignore[arg-type]
+    start = indices.start
     first = start
-    for raw in loader:
+    for _ in range(-(-len(indices) // loop.config.data.batch_size)):  # this shard's batches, from the run's loader
+        raw = next(loop.batches)
         batch = to_batch(raw, loop.device, first, loop.config.channels_last)
         for part in run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
             loop.writer.submit(rows_for(part, loop.id_columns, loop.categories))
@@ -117,8 +136,10 @@ def run_with_backoff(
         if explained is not None:
             raise explained from error
         raise
-    # Drop what the failed attempt recorded; the halves' begin_batch clears the method's captures.
-    session.end_batch()
+    # Drop what the failed attempt recorded, unwritten: starting the batch again clears its rows, the method's
+    # captures and its kept sidecar tensors (end_batch would copy those to the host and write the failed whole
+    # batch's file, which the first half's then replaces).
+    session.begin_batch(batch.x.shape[0], batch.first_index)
     size = batch.x.shape[0]
     if size == 1:
         raise RunnerError(

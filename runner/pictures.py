@@ -39,6 +39,11 @@ def _shown(batch: Batch, limit: int) -> list[tuple[int, str]]:
     return [(i, s) for i, s in enumerate(batch.sample_ids) if batch.first_index + i < limit]
 
 
+def drawn_count(batch: Batch, limit: int) -> int:
+    """How many of the batch's samples get pictures: its leading ones among the data set's first `limit`."""
+    return max(0, min(len(batch.sample_ids), limit - batch.first_index))
+
+
 def write_overlays(
     directory: Path, batch: Batch, layers: list[str], saliency: list[torch.Tensor], method: str, limit: int
 ) -> None:

@@ -57,6 +57,7 @@ SPEED_KEYS = (
     "progress",
     "output",
     "device",
+    "distributed_timeout_minutes",
     "data.num_workers",
     "data.pin_memory",
     "data.prefetch_factor",

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 import torch
 
 from runner.errors import RunnerError
+from runner.listing import LOCK_NAME, read_manifest  # torch-free there, for `runner ls`
 from runner.tables import SchemaError, conform
 
 try:
@@ -50,7 +51,6 @@ except ImportError:  # pragma: no cover - Windows: no flock; the run goes on unl
 log = logging.getLogger(__name__)
 
 METADATA_KEY = b"runner"
-LOCK_NAME = ".runner.lock"
 # Write failures that the user fixes (free space, permissions), reported as one message instead of a traceback.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
@@ -270,8 +270,11 @@ class ShardedWriter:
         rank: int = 0,
         queue_size: int = 4,
         details: dict[str, Any] | None = None,
+        layer_order: dict[str, int] | None = None,
     ) -> None:
         self.directory = directory
+        # Module name -> position in model order (runner.layers.layer_order): the `layer_index` of rows with a `layer`.
+        self.layer_order = layer_order or {}
         self.metadata = metadata
         self.resume_key = resume_key  # what must match to resume: config hash, inputs, shard size, sample count
         # The values behind the resume key (flat config keys, input fingerprints), kept in the manifest so that
@@ -397,6 +400,10 @@ class ShardedWriter:
         self._open = {}
 
     def _write(self, shard: int, table: str, columns: dict[str, Any]) -> None:
+        if "layer" in columns and "layer_index" not in columns:  # added here once, for every table with a layer
+            names = columns["layer"]
+            names = names.to_pylist() if isinstance(names, (pa.Array, pa.ChunkedArray)) else names
+            columns["layer_index"] = pa.array([self.layer_order.get(name) for name in names], pa.int64())
         if table not in self._open:
             self._open[table] = TableWriter(part_path(self.directory, table, shard), self.metadata, table)
         self._open[table].write(columns)
@@ -442,21 +449,6 @@ class ShardedWriter:
     def tables(self) -> dict[str, Path]:
         """Every table folder in the directory (of this run and of the runs it resumed)."""
         return {p.name.removesuffix(".parquet"): p for p in sorted(self.directory.glob("*.parquet")) if p.is_dir()}
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """A run's manifest, or a RunnerError saying it is damaged and what to do."""
-    try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), dict):
-            raise ValueError("no 'shards' entry")
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RunnerError(
-            f"{path} is not a readable runner manifest ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."
-            " It was damaged or replaced: move it away to redo the run in that directory, or use a new directory"
-            " with hydra.run.dir=NEW_DIR."
-        ) from None
-    return manifest
 
 
 def shard_problems(directory: Path, shard: int, entry: dict[str, int]) -> list[str]:

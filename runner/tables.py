@@ -36,10 +36,18 @@ SAMPLE_FIELDS = (
     pa.field("sample", pa.int64()),  # index in the data set; null on a row about a whole batch
     pa.field("sample_id", pa.string()),
     pa.field("label", pa.int64()),  # null when unknown
+    pa.field("label_name", pa.string()),  # the data set's name of the label (runner/ids.py `ClassNames`); null: unknown
     pa.field("predicted", pa.int64()),
-    pa.field("predicted_name", pa.string()),  # null without category names
+    pa.field("predicted_name", pa.string()),  # the model's name of the class; null without the model's class names
 )
 ID_FIELDS = (*RUN_FIELDS, *SAMPLE_FIELDS)
+# Declared after `layer` in every table that has one: the module's position in model order (`named_modules()`,
+# root excluded; null for a name that is not a module), filled in by the writer, so that tables sort
+# features.2 before features.10. A table declares `layer`; this column comes with it.
+LAYER_INDEX = pa.field("layer_index", pa.int64())
+# Declared after `target` in every table that has one: the model's name of that class (null without the model's
+# class names), filled in by runner/ids.py. A table declares `target`; this column comes with it.
+TARGET_NAME = pa.field("target_name", pa.string())
 SWEEP_PREFIX = "sweep."
 SWEEP_TYPES = (pa.bool_(), pa.int64(), pa.float64(), pa.string())
 
@@ -66,6 +74,10 @@ def is_optional(field: pa.Field) -> bool:
 def declare(table: str, fields: Sequence[pa.Field]) -> pa.Schema:
     """Declare `table`'s own columns (after the ID and swept columns), in the order they are written."""
     schema = pa.schema(fields)
+    if "layer" in schema.names and LAYER_INDEX.name not in schema.names:  # a layer's position comes with its name
+        schema = schema.insert(schema.get_field_index("layer") + 1, LAYER_INDEX)
+    if "target" in schema.names and TARGET_NAME.name not in schema.names:  # a class index comes with its name
+        schema = schema.insert(schema.get_field_index("target") + 1, TARGET_NAME)
     overlap = sorted(set(schema.names) & {f.name for f in ID_FIELDS})
     if overlap or any(n.startswith(SWEEP_PREFIX) for n in schema.names):
         raise SchemaError(f"table '{table}' declares ID or swept columns as its own: {overlap or schema.names}")

@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from runner.results import load  # noqa: E402
+from runner.summary import layers_in_model_order  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     frame = load(args.sweep, args.table)
-    layers = list(dict.fromkeys(frame["layer"]))  # model order, as the rows come
+    layers = layers_in_model_order(frame)  # by layer_index: features.2 before features.10
     per_layer = frame.groupby([args.by, "layer"])[args.value].mean().unstack(args.by).reindex(layers)
     print(per_layer.round(4).to_string())
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(layers)), 3.5))

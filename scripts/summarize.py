@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.results import load
+from runner.summary import in_model_order
 
 VALUES = {
     "cam": ["score", "cam_mean", "cam_max", "cam_frac_zero"],
@@ -31,8 +32,9 @@ KEYS = {
 
 def summarize(path: Path, table: str) -> pd.DataFrame:
     """Mean of each value column per layer (and per hook/role/call for hooks), over samples and runs."""
-    frame = load(path, table)
-    return frame.groupby(["experiment", *KEYS[table]], sort=False)[VALUES[table]].mean()
+    keys = ["experiment", *KEYS[table]]
+    frame = in_model_order(load(path, table), keys)  # layers in model order: features.2 before features.10
+    return frame.groupby(keys, sort=False)[VALUES[table]].mean()
 
 
 def main() -> None:

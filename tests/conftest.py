@@ -9,6 +9,7 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -25,6 +26,11 @@ from runner.schema import RunConfig, register_configs, to_run_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
+
+
+# The schema snapshot every full registration writes (runner/schema_cache.py): into a folder of this test
+# session, not the user's ~/.cache (subprocesses inherit it).
+os.environ.setdefault("RUNNER_CACHE_DIR", tempfile.mkdtemp(prefix="runner-test-cache-"))
 
 
 def committed_shards(run: Path) -> int:

@@ -142,7 +142,7 @@ def test_every_group_uses_the_one_registry() -> None:
     assert all(isinstance(r, Registry) for r in (METHODS, DATA_SOURCES, MODEL_SOURCES))
     assert method_config_class("gradcam") is GradCamConfig and data_config_class("synthetic") is SyntheticConfig
     assert {"gradcam", "patching", "record"} <= set(METHODS.names())
-    assert set(MODEL_SOURCES.names()) == {"torchvision", "embedded", "target"}
+    assert set(MODEL_SOURCES.names()) == {"torchvision", "embedded", "target", "timm", "hf"}
     with pytest.raises(RunnerError, match=r"Unknown data source 'synthtic'\. Did you mean: synthetic\? Available: "):
         data_config_class("synthtic")
 

@@ -217,7 +217,7 @@ def test_every_public_name_imports_from_runner_hooks() -> None:
              "STAT_NAMES", "InplaceOff", "SpecHooks", "TensorSaver"}  # fmt: skip
     assert names <= set(hooks.__all__)
     assert all(getattr(hooks, n) is not None for n in names)
-    assert hooks.HOOKS_SCHEMA.names[:2] == ["layer", "module_type"]
+    assert hooks.HOOKS_SCHEMA.names[:3] == ["layer", "layer_index", "module_type"]
 
 
 def test_inplace_switch_is_a_handle_removed_once() -> None:

@@ -11,7 +11,7 @@ import pkgutil
 from typing import Any
 
 from runner.layers import Layer
-from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register
+from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register, targets_by_name
 from runner.schema import MethodConfig
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
@@ -43,9 +43,11 @@ def method_class(cfg: MethodConfig) -> type[Method]:
     return METHODS.for_config(cfg, "method")
 
 
-def build_method(cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> Method:
-    """The method that runs `cfg` on `layers`."""
-    return method_class(cfg)(cfg, layers, runtime)
+def build_method(
+    cfg: MethodConfig, layers: list[Layer], runtime: Runtime, model_names: list[str] | None = None
+) -> Method:
+    """The method that runs `cfg` on `layers`; targets by name (method.class_names) become `model_names`' ids."""
+    return method_class(cfg)(targets_by_name(cfg, model_names), layers, runtime)
 
 
 __all__ = [

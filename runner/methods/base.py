@@ -4,6 +4,7 @@ gradient pass that also drives the session's backward and tensor hooks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner.data import NO_LABEL, Batch
-from runner.errors import RunnerError
+from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.registry import Registry
 from runner.schema import MethodConfig, Precision, TargetMode
@@ -81,6 +82,42 @@ class Runtime:
         return contextlib.nullcontext()
 
 
+def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:
+    """`cfg` with `method.class_names` turned into target=fixed and their class ids (itself when none are given)."""
+    if not cfg.class_names:
+        return cfg
+    if cfg.class_ids:
+        raise RunnerError("Give method.class_names or method.class_ids, not both: they both pick the target classes.")
+    if cfg.target not in (TargetMode.predicted, TargetMode.fixed):
+        raise RunnerError(
+            f"method.class_names picks fixed targets; it does not combine with method.target={cfg.target.value}."
+        )
+    if not model_names:
+        raise RunnerError(
+            "method.class_names needs the model's class names, and this model has none (random init, a checkpoint"
+            " or a `_target_`): set model.class_names=[...] (one per output), or give indices with method.class_ids."
+        )
+    ids = [_class_id(str(name), model_names) for name in cfg.class_names]
+    fixed = copy.copy(cfg)  # the run's config keeps the names (provenance, resume key); the method gets the ids
+    fixed.target, fixed.class_ids = TargetMode.fixed, ids
+    return fixed
+
+
+def _class_id(name: str, model_names: list[str]) -> int:
+    """The index of the model's class called `name` (exact, else the one case-insensitive match)."""
+    hits = [i for i, n in enumerate(model_names) if n == name]
+    if not hits:
+        hits = [i for i, n in enumerate(model_names) if n.lower() == name.lower()]
+    if len(hits) == 1:
+        return hits[0]
+    if hits:  # ImageNet names 'crane' (the bird and the machine) twice, for one
+        raise RunnerError(
+            f"method.class_names: '{name}' names {len(hits)} of the model's classes (ids {hits}); pick one with"
+            " method.class_ids."
+        )
+    raise RunnerError(f"method.class_names: the model has no class '{name}'.{suggest(name, model_names)}")
+
+
 def check_targets(cfg: MethodConfig, num_samples: int) -> None:
     """Fail before any data is loaded when fixed targets cannot match the data set."""
     if cfg.target is TargetMode.fixed:
@@ -88,8 +125,8 @@ def check_targets(cfg: MethodConfig, num_samples: int) -> None:
             raise RunnerError("method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample.")
         if len(cfg.class_ids) not in (1, num_samples):
             raise RunnerError(
-                f"method.class_ids has {len(cfg.class_ids)} ids but the data set has {num_samples} samples:"
-                " give one id for all samples or exactly one per sample."
+                f"method.class_ids (or class_names) has {len(cfg.class_ids)} ids but the data set has {num_samples}"
+                " samples: give one id for all samples or exactly one per sample."
             )
 
 

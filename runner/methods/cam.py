@@ -235,7 +235,7 @@ class CamMethod(Method):
             "layer": [name for name, _, _ in entries for _ in range(b)],
             "module_type": [self.module_types[name] for name, _, _ in entries for _ in range(b)],
             "call": [call for _, call, _ in entries for _ in range(b)],
-            "sample_index": torch.arange(b).repeat(n),
+            "sample_index": torch.arange(b, device=target.device).repeat(n),
             "target": target.repeat(n),
             "target_rank": [target_rank] * (b * n),
             "score": score.detach().repeat(n),
@@ -250,11 +250,9 @@ class CamMethod(Method):
             columns["map"] = Ragged(
                 torch.cat([m.reshape(-1) for m in maps]), [h * w for h, w in sizes for _ in range(b)]
             )
-        needs_upsampled = self.cfg.faithfulness.enabled or self.runtime.pictures_dir is not None
-        if needs_upsampled:
-            size = batch.x.shape[-2:]
-            saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
+        size = batch.x.shape[-2:]
         if self.cfg.faithfulness.enabled:
+            saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
             # One random map per sample and resolution, shared by the layers of that resolution, so that
             # layers are compared with the same baseline. Drawn from (seed, sample index, resolution),
             # never from the batch: the same sample gets the same baseline at any batch size, after an
@@ -274,14 +272,21 @@ class CamMethod(Method):
                 sample_indices=indices, degenerate=degenerate, undefined=flat_logits,
             )  # fmt: skip
             columns["faithfulness"] = metrics
+        # Pictures show the data set's first pictures_max samples, a batch's leading ones: only their maps are
+        # upsampled for them, and a batch past the last picture does no picture work at all.
+        drawn = 0
         if self.runtime.pictures_dir is not None and target_rank == 0:
+            drawn = pictures.drawn_count(batch, self.cfg.pictures_max)
+        if drawn:
+            if not self.cfg.faithfulness.enabled:
+                saliency = [faithfulness.upsample(m[:drawn], size) for m in maps]  # each (drawn, H, W) in [0, 1]
             pictures.write_overlays(
                 self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name,
                 self.cfg.pictures_max,
             )  # fmt: skip
             grid = self.cfg.feature_grid_layer
             if grid is not None:
-                act = dict((name, a) for name, _, a in entries)[grid]
+                act = dict((name, a) for name, _, a in entries)[grid][:drawn]  # (drawn, ...)
                 pictures.write_feature_grid(
                     self.runtime.pictures_dir,
                     batch,

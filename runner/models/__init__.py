@@ -1,5 +1,5 @@
 """Models, one registry of sources: torchvision classifiers by name, the embedded pretrained EfficientNet-Lite0,
-any module by `_target_`. Each module of this package is one source (a `ModelSource` registered with
+any module by `_target_`, timm models by name, Hugging Face image classifiers. Each module of this package is one source (a `ModelSource` registered with
 `@model_source(name)`); importing the package imports every module, so a new source (timm, Hugging Face) is
 one file here, plus YAMLs in conf/model/ that set `source: <name>`.
 
@@ -9,8 +9,12 @@ unless the config says `weights: null`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 import pkgutil
+
+from torch import nn
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import MODEL_SOURCES, ModelBundle, ModelSource, load_checkpoint, model_source
@@ -21,6 +25,8 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
 from runner.models.embedded import EMBEDDED  # noqa: E402 (after the modules that register)
+
+log = logging.getLogger(__name__)
 
 
 def model_source_of(cfg: ModelConfig) -> ModelSource:
@@ -50,15 +56,39 @@ def model_source_of(cfg: ModelConfig) -> ModelSource:
     )
 
 
+def model_label(cfg: ModelConfig) -> str:
+    """The tables' `model` column: the source and the model (timm:convnext_tiny, hf:<id>, target:pkg.Class)."""
+    return model_source_of(cfg).label(cfg)
+
+
 def build_model(cfg: ModelConfig) -> ModelBundle:
     """Build the configured model, load its weights, freeze it (no weight gradients are ever needed)."""
-    bundle = model_source_of(cfg).build(cfg)
+    source = model_source_of(cfg)
+    if cfg.checkpoint and cfg.weights is not None:
+        # The strict load replaces every parameter and buffer: pretrained weights would be downloaded for nothing
+        # (and their class names would not be the checkpoint's).
+        log.info("model.checkpoint replaces every weight: model.weights=%s is not loaded", cfg.weights)
+        cfg = dataclasses.replace(cfg, weights=None)
+    bundle = source.build(cfg)
     if cfg.checkpoint:
         load_checkpoint(bundle.model, cfg.checkpoint)
+    if cfg.class_names is not None:
+        bundle.categories = _checked_class_names(bundle.model, list(cfg.class_names))
     bundle.model.eval()
     for p in bundle.model.parameters():
         p.requires_grad_(False)
     return bundle
+
+
+def _checked_class_names(model: nn.Module, names: list[str]) -> list[str]:
+    """`model.class_names`, refused when the model's last Linear layer has another number of outputs."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if linears and linears[-1].out_features != len(names):
+        raise RunnerError(
+            f"model.class_names has {len(names)} names but the model's last Linear layer has"
+            f" {linears[-1].out_features} outputs: give one name per class, in class-index order."
+        )
+    return names
 
 
 __all__ = [
@@ -69,6 +99,7 @@ __all__ = [
     "build_model",
     "check_input",
     "load_checkpoint",
+    "model_label",
     "model_source",
     "model_source_of",
 ]

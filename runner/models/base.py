@@ -24,9 +24,32 @@ class ModelBundle:
     """A model in eval mode with frozen parameters, and what the data needs to know about it."""
 
     model: nn.Module
-    # The preprocessing its weights were trained with (torchvision weights' transforms), if known.
+    # The preprocessing its weights were trained with (torchvision weights' transforms, timm's data config, a
+    # Hugging Face image processor), if known: PIL image -> (C, H, W) tensor.
     preprocess: Callable[[Any], torch.Tensor] | None
+    # The name of each output class, by index (the weights' ImageNet names, timm's, `id2label`, or
+    # `model.class_names`); None when unknown (random init, a `_target_` or checkpoint without names).
     categories: list[str] | None
+
+    @property
+    def class_names(self) -> list[str] | None:
+        """The output classes' names by index (the same list as `categories`)."""
+        return self.categories
+
+
+class Preprocess:
+    """A model's own photo preprocessing with what runner.data.image_transform reads from it: the mean and std
+    (data.resize=pad or none keep the runner's geometry and use only these) and the sizes it says in the log."""
+
+    def __init__(
+        self, transform: Callable[[Any], torch.Tensor], mean: Any, std: Any, resize_size: Any, crop_size: Any
+    ) -> None:
+        self.transform = transform
+        self.mean, self.std = list(mean), list(std)
+        self.resize_size, self.crop_size = resize_size, crop_size
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return self.transform(image)  # (C, H, W)
 
 
 class ModelSource:
@@ -39,6 +62,8 @@ class ModelSource:
 
     # How the "unknown model" error describes what this source accepts (e.g. "a torchvision model name").
     accepts: str = ""
+    # The source's registered name (`model.source`), set by @model_source.
+    name: str = ""
 
     def claims(self, cfg: ModelConfig) -> bool:
         """Whether this source builds `cfg` when `model.source` is null (False: only when named)."""
@@ -47,6 +72,10 @@ class ModelSource:
     def known_names(self) -> list[str]:
         """The model names this source knows, for 'did you mean' hints."""
         return []
+
+    def label(self, cfg: ModelConfig) -> str:
+        """What the tables' `model` column says: `<source>:<name>` (e.g. timm:convnext_tiny)."""
+        return f"{self.name}:{cfg.name}"
 
     def build(self, cfg: ModelConfig) -> ModelBundle:
         """The model with its weights loaded (not yet frozen or in eval mode: build_model does that)."""
@@ -62,6 +91,7 @@ def model_source(name: str) -> Callable[[S], S]:
     """Class decorator: an instance of the class builds the models of source `name`."""
 
     def add(source: S) -> S:
+        source.name = name
         MODEL_SOURCES.register(name)(source())
         return source
 
@@ -115,6 +145,41 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:
             )
             if keys
         ]
-        raise RunnerError(f"Checkpoint {file} does not match the model; " + "; ".join(parts) + ".")
+        raise RunnerError(
+            f"Checkpoint {file} does not match the model; " + "; ".join(parts) + "." + _head_hint(state, own)
+        )
     model.load_state_dict(state)
     log.info("loaded checkpoint %s", file)
+
+
+def _last_linear(state: dict[str, Any]) -> tuple[str, int] | None:
+    """The last 2-D `*.weight` of a state dict (its classifier head, by the usual order) and its out_features."""
+    heads = [
+        (k, int(v.shape[0])) for k, v in state.items() if k.endswith("weight") and torch.is_tensor(v) and v.ndim == 2
+    ]
+    return heads[-1] if heads else None
+
+
+def _head_hint(state: dict[str, Any], own: dict[str, Any]) -> str:
+    """' The checkpoint's head has N classes: ...' when its classifier's size differs from the model's, else ''."""
+    theirs, mine = _last_linear(state), _last_linear(own)
+    if theirs is None or mine is None or theirs[1] == mine[1]:
+        return ""
+    return (
+        f" The checkpoint's classifier ({theirs[0]}) has {theirs[1]} classes and the model's ({mine[0]}) {mine[1]}:"
+        f" build the model with {theirs[1]} classes (torchvision and timm: +model.kwargs.num_classes={theirs[1]};"
+        f" a `_target_`: the argument of its class that sets them)."
+    )
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face Hub downloads are off (HF_HUB_OFFLINE=1, read now, not at huggingface_hub's import)."""
+    value = os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face Hub cache folder that downloads go to and offline runs read from."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)

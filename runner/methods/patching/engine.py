@@ -68,11 +68,7 @@ class ExactEngine:
                         variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # (n, ...)
                     logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
                 else:
-                    masks = (
-                        torch.cat([units.masks(u, u + 1, base.device) for u in picked])
-                        if units.kind is not PatchUnit.layer
-                        else units.masks(0, 1, base.device)
-                    )
+                    masks = units.masks_of(picked, base.device)  # one op per block; (1, ...) for a layer unit
                     variants = base + masks * diff  # (n, ...)
                     logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
                 n = variants.shape[0]

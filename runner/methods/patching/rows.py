@@ -115,12 +115,13 @@ def unit_columns(site: Site, order: list[int], kind: str, patched: torch.Tensor)
     """The rows of the units `order` at `site`, patched by `kind` (exact | attribution) to the metrics `patched` (n,)."""
     n = len(order)
     units = site.units
+    device = patched.device  # every tensor column on the rows' device: the table concatenates them
     span = site.clean - site.corrupted
     restoration = (patched.detach().float() - site.corrupted) / span  # (n,)
     if site.undefined:  # a zero (or float-noise) span: NaN, not the +-inf or huge number the division gives
         restoration = torch.full_like(restoration, float("nan"))
     return {
-        "sample_index": torch.full((n,), site.sample_index),
+        "sample_index": torch.full((n,), site.sample_index, device=device),
         "corrupted_id": [site.corrupted_id] * n,
         "direction": [site.direction.value] * n,
         "layer": [site.layer] * n,
@@ -140,6 +141,6 @@ def unit_columns(site: Site, order: list[int], kind: str, patched: torch.Tensor)
         "corrupted": site.corrupted.repeat(n),
         "patched": patched.detach().float(),
         "restoration": restoration,
-        "degenerate": torch.full((n,), bool(site.reason)),
+        "degenerate": torch.full((n,), bool(site.reason), device=device),
         "degenerate_reason": [site.reason] * n,
     }

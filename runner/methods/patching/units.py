@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,22 +27,35 @@ class Units:
 
     def masks(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
         """(n, *shape) bool masks of units start..stop, broadcastable (size 1 where a unit spans the dim)."""
-        n = stop - start
+        return self.masks_of(range(start, stop), device)
+
+    def masks_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
+        """(n, *shape) bool masks of the units `order`, in that order, built on `device` in one comparison.
+
+        No index is made on the host: a contiguous block (a range) costs no host-device transfer, any other
+        order one copy of its indices (not one per unit, as indexing with CPU tensors did: two syncs per channel).
+        """
         if self.kind is PatchUnit.layer:
             return torch.ones((1, *self.shape), dtype=torch.bool, device=device)
-        if self.kind is PatchUnit.channel:
-            dims = (n, self.shape[0]) + (1,) * (len(self.shape) - 1)
-            mask = torch.zeros(dims, dtype=torch.bool, device=device)
-            mask[torch.arange(n), torch.arange(start, stop)] = True
-            return mask
-        if self.kind is PatchUnit.token:
-            mask = torch.zeros((n, self.shape[0], 1), dtype=torch.bool, device=device)
-            mask[torch.arange(n), torch.arange(start, stop)] = True
-            return mask
-        mask = torch.zeros((n, 1, *self.shape[1:]), dtype=torch.bool, device=device)
-        for i, (y0, y1, x0, x1) in enumerate(self.cells[start:stop]):
-            mask[i, 0, y0:y1, x0:x1] = True
+        n = len(order)
+        if self.kind in (PatchUnit.channel, PatchUnit.token):
+            picked = _device_index(order, device)  # (n,)
+            hot = picked[:, None] == torch.arange(self.shape[0], device=device)  # (n, C or T) one-hot rows
+            return hot.reshape(n, self.shape[0], *(1,) * (len(self.shape) - 1))  # (n, C, 1, 1) or (n, T, 1)
+        mask = torch.zeros((n, 1, *self.shape[1:]), dtype=torch.bool, device=device)  # (n, 1, H, W)
+        for i, u in enumerate(order):
+            y0, y1, x0, x1 = self.cells[u]
+            mask[i, 0, y0:y1, x0:x1].fill_(True)  # a view by Python ints: a kernel launch, no transfer
         return mask
+
+
+def _device_index(order: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(n,) int64 unit indices on `device`: made there for a contiguous block, one host-device copy otherwise."""
+    n = len(order)
+    start = order[0] if n else 0
+    if list(order) == list(range(start, start + n)):
+        return torch.arange(start, start + n, device=device)
+    return torch.tensor(list(order), dtype=torch.int64, device=device)
 
 
 def enumerate_units(

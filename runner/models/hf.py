@@ -1,0 +1,127 @@
+"""Hugging Face image classifiers (`model=hf model.name=<hub id or local folder>`) through transformers'
+AutoModelForImageClassification: logits from the output object, preprocessing from the saved image processor,
+`id2label` as class names. transformers is imported only when a model is built."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.errors import RunnerError
+from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline, model_source
+from runner.schema import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise RunnerError(
+            "model=hf needs the transformers package: pip install 'runner[models]' (or pip install transformers)."
+        ) from e
+    return transformers
+
+
+@model_source("hf")
+class HuggingFaceSource(ModelSource):
+    accepts = "a Hugging Face hub id or folder with model=hf"
+
+    def build(self, cfg: ModelConfig) -> ModelBundle:
+        if not cfg.name:
+            raise RunnerError("model=hf needs model.name=NAME: a Hugging Face hub id or a local folder.")
+        if cfg.weights not in (None, "DEFAULT", "true", "True"):
+            raise RunnerError(
+                f"model=hf loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
+                f" init from its config), not '{cfg.weights}': give another revision's folder as model.name."
+            )
+        transformers = _transformers()
+        config = _from_hub(cfg.name, lambda local: transformers.AutoConfig.from_pretrained(cfg.name, **local))
+        if cfg.weights is None:
+            model = transformers.AutoModelForImageClassification.from_config(config, **cfg.kwargs)
+        else:
+            model = _from_hub(
+                cfg.name,
+                lambda local: transformers.AutoModelForImageClassification.from_pretrained(
+                    cfg.name, **local, **cfg.kwargs
+                ),
+            )
+        model.__class__ = _logits_class(type(model))
+        labels = getattr(model.config, "id2label", None) or {}
+        names = [str(labels[i]) for i in range(len(labels))] if set(labels) == set(range(len(labels))) else None
+        return ModelBundle(model, _preprocess(transformers, cfg.name), names)
+
+
+def _from_hub(name: str, load: Any) -> Any:
+    """`load(local_files_only=...)`: from the folder or the Hugging Face cache first, then downloaded into the
+    cache (not with HF_HUB_OFFLINE=1); a model found nowhere is one clear error."""
+    try:
+        return load({"local_files_only": True})
+    except OSError as cached:
+        if Path(name).expanduser().exists():  # a local folder that lacks a file: what transformers says is the fix
+            raise RunnerError(
+                f"Cannot load the Hugging Face model in {name}: {str(cached).splitlines()[0]}"
+            ) from cached
+        error: Exception = cached
+    if not hub_offline():
+        try:
+            return load({"local_files_only": False})
+        except OSError as e:  # offline: a connection error after retries; a wrong id: not found
+            error = e
+    why = "HF_HUB_OFFLINE=1: no download tried" if hub_offline() else type(error).__name__
+    raise RunnerError(
+        f"Hugging Face model '{name}' is neither a local folder nor in the Hugging Face cache {hub_cache_dir()}"
+        f" ({why}). With internet, `hf download {name}` fills the cache; offline, copy a folder saved with"
+        " save_pretrained (config.json, the weights, preprocessor_config.json) and give its path as model.name."
+    ) from error
+
+
+@functools.cache
+def _logits_class(base: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of a transformers model class whose forward takes the images and returns the logits tensor.
+    The instance's class is swapped rather than wrapped, so layer names and checkpoint keys stay its own."""
+
+    def forward(self: Any, pixel_values: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs["return_dict"] = True
+        return base.forward(self, pixel_values, *args, **kwargs).logits  # (B, num_labels)
+
+    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+
+
+def _preprocess(transformers: Any, name: str) -> Preprocess | None:
+    """The saved image processor as a PIL -> (C, H, W) transform, or None when the model has none."""
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:  # no preprocessor_config.json: the runner's standard transform
+        log.info("no image processor saved with %s (%s): data.image_size and ImageNet's mean and std apply", name, e)
+        return None
+    mean = getattr(processor, "image_mean", None) or [0.485, 0.456, 0.406]
+    std = getattr(processor, "image_std", None) or [0.229, 0.224, 0.225]
+    size = _size_text(getattr(processor, "size", None))
+    crop = _size_text(getattr(processor, "crop_size", None)) if getattr(processor, "do_center_crop", False) else size
+    return Preprocess(_ProcessorTransform(processor), mean, std, size, crop)
+
+
+def _size_text(size: Any) -> Any:
+    """An image processor's size for the log: 224, or 224x224."""
+    if isinstance(size, dict) or hasattr(size, "get"):
+        if size.get("height") and size.get("width"):
+            return f"{size['height']}x{size['width']}"
+        return size.get("shortest_edge") or size.get("longest_edge") or size
+    return size
+
+
+class _ProcessorTransform:
+    """A transformers image processor applied to one PIL image: (C, H, W) float tensor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return self.processor(images=image, return_tensors="pt")["pixel_values"][0]  # (C, H, W)

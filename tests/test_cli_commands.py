@@ -1,0 +1,234 @@
+"""The `runner` console command: help, entry point, start-up without torch, the schema snapshot, `runner ls`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from runner import cli, listing, schema_cache
+from runner.results import DirectoryLock
+from runner.schema import option_schemas, register_configs
+from tests.conftest import CONF, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model._target_=tests.conftest.TinyNet",
+    "model.weights=null",
+    "data=synthetic",
+    "data.shape=[3,8,8]",
+    "data.count=8",
+    "data.batch_size=2",
+    "data.num_classes=5",
+    "output.shard_batches=1",
+    "layers.include=[features.0]",
+    "hooks=[{kind: forward, layers: [features.2]}]",
+]
+# Runs `python -m runner ARGV` as the console does, then says whether torch was imported.
+PROBE = (
+    "import runpy, sys\n"
+    "sys.argv = ['runner', *sys.argv[1:]]\n"
+    "code = 0\n"
+    "try:\n"
+    "    runpy.run_module('runner', run_name='__main__', alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "    code = e.code\n"
+    "print('TORCH_IMPORTED', 'torch' in sys.modules, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def probe(*argv: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RUNNER_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+
+
+def torch_imported(done: subprocess.CompletedProcess) -> bool:
+    return done.stderr.rsplit("TORCH_IMPORTED", 1)[1].split()[0] == "True"
+
+
+def group_block(text: str, group: str) -> str:
+    """A config group's options as the help lists them: its line and the continuation lines below it."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {group} "))
+    block = [lines[start].split(None, 1)[1]]
+    for line in lines[start + 1 :]:
+        if not line.startswith("    "):  # the next group (two spaces) or the end of the list
+            break
+        block.append(line.strip())
+    return ", ".join(part.strip(", ") for part in block)
+
+
+# ---- help and the console entry point ---------------------------------------------------------------------------
+def test_help_names_the_groups_their_options_and_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for group, options in {
+        "experiment": ["gradcam_vgg16", "patching_effnet", "default*"],
+        "method": ["gradcam*", "scorecam", "patching"],
+        "model": ["vgg16", "efficientnet_lite0*"],
+        "data": ["synthetic", "skimage_photos*"],
+        "hydra/launcher": ["slurm_gpu"],
+    }.items():
+        for option in options:
+            assert option in group_block(text, group).split(", "), (group, option)
+    for pointer in ("runner ls [DIR]", "runner layers", "--cfg job", "hydra/launcher", "--hydra-help"):
+        assert pointer in text
+    assert "Powered by Hydra" not in text and "== Config ==" not in text
+
+
+def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -> None:
+    ours = subprocess.run([sys.executable, "-m", "runner", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0 and "Config groups" in ours.stdout
+    hydras = probe("--hydra-help", cache=tmp_path)
+    assert hydras.returncode == 0 and "Hydra (" in hydras.stdout and "Config groups" not in hydras.stdout
+
+
+def test_console_entry_point_exists_and_runs() -> None:
+    (entry,) = entry_points(group="console_scripts", name="runner")
+    assert entry.value == "runner.cli:main" and entry.load() is cli.main
+    script = Path(sys.executable).parent / "runner"
+    done = subprocess.run([str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Config groups" in done.stdout
+
+
+def test_unknown_subcommand_like_word_is_a_hydra_override_error() -> None:
+    done = run_cli("lss")  # not a subcommand: Hydra's own one-line error, exit 2 as before
+    assert done.returncode == 2 and "lss" in done.stderr
+
+
+# ---- start-up without torch ---------------------------------------------------------------------------------------
+def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
+    for argv in (["--help"], ["ls", str(tmp_path)]):
+        done = probe(*argv, cache=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert not torch_imported(done), argv
+
+
+def test_cfg_job_composes_from_the_snapshot_without_torch(tmp_path: Path) -> None:
+    args = ["--cfg", "job", "experiment=patching_effnet", "method.patching.top_k=3", "data.batch_size=3"]
+    first = probe(*args, cache=tmp_path)  # no snapshot yet: the real schemas (torch), and the snapshot is written
+    assert first.returncode == 0, first.stderr
+    assert torch_imported(first) and list(tmp_path.glob("schemas-*.json"))
+    second = probe(*args, cache=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert not torch_imported(second)
+    assert second.stdout == first.stdout and "    top_k: 3" in second.stdout and "batch_size: 3" in second.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.bach_size=2", "Key 'bach_size' not in 'SkimagePhotosConfig'"),
+        ("method.target=nope", "Invalid value 'nope', expected one of [predicted, label, fixed, topk]"),
+        ("method=scorecam method.score_chunk=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+    ],
+)
+def test_the_snapshot_refuses_what_the_real_schemas_refuse(override: str, message: str) -> None:
+    rebuilt = schema_cache.rebuild_options(json.loads(json.dumps(schema_cache.describe_options(option_schemas()))))
+    try:
+        register_configs(rebuilt)  # Hydra composes with the snapshot's classes, as `runner --cfg job` does
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            used = compose(config_name="config", overrides=["method=scorecam"])
+            assert OmegaConf.get_type(used.method).__module__ == "runner.schema_cache"  # not the real class
+            with pytest.raises(ConfigCompositionException) as caught:
+                compose(config_name="config", overrides=override.split())
+    finally:
+        register_configs()  # the real schemas again, for the tests after this one
+    assert message in f"{caught.value} {caught.value.__cause__}"
+
+
+def test_snapshot_rebuilds_every_option_schema_exactly() -> None:
+    real = option_schemas()
+    rebuilt = schema_cache.rebuild_options(json.loads(json.dumps(schema_cache.describe_options(real))))
+    assert {g: set(o) for g, o in rebuilt.items()} == {g: set(o) for g, o in real.items()}
+    for group, options in real.items():
+        for name, schema in options.items():
+            twin = rebuilt[group][name]
+            assert twin.__name__ == schema.__name__
+            assert OmegaConf.to_yaml(OmegaConf.structured(twin)) == OmegaConf.to_yaml(OmegaConf.structured(schema))
+
+
+def test_snapshot_key_changes_when_a_source_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(schema_cache, "PACKAGE", package)
+    before = schema_cache.source_key()
+    (package / "a.py").write_text("x = 22\n")
+    assert schema_cache.source_key() != before
+
+
+# ---- runner ls ----------------------------------------------------------------------------------------------------
+def ls(root: Path) -> str:
+    return listing.format_listing(listing.find(root))
+
+
+def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert run_cli(*TINY, f"hydra.run.dir={run}").returncode == 0
+    (info,) = listing.find(tmp_path)
+    assert info.status == "complete" and info.shards_done == 4 and info.shards_total == 4
+    assert info.tables == {"cam": 8, "hooks": 8}  # 8 samples x 1 layer; 8 samples x 1 hooked layer
+    assert info.experiment == "default" and "data.count=8" in info.overrides
+    assert "[complete]" in ls(tmp_path) and "resume:" not in ls(tmp_path)
+
+    manifest = json.loads((run / "manifest.json").read_text())  # a run killed after 3 of its 4 shards
+    del manifest["shards"]["3"]
+    manifest["complete"] = False
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (info,) = listing.find(tmp_path)
+    assert (info.status, info.shards_done, info.shards_total) == ("partial", 3, 4)
+    text = ls(tmp_path)
+    assert "[partial, 3 of 4 shards]" in text
+    command = next(line for line in text.splitlines() if "resume:" in line).split("resume: ", 1)[1]
+    assert command == info.resume_command and command.endswith(f"hydra.run.dir={run}")
+    argv = shlex.split(command)
+    assert argv[0] == "runner"
+    assert run_cli(*argv[1:]).returncode == 0  # the printed command finishes the run in place
+    (info,) = listing.find(tmp_path)
+    assert info.status == "complete" and info.tables == {"cam": 8, "hooks": 8}
+
+
+def test_ls_failed_damaged_and_running(tmp_path: Path) -> None:
+    failed = tmp_path / "failed"
+    assert run_cli(*TINY, "layers.include=[nowhere]", f"hydra.run.dir={failed}").returncode == 2
+    ok = tmp_path / "ok"
+    assert run_cli(*TINY, f"hydra.run.dir={ok}").returncode == 0
+    found = {info.path.name: info for info in listing.find(tmp_path)}
+    assert found["failed"].status == "failed" and "nowhere" in found["failed"].error
+    assert "resume: runner" in ls(tmp_path)
+    (ok / "cam.parquet" / "part-000001.parquet").write_bytes(b"not parquet")
+    (info,) = [i for i in listing.find(tmp_path) if i.path == ok]
+    assert info.status == "damaged" and "part-000001.parquet: unreadable rows, the manifest 2" in info.error
+    with DirectoryLock(ok):  # another process's run holds the directory
+        (info,) = [i for i in listing.find(tmp_path) if i.path == ok]
+        assert info.status == "running"
+
+
+def test_ls_a_sweep_lists_its_jobs_by_what_varies(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    assert run_cli("-m", *TINY, "seed=0,1", f"hydra.sweep.dir={sweep}").returncode == 0
+    (item,) = listing.find(tmp_path)
+    assert isinstance(item, listing.SweepInfo)
+    assert item.jobs_total == 2 and [job.status for job in item.jobs] == ["complete", "complete"]
+    text = ls(tmp_path)
+    assert "[sweep: 2 of 2 jobs complete]" in text and "seed=0,1" in text
+    assert "    overrides: seed=1" in text  # a job shows only its own overrides
+
+
+def test_ls_of_a_missing_directory_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["ls", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "no runs"
