@@ -130,6 +130,12 @@ class Batch:
     labels: torch.Tensor  # (B,) int64, -1 where there is no label
     sample_ids: list[str]
     first_index: int  # position of the batch's first sample in the data set
+    masks: torch.Tensor | None = None  # (B, H, W) bool localisation masks at input resolution; None: the data has none
+
+    def part(self, lo: int, hi: int) -> Batch:
+        """Samples lo..hi-1 as a batch of their own (masks included)."""
+        masks = None if self.masks is None else self.masks[lo:hi]
+        return Batch(self.x[lo:hi], self.labels[lo:hi], self.sample_ids[lo:hi], self.first_index + lo, masks)
 
 
 class Letterbox:
@@ -242,6 +248,8 @@ class ImageListDataset(Dataset):
         self.skipped: list[str] = []  # files left out because they could not be read
         self.classes: list[str] | None = None  # the labels' names by index, where the data set has them
         self.model_labels = False  # whether labels are the model's class indices (the photos' ImageNet ones)
+        # A sample id's localisation mask (H, W) bool at input resolution (runner/composites.py); None: no masks.
+        self.masks: Callable[[str], torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -298,7 +306,12 @@ def _skimage_source(cfg: SkimagePhotosConfig, preprocess: Callable | None, seed:
 
 @data_source(ImageFolderConfig)
 def _folder_source(cfg: ImageFolderConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    return _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict)
+    from runner.composites import folder_masks, mask_transform
+
+    dataset = _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict)
+    ids = [sample_id for sample_id, _, _ in dataset.items]
+    dataset.masks = folder_masks(Path(str(cfg.root)).expanduser(), ids, mask_transform(cfg, preprocess))
+    return dataset
 
 
 @data_source(SyntheticConfig)
@@ -316,6 +329,13 @@ def skipped_files(dataset: Dataset) -> list[str]:
     while isinstance(dataset, torch.utils.data.Subset):
         dataset = dataset.dataset
     return list(getattr(dataset, "skipped", []))
+
+
+def sample_masks(dataset: Dataset) -> Callable[[str], torch.Tensor] | None:
+    """The data set's mask of a sample id ((H, W) bool at input resolution), or None when it has no masks."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "masks", None)
 
 
 def label_classes(dataset: Dataset) -> tuple[list[str] | None, bool]:
@@ -375,7 +395,8 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
     folder = Path(root).expanduser()
     if not folder.is_dir():
         raise RunnerError(f"Image folder not found: {folder}. Check `data.root`.")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                   and not p.name.lower().endswith(".mask.png"))  # fmt: skip  # masks (runner/composites.py)
     if not files:
         raise RunnerError(
             f"Image folder {folder} contains no images ({', '.join(sorted(IMAGE_SUFFIXES))}). Check `data.root`."
@@ -461,6 +482,25 @@ def pad_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Ten
     return torch.stack(padded), labels, [i for _, _, i in samples]  # (B, C, height, width)
 
 
+class MaskCollate:
+    """A collate that appends the samples' masks (B, H, W) bool, looked up by sample id, to (x, labels, ids);
+    masks are padded like their images (data.resize=none: bottom and right, outside the region)."""
+
+    def __init__(self, collate: Callable, masks: Callable[[str], torch.Tensor]) -> None:
+        self.collate, self.masks = collate, masks
+
+    def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
+        x, labels, ids = self.collate(samples)
+        height, width = x.shape[-2:]
+        masks = []
+        for sample_id, image in zip(ids, x, strict=True):
+            mask = self.masks(sample_id)  # (h, w) bool
+            if mask.shape[0] > height or mask.shape[1] > width:  # a data set bug: masks follow the photos' geometry
+                raise RunnerError(f"The mask of {sample_id} is {tuple(mask.shape)}, its input {tuple(image.shape)}.")
+            masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1], 0, height - mask.shape[0])))
+        return x, labels, list(ids), torch.stack(masks)  # masks (B, height, width)
+
+
 class RangesSampler(Sampler[int]):
     """The indices of `ranges`, one range after another: one loader's order over a run's shards."""
 
@@ -503,11 +543,15 @@ def make_loader(
     """Batches in data set order (or `sampler`'s); workers and pinned memory as `loader_settings` resolves them."""
     num_workers, pin_memory = loader_settings(cfg, device)
     workers = num_workers > 0
+    collate: Callable | None = pad_collate if getattr(cfg, "resize", None) is ResizeMode.none else None
+    masks = sample_masks(dataset)
+    if masks is not None:  # localisation masks travel with their batch
+        collate = MaskCollate(collate or torch.utils.data.default_collate, masks)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=sampler,
-        collate_fn=pad_collate if getattr(cfg, "resize", None) is ResizeMode.none else None,
+        collate_fn=collate,
         shuffle=False,  # sample order is part of the result's identity (and of resuming)
         num_workers=num_workers,
         pin_memory=pin_memory,
@@ -517,14 +561,19 @@ def make_loader(
 
 
 def to_batch(
-    raw: tuple[torch.Tensor, torch.Tensor, list[str]],
+    raw: tuple[Any, ...],
     device: torch.device,
     first_index: int,
     channels_last: bool = False,
 ) -> Batch:
-    x, labels, ids = raw
+    """The loader's (x, labels, ids[, masks]) on the device as a Batch."""
+    x, labels, ids, *rest = raw
     non_blocking = device.type == "cuda"  # from pinned memory the copy overlaps with work already queued
     x = x.to(device, non_blocking=non_blocking)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index)
+    masks = rest[0].to(device, non_blocking=non_blocking) if rest else None  # (B, H, W) bool
+    return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index, masks)
+
+
+import runner.composites  # noqa: E402, F401  # registers the `composites` source (it builds on this module)

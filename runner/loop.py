@@ -158,6 +158,5 @@ def run_with_backoff(
     )
     parts = []
     for lo, hi in ((0, half), (half, size)):
-        sub = Batch(batch.x[lo:hi], batch.labels[lo:hi], batch.sample_ids[lo:hi], batch.first_index + lo)
-        parts += run_with_backoff(sub, model, method, session, config)
+        parts += run_with_backoff(batch.part(lo, hi), model, method, session, config)
     return parts

@@ -39,6 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from runner.analysis import paired_test as paired_test  # re-exported: tables and their analysis
+from runner.analysis import summarise as summarise
 from runner.errors import RunnerError
 from runner.listing import LOCK_NAME, read_manifest  # torch-free there, for `runner ls`
 from runner.tables import SchemaError, conform

@@ -12,7 +12,9 @@ log = logging.getLogger(__name__)
 
 # What the console summary reports: per layer (and hook, role, call), the mean of these columns where present:
 # the hooks table's, and those the method declares (`Method.summary_values`).
-SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call")
+SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call", "metric", "variant")
+# A metric table's own measured columns (the evaluation table: a metric's value and its random-map baseline).
+METRIC_SUMMARY_VALUES = ("value", "random_value")
 HOOK_SUMMARY_VALUES = ("mean", "std", "frac_zero")
 
 
@@ -21,7 +23,10 @@ def summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
     for table, path in paths.items():
         present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
         keys = [k for k in SUMMARY_KEYS if k in present]
-        values = [v for v in summary_values if v in present]
+        values = [v for v in (*summary_values, *METRIC_SUMMARY_VALUES) if v in present]
+        if not values:
+            log.info("%s: %d rows", table, sum(pq.read_metadata(p).num_rows for p in path.glob("part-*.parquet")))
+            continue
         ordered = "layer_index" in present
         frame = pd.read_parquet(path, columns=keys + values + (["layer_index"] if ordered else []))
         frame = in_model_order(frame, keys)

@@ -21,6 +21,10 @@ EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
 # experiment fails here until it is listed: say what it should write.
 TABLES = {
     "attribution_patching_effnet": {"patching"},
+    "cam_vs_patching_effnet": {"cam_vs_patching"},
+    "evaluate_effnet": {"cam", "evaluation"},
+    "localisation_effnet": {"cam", "evaluation"},
+    "mprt_effnet": {"mprt"},
     "check_hooks_effnet": {"hook_check"},
     "default": {"cam", "hooks"},
     "gradcam_effnet": {"cam"},

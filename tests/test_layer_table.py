@@ -192,3 +192,24 @@ def test_console_summary_and_scripts_order_layers_by_layer_index(
     assert layers_in_model_order(rows) == ["features.2", "features.10"]
     assert in_model_order(rows, ["layer", "hook"])["layer"].tolist() == ["features.2"] * 2 + ["features.10"] * 2
     assert layers_in_model_order(rows.drop(columns="layer_index")) == ["features.10", "features.2"]  # older tables
+
+
+def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pandas as pd
+
+    from runner.summary import summarise
+
+    evaluation, other = tmp_path / "evaluation.parquet", tmp_path / "other.parquet"
+    evaluation.mkdir(), other.mkdir()
+    pd.DataFrame({"layer": ["a"] * 4, "layer_index": [1] * 4, "call": [0] * 4,
+                  "metric": ["road", "road", "sparseness", "sparseness"], "variant": ["morf", "lerf", "", ""],
+                  "value": [0.1, 0.3, 0.5, 0.7], "random_value": [0.2, 0.2, 0.4, 0.4]}).to_parquet(evaluation / "part-000000.parquet")  # fmt: skip
+    pd.DataFrame({"layer": ["a", "b"], "x": [1, 2]}).to_parquet(other / "part-000000.parquet")
+    with caplog.at_level("INFO", logger="runner.summary"):
+        summarise({"evaluation": evaluation, "other": other}, ("mean",))
+    text = caplog.text
+    assert "Empty DataFrame" not in text
+    assert "random_value" in text and "morf" in text and "sparseness" in text  # per metric and variant
+    assert "other: 2 rows" in text  # nothing to average: its row count only

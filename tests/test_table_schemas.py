@@ -50,6 +50,9 @@ RUNS = {
     "sanity": ["method=sanity", "method.randomize=[fc]"],
     "hook_check": ["method=hook_check"],
     "record": ["method=record", "hooks=[{kind: backward, layers: [features.2]}]"],
+    "evaluation": ["method=gradcam", "method.evaluation.metrics=[sparseness,complexity]"],
+    "mprt": ["method=mprt", "method.max_steps=2"],
+    "cam_vs_patching": ["method=cam_vs_patching", "method.cam_methods=[gradcam]", "method.exact_patching.grid=[2,2]"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -75,7 +78,11 @@ def plain(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
 
 
 def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[tuple[str, pa.Schema]]]) -> None:
-    assert set(written) == set(declared()) == {"cam", "hooks", "patching", "sanity", "hook_check"}
+    assert (
+        set(written)
+        == set(declared())
+        == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching"}
+    )
     for table, files in written.items():
         seen: set[str] = set()
         for run, schema in files:

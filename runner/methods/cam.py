@@ -14,6 +14,7 @@ leading tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from runner.methods.base import (
     gradients,
     select_target_sets,
 )
+from runner.metrics.base import EvaluationConfig, Metric, build_metrics
+from runner.metrics.table import evaluation_rows
 from runner.randomness import per_sample_uniform
 from runner.results import Block, Ragged
 from runner.schema import MethodConfig
@@ -56,6 +59,7 @@ class CamConfig(MethodConfig):
     token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
     faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
     feature_grid_layer: str | None = None  # also a grid of this layer's first feature maps per sample
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # metrics -> the `evaluation` table
 
     def check(self) -> list[str]:
         bad = super().check()
@@ -149,6 +153,9 @@ class CamMethod(Method):
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.module_types = {name: type(module).__name__ for name, module in layers}
         self._warned: set[str] = set()  # which once-per-run warnings were given
+        # Built here so that an unknown metric name fails before the first batch, with the nearest names.
+        self.metrics: list[Metric] = build_metrics(cfg.evaluation) if cfg.evaluation.metrics else []
+        self._evaluation: list[Columns] = []  # this batch's `evaluation` rows, one part per target
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)
@@ -192,7 +199,15 @@ class CamMethod(Method):
             ctx = CamContext(model, batch.x, target, self.runtime)
             maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
             parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
-        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: concat_columns(parts)})
+        return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(concat_columns(parts)))
+
+    def _tables(self, columns: Columns) -> dict[str, Columns]:
+        """The batch's tables: this method's, and `evaluation` when metrics are configured (its parts then reset)."""
+        tables = {self.table: columns}
+        if self._evaluation:
+            tables["evaluation"] = concat_columns(self._evaluation)
+            self._evaluation = []
+        return tables
 
     def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
         module_type = self.module_types[name]
@@ -272,6 +287,10 @@ class CamMethod(Method):
                 sample_indices=indices, degenerate=degenerate, undefined=flat_logits,
             )  # fmt: skip
             columns["faithfulness"] = metrics
+        if self.metrics:
+            if target_rank == 0:  # a batch's first target: drop parts of an attempt that failed (OOM back-off)
+                self._evaluation = []
+            self._evaluation.append(self._evaluate(entries, maps, target, target_rank, batch, ctx))
         # Pictures show the data set's first pictures_max samples, a batch's leading ones: only their maps are
         # upsampled for them, and a batch past the last picture does no picture work at all.
         drawn = 0
@@ -295,6 +314,41 @@ class CamMethod(Method):
                     self.cfg.pictures_max,
                 )
         return columns
+
+    def _evaluate(
+        self,
+        entries: list[tuple[str, int, torch.Tensor]],
+        maps: list[torch.Tensor],
+        target: torch.Tensor,
+        target_rank: int,
+        batch: Batch,
+        ctx: CamContext,
+    ) -> Columns:
+        """The `evaluation` rows of one target: each metric on each layer's map and on the layer's random map."""
+        size = batch.x.shape[-2:]
+        b = target.shape[0]
+        indices = range(batch.first_index, batch.first_index + b)
+        saliency = [faithfulness.upsample(m.detach(), size) for m in maps]  # each (B, H, W) in [0, 1]
+        # The faithfulness baseline's random map (same draw: seed, sample index, resolution), so that both
+        # tables compare a layer with the same random map.
+        random_saliency = [
+            faithfulness.upsample(
+                per_sample_uniform(
+                    tuple(m.shape[1:]), self.cfg.faithfulness.seed, indices,
+                    f"faithfulness.random_map.{m.shape[1]}x{m.shape[2]}", m.device,
+                ),
+                size,
+            )
+            for m in maps
+        ]  # fmt: skip
+        capture = getattr(self, "capture", None)  # captum's layer methods capture nothing
+        paused = capture.paused() if capture is not None else contextlib.nullcontext()
+        with paused, torch.no_grad():  # the metrics' perturbed forwards keep nothing
+            return evaluation_rows(
+                self.metrics, [(name, call) for name, call, _ in entries], saliency, random_saliency, ctx.model,
+                batch.x, target, target_rank, batch.first_index, self.runtime, self.cfg.evaluation.seed,
+                masks=getattr(batch, "masks", None),
+            )  # fmt: skip
 
     def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
         """One log line per run (the flag column marks every row) naming the first samples concerned."""

@@ -76,4 +76,4 @@ class CaptumLayer(CamMethod):
             parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
-        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: columns})
+        return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(columns))

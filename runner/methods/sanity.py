@@ -9,6 +9,9 @@ inputs and targets; each row holds the Spearman rank correlation between the two
 Spearman's rho (runner/ranking.py) is Pearson's r of average ranks, as `scipy.stats.spearmanr`: CAM maps
 are full of ties (every pixel ReLU set to 0). A map that is constant (all zero, say) has no order, so rho is
 NaN and the row is flagged `degenerate`.
+
+This is the single-step special case, kept as it was: `method=mprt` (runner/methods/mprt.py) runs the full test
+as Quantus's MPRT, step by step (cascading or independent) with Spearman, SSIM and top-k intersection.
 """
 
 from __future__ import annotations

@@ -1,0 +1,269 @@
+"""Localisation masks: an image folder's side files, their geometry, and the built-in offline benchmark.
+
+A mask is (H, W) bool at the model input's resolution, made from the photo-resolution region with the same
+resize / crop / letterbox as the photo (`mask_transform`), so it lies on the pixels the model sees.
+
+Image folder side files (either or both; a sample with neither gets an empty mask, so its localisation
+values are NaN):
+- `masks.json` in data.root: {"relative/path.png": {"boxes": [[x0, y0, x1, y1], ...]}} in the stored photo's
+  pixels (x right, y down from the top-left corner; x1, y1 exclusive): the union of the boxes.
+- `<name>.mask.png` beside `<name>.<ext>`: the same size as the photo; non-zero pixels are the region. Files
+  ending in `.mask.png` are never read as images.
+
+The built-in benchmark `data=composites`: real scikit-image photos whose class the embedded EfficientNet-Lite0
+names at top-1, each pasted into one cell of a 2x2 grid (the other cells the mean colour, or the other photos
+with layout=grid), once at each of the four positions. Label = the photo's ImageNet class (explain
+it with method.target=label); mask = its cell. Deterministic and offline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.transforms import functional as TF
+
+from runner.data import (
+    IMAGENET_MEAN,
+    ImageDataConfig,
+    ImageListDataset,
+    Letterbox,
+    _logged_transform,
+    _skimage_photo,
+    _to_rgb,
+    data_source,
+)
+from runner.errors import RunnerError, suggest
+from runner.schema import ResizeMode
+
+MASKS_FILE = "masks.json"
+MASK_SUFFIX = ".mask.png"
+
+# ImageNet-1k class of each photo the embedded EfficientNet-Lite0 names at top-1 on its own and in the grid.
+# Checked on the photo, its centre square, and that square on the mean colour in each of the four cells (all top-1):
+# chelsea 285 Egyptian cat (0.39-0.80), motorcycle 665 moped (0.11-0.56), camera 872 tripod (0.80-0.96). coffee is
+# left out: espresso (967) alone, but "cup" (968) in two of the four cells.
+COMPOSITE_CLASSES = {"chelsea": 285, "motorcycle": 665, "camera": 872}
+POSITIONS = ("top_left", "top_right", "bottom_left", "bottom_right")
+CELL = 224  # px of a grid cell: the composite is 2 * CELL square before the input transform
+
+
+def is_mask_file(path: Path) -> bool:
+    """Whether a folder file is a `<name>.mask.png` side file (a mask, never an image)."""
+    return path.name.lower().endswith(MASK_SUFFIX)
+
+
+def mask_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(H, W) bool at the photo's size -> (h, w) bool at the input's, with the photos' geometry (image_transform's
+    choice): resized as a 0/1 image like the photo, then a pixel is in where at least half of it is."""
+    size, resize = cfg.image_size, cfg.resize
+    steps: list[Callable[[torch.Tensor], torch.Tensor]]
+    if preprocess is not None and resize in (ResizeMode.square, ResizeMode.crop):
+        resize_size, crop_size = getattr(preprocess, "resize_size", None), getattr(preprocess, "crop_size", None)
+        if resize_size is None or crop_size is None:
+            raise RunnerError(
+                "Localisation masks need the input geometry, and this model's own preprocessing does not say it:"
+                " set data.resize=pad or data.resize=none (the runner's geometry, the weights' mean and std)."
+            )
+        steps = [lambda m: TF.resize(m, resize_size, antialias=True), lambda m: TF.center_crop(m, crop_size)]
+    elif resize is ResizeMode.square:
+        steps = [lambda m: TF.resize(m, [size, size], antialias=True)]
+    elif resize is ResizeMode.crop:
+        steps = [lambda m: TF.resize(m, size, antialias=True), lambda m: TF.center_crop(m, [size, size])]
+    elif resize is ResizeMode.pad:
+        steps = [Letterbox(size)]  # its bands are 0: outside the mask
+    else:
+        steps = [lambda m: TF.resize(m, size, antialias=True)]
+
+    def apply(mask: torch.Tensor) -> torch.Tensor:
+        m = mask.float()[None]  # (1, H, W)
+        for step in steps:
+            m = step(m)
+        return m[0] >= 0.5  # (h, w)
+
+    return apply
+
+
+def box_mask(boxes: list[list[float]], height: int, width: int) -> torch.Tensor:
+    """(height, width) bool: the union of [x0, y0, x1, y1] boxes (x1, y1 exclusive), clipped to the image."""
+    mask = torch.zeros(height, width, dtype=torch.bool)
+    for x0, y0, x1, y1 in boxes:
+        left, top = max(0, math.floor(x0)), max(0, math.floor(y0))
+        right, bottom = min(width, math.ceil(x1)), min(height, math.ceil(y1))
+        if right > left and bottom > top:
+            mask[top:bottom, left:right] = True
+    return mask
+
+
+class FolderMasks:
+    """The masks of an image folder's samples, by sample id (relative path), at the input's resolution."""
+
+    def __init__(self, folder: Path, boxes: dict[str, list[list[float]]], pngs: dict[str, Path],
+                 geometry: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
+        self.folder, self.boxes, self.pngs, self.geometry = folder, boxes, pngs, geometry
+
+    def __call__(self, sample_id: str) -> torch.Tensor:
+        """(h, w) bool mask of `sample_id`; empty when the side files give it no region."""
+        with Image.open(self.folder / sample_id) as im:
+            width, height = im.size  # the header only
+        mask = box_mask(self.boxes.get(sample_id, []), height, width)  # (height, width)
+        png = self.pngs.get(sample_id)
+        if png is not None:
+            with Image.open(png) as im:
+                array = np.asarray(im if im.mode.startswith("I") or im.mode == "F" else im.convert("RGB"))
+            if array.ndim == 3:
+                array = array.max(axis=-1)
+            if array.shape != (height, width):
+                raise RunnerError(
+                    f"Mask {png} is {array.shape[1]}x{array.shape[0]} px but its image {sample_id} is"
+                    f" {width}x{height}: a .mask.png must have the image's size."
+                )
+            mask |= torch.from_numpy(array > 0)
+        return self.geometry(mask)
+
+
+def folder_masks(
+    folder: Path, sample_ids: list[str], geometry: Callable[[torch.Tensor], torch.Tensor]
+) -> FolderMasks | None:
+    """The folder's masks from its side files (see the module's docstring); None when it has none."""
+    boxes: dict[str, list[list[float]]] = {}
+    side = folder / MASKS_FILE
+    if side.is_file():
+        boxes = _read_boxes(side, sample_ids)
+    pngs = {}
+    for sample_id in sample_ids:
+        path = folder / sample_id
+        png = path.with_name(path.stem + MASK_SUFFIX)
+        if png.is_file():
+            pngs[sample_id] = png
+    if not boxes and not pngs:
+        return None
+    return FolderMasks(folder, boxes, pngs, geometry)
+
+
+def _read_boxes(side: Path, sample_ids: list[str]) -> dict[str, list[list[float]]]:
+    """masks.json's boxes by sample id, checked: every key an image of the folder, every box 4 numbers."""
+    example = '{"cat/a.png": {"boxes": [[10, 20, 110, 140]]}}'
+    try:
+        entries = json.loads(side.read_text())
+    except (OSError, ValueError) as e:
+        raise RunnerError(f"Cannot read {side} ({type(e).__name__}: {e}). Expected e.g. {example}.") from e
+    if not isinstance(entries, dict):
+        raise RunnerError(f"{side} must map image paths to {{'boxes': [...]}}, e.g. {example}.")
+    known = set(sample_ids)
+    boxes: dict[str, list[list[float]]] = {}
+    for key, entry in entries.items():
+        if key not in known:
+            raise RunnerError(
+                f"{side} names '{key}', which is not an image of the folder.{suggest(key, sample_ids)}"
+                " Keys are paths relative to data.root, as the sample_id column shows them."
+            )
+        items = entry.get("boxes") if isinstance(entry, dict) else None
+        ok = isinstance(items, list) and all(
+            isinstance(b, list) and len(b) == 4 and all(isinstance(v, (int, float)) for v in b) for b in items
+        )
+        if not ok:
+            raise RunnerError(f"{side}: '{key}' needs {{'boxes': [[x0, y0, x1, y1], ...]}} in pixels, e.g. {example}.")
+        boxes[key] = [[float(v) for v in b] for b in items]  # type: ignore[union-attr]
+    return boxes
+
+
+# ---- the built-in benchmark ---------------------------------------------------------------------------------------
+class CompositeLayout(str, Enum):
+    """What fills a composite's other three cells."""
+
+    grid = "grid"  # the other photos: the map must find the explained class among other objects
+    background = "background"  # the mean colour: only the position changes
+
+
+@dataclass
+class CompositesConfig(ImageDataConfig):
+    name: str = "composites"
+    photos: list[str] = field(default_factory=lambda: list(COMPOSITE_CLASSES))  # the photos explained
+    # background: the model's top-1 is the label on all 12 default composites; grid: the other photos compete
+    # (the cat outscores the others there), a harder test of the explained class's map
+    layout: CompositeLayout = CompositeLayout.background
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        if not self.photos:
+            bad.append(f"data.photos={list(self.photos)} (at least one of {', '.join(COMPOSITE_CLASSES)})")
+        for name in self.photos:
+            if name not in COMPOSITE_CLASSES:
+                raise RunnerError(
+                    f"data.photos: '{name}' has no class the embedded model names reliably.{suggest(name, list(COMPOSITE_CLASSES))}"
+                    f" Composites use: {', '.join(COMPOSITE_CLASSES)}."
+                )
+        return bad
+
+
+@lru_cache(maxsize=16)
+def _cell(name: str) -> Image.Image:
+    """The photo's centre square at CELL x CELL px."""
+    photo = _to_rgb(_skimage_photo(name))
+    side = min(photo.size)
+    left, top = (photo.width - side) // 2, (photo.height - side) // 2
+    return photo.crop((left, top, left + side, top + side)).resize((CELL, CELL), Image.Resampling.BILINEAR)
+
+
+def composite(name: str, position: int, others: list[str]) -> Image.Image:
+    """The 2 CELL square picture: photo `name` in cell `position` (POSITIONS' order), `others` in the rest
+    (the mean colour where `others` is empty)."""
+    mean = tuple(round(255 * m) for m in IMAGENET_MEAN)
+    canvas = Image.new("RGB", (2 * CELL, 2 * CELL), mean)  # type: ignore[arg-type]  # an RGB triple
+    rest = iter(others)
+    for cell in range(4):
+        fill = name if cell == position else next(rest, None)
+        if fill is not None:
+            canvas.paste(_cell(fill), ((cell % 2) * CELL, (cell // 2) * CELL))
+    return canvas
+
+
+def cell_mask(position: int) -> torch.Tensor:
+    """(2 CELL, 2 CELL) bool: the cell at `position`."""
+    row, col = divmod(position, 2)
+    return box_mask([[col * CELL, row * CELL, (col + 1) * CELL, (row + 1) * CELL]], 2 * CELL, 2 * CELL)
+
+
+class CompositeMasks:
+    """The composites' masks by sample id ('<photo>@<position>'), at the input's resolution."""
+
+    def __init__(self, geometry: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.by_position = [geometry(cell_mask(p)) for p in range(4)]  # each (h, w)
+
+    def __call__(self, sample_id: str) -> torch.Tensor:
+        return self.by_position[POSITIONS.index(sample_id.rsplit("@", 1)[1])]
+
+
+def composites_dataset(cfg: CompositesConfig, transform: Callable, geometry: Callable) -> ImageListDataset:
+    """Each photo at each of the four positions: photo-major, POSITIONS' order."""
+    items: list[tuple[str, Callable[[], Image.Image], int]] = []
+    for name in cfg.photos:
+        distractors = [other for other in cfg.photos if other != name]
+        for position, where in enumerate(POSITIONS):
+            others = []
+            if cfg.layout is CompositeLayout.grid and distractors:
+                others = [distractors[(position + j) % len(distractors)] for j in range(3)]
+
+            def load(name: str = name, position: int = position, others: list[str] = others) -> Image.Image:
+                return composite(name, position, others)
+
+            items.append((f"{name}@{where}", load, COMPOSITE_CLASSES[name]))
+    dataset = ImageListDataset(items, transform)
+    dataset.model_labels = True  # ImageNet-1k indices
+    dataset.masks = CompositeMasks(geometry)
+    return dataset
+
+
+@data_source(CompositesConfig)
+def _composites_source(cfg: CompositesConfig, preprocess: Callable | None, seed: int) -> Dataset:
+    return composites_dataset(cfg, _logged_transform(cfg, preprocess), mask_transform(cfg, preprocess))

@@ -1,0 +1,339 @@
+"""Model parameter randomisation test (MPRT; Adebayo et al. 2018, as Quantus 0.6.0's `MPRT`), per target layer.
+
+A copy of the model has its parameterised modules (those with `reset_parameters`, Quantus's set; `method.randomize`
+narrows them) re-initialised one at a time, in reverse model order (`order=top_down`, cascading: each step keeps
+the earlier steps' re-initialisations), in model order (`bottom_up`, cascading) or each alone on the trained weights
+(`independent`). At every step one forward and one backward of the copy give the maps of *all* target layers
+(the CAM method `method.inner`), and each is compared with the trained model's map of the same layer, sample and
+class by each of `method.similarities`. A map that stays similar while the weights it claims to explain are
+destroyed explains the input, not the model.
+
+Maps are compared as Quantus compares them (its defaults abs=True, normalise=True): upsampled to the input size
+(bilinear), absolute values, divided by their maximum; but each map by its own maximum, where Quantus divides a
+batch by the batch's maximum, which makes its SSIM depend on which samples share a batch.
+Similarities, each (B,) per layer and step, NaN where undefined:
+  - spearman: Spearman's rho of the pixels, ties given average ranks (scipy's); NaN when either map is constant.
+  - ssim: skimage's `structural_similarity` of the two (H, W) maps (7x7 uniform window, K1=0.01, K2=0.03, sample
+    covariance, the mean over the windows that fit), with Quantus's data_range = max - min of both maps; NaN when
+    both maps are constant (data_range 0).
+  - ssim_flat: what Quantus's MPRT computes with `similarity_func=quantus.ssim`: it flattens each map to one row
+    before the similarity, so skimage sees a 1-D signal (7-pixel windows along the rows, across row ends).
+  - topk_intersection: the share of the top `topk_fraction` pixels of the trained map that are also among the top
+    pixels of the randomised one (ties broken by pixel order); NaN when either map is constant.
+Re-initialisation follows Quantus: each module is reset right after `torch.manual_seed(seed + 1)` (in a forked RNG:
+the run's random state is untouched), so on the CPU the same seed gives Quantus's weights. The run's model never
+changes; the copy's capture hooks belong to the run's hook session, removed with it.
+`method=sanity` (runner/methods/sanity.py) keeps the old single-step check (listed layers at once, Spearman at the
+layer's resolution).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.data import Batch
+from runner.errors import RunnerError, suggest
+from runner.hooks import HookSession
+from runner.layers import Layer, resolve_layers
+from runner.methods.base import BatchOutput, Columns, Method, Runtime, forward, gradients, register, select_targets
+from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.schema import TargetMode
+from runner.stats import constant_rows
+from runner.tables import declare
+
+log = logging.getLogger(__name__)
+
+SSIM_WINDOW = 7  # skimage's default win_size (gaussian_weights=False)
+SSIM_K1, SSIM_K2 = 0.01, 0.03
+
+# The `mprt` table's own columns: one row per (sample, layer, call, step, similarity).
+MPRT_SCHEMA = declare(
+    "mprt",
+    [
+        pa.field("layer", pa.string()),  # the target layer whose map is compared
+        pa.field("module_type", pa.string()),
+        pa.field("call", pa.int32()),
+        pa.field("target", pa.int64()),
+        pa.field("order", pa.string()),  # top_down, bottom_up or independent
+        pa.field("step", pa.int32()),  # 1 = the first module re-initialised
+        pa.field("randomised_up_to", pa.string()),  # the module re-initialised at this step (cascading: and before)
+        pa.field("randomised_type", pa.string()),
+        pa.field("similarity", pa.string()),
+        pa.field("value", pa.float32()),  # NaN where the similarity is undefined (a constant map)
+        pa.field("inner_method", pa.string()),
+    ],
+)
+
+
+class MprtOrder(str, Enum):
+    """Which modules a step re-initialises: Quantus's `layer_order` values."""
+
+    top_down = "top_down"  # cascading from the output: step s re-initialises the last s modules
+    bottom_up = "bottom_up"  # cascading from the input
+    independent = "independent"  # step s re-initialises module s alone, on the trained weights (model order)
+
+
+@dataclass
+class MprtConfig(CamConfig):
+    """The inner method's maps are made with this config's CAM fields (token_prefix, ...)."""
+
+    name: str = "mprt"
+    inner: str = "gradcam"  # the CAM method whose maps are compared
+    order: MprtOrder = MprtOrder.top_down
+    randomize: list[str] = field(default_factory=list)  # layer selectors narrowing the modules re-initialised; []: all
+    max_steps: int | None = None  # stop after this many steps (null: every module)
+    similarities: list[str] = field(default_factory=lambda: ["spearman", "ssim", "topk_intersection"])
+    topk_fraction: float = 0.1  # topk_intersection: the share of the input's pixels taken as the top
+    seed: int = 42  # Quantus's default: each module is reset after torch.manual_seed(seed + 1)
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        if self.max_steps is not None and self.max_steps < 1:
+            bad.append(f"method.max_steps={self.max_steps}")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            bad.append(f"method.topk_fraction={self.topk_fraction}")
+        return bad
+
+
+# ---- similarities: (N, H, W) float64 maps, each normalised to max 1 -> (N,) float64 ----------------------------
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """(N, D) float64 ranks 1..D of each row, ties given the mean of the ranks they span (scipy's `rankdata`)."""
+    n, d = values.shape
+    ordered, order = values.sort(dim=1, stable=True)  # (N, D)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    group = starts.long().cumsum(dim=1) - 1  # (N, D) tie group of each sorted position
+    position = torch.arange(1, d + 1, dtype=torch.float64, device=values.device).expand(n, d)
+    total = torch.zeros(n, d, dtype=torch.float64, device=values.device).scatter_add_(1, group, position)
+    count = torch.zeros(n, d, dtype=torch.float64, device=values.device).scatter_add_(
+        1, group, torch.ones_like(position)
+    )
+    mean = (total / count.clamp_min(1)).gather(1, group)  # (N, D) in sorted order
+    return torch.empty_like(mean).scatter_(1, order, mean)
+
+
+def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N,) Spearman's rho of each row pair of (N, ...) tensors; NaN where a side is constant or not finite."""
+    ra, rb = average_ranks(a.flatten(1).double()), average_ranks(b.flatten(1).double())
+    ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
+    rho = (ra * rb).sum(dim=1) / (ra.norm(dim=1) * rb.norm(dim=1))
+    undefined = constant_rows(a) | constant_rows(b)
+    return torch.where(undefined, torch.nan, rho.clamp(-1.0, 1.0))
+
+
+def ssim_rows(a: torch.Tensor, b: torch.Tensor, flat: bool = False) -> torch.Tensor:
+    """(N,) skimage `structural_similarity` of each (H, W) pair (a 1-D signal of H*W with `flat`), data_range as
+    Quantus's: max - min of both. The mean over the windows that fit equals skimage's cropped mean of its filter."""
+    a, b = a.double(), b.double()
+    if flat:
+        a, b = a.flatten(1)[:, None], b.flatten(1)[:, None]  # (N, 1, H*W)
+        pool: Callable[[torch.Tensor], torch.Tensor] = lambda t: F.avg_pool1d(t, SSIM_WINDOW, stride=1)  # noqa: E731
+        points = SSIM_WINDOW
+    else:
+        a, b = a[:, None], b[:, None]  # (N, 1, H, W)
+        pool = lambda t: F.avg_pool2d(t, SSIM_WINDOW, stride=1)  # noqa: E731
+        points = SSIM_WINDOW**2
+    if min(a.shape[2:]) < SSIM_WINDOW:
+        raise RunnerError(
+            f"ssim needs maps of at least {SSIM_WINDOW} pixels a side; the input is {tuple(a.shape[2:])}."
+        )
+    both = torch.cat([a.flatten(1), b.flatten(1)], dim=1)  # (N, 2D)
+    data_range = (both.amax(dim=1) - both.amin(dim=1)).view(-1, *([1] * (a.dim() - 1)))
+    c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
+    ux, uy = pool(a), pool(b)
+    cov_norm = points / (points - 1)  # skimage's use_sample_covariance=True
+    vx = cov_norm * (pool(a * a) - ux * ux)
+    vy = cov_norm * (pool(b * b) - uy * uy)
+    vxy = cov_norm * (pool(a * b) - ux * uy)
+    s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
+    return s.flatten(1).mean(dim=1)
+
+
+def topk_intersection_rows(a: torch.Tensor, b: torch.Tensor, fraction: float) -> torch.Tensor:
+    """(N,) share of a's top `fraction` pixels also in b's top; ties by pixel order; NaN where a side is constant."""
+    fa, fb = a.flatten(1), b.flatten(1)  # (N, D)
+    k = max(1, round(fraction * fa.shape[1]))
+    share = (_top(fa, k) & _top(fb, k)).sum(dim=1).double() / k
+    return torch.where(constant_rows(a) | constant_rows(b), torch.nan, share)
+
+
+def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, D) bool: each row's k largest entries, ties to the lower index (a stable sort)."""
+    top = flat.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (N, k)
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(1, top, True)
+
+
+SIMILARITIES: dict[str, Callable[[torch.Tensor, torch.Tensor, MprtConfig], torch.Tensor]] = {
+    "spearman": lambda a, b, cfg: spearman_rows(a, b),
+    "ssim": lambda a, b, cfg: ssim_rows(a, b),
+    "ssim_flat": lambda a, b, cfg: ssim_rows(a, b, flat=True),
+    "topk_intersection": lambda a, b, cfg: topk_intersection_rows(a, b, cfg.topk_fraction),
+}
+
+
+def prepare(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
+    """(B, h, w) maps -> (B, H, W) float64 at the input size: bilinear, absolute, each divided by its maximum
+    (an all-zero map stays zero), as Quantus's abs=True, normalise=True (per sample)."""
+    up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0].double()
+    up = up.abs()  # (B, H, W)
+    top = up.flatten(1).amax(dim=1)[:, None, None]
+    return torch.where(top > 0, up / torch.where(top > 0, top, 1.0), up)
+
+
+def parameterised_modules(model: nn.Module, selectors: list[str]) -> list[Layer]:
+    """The modules MPRT re-initialises, in model order: those with `reset_parameters` (Quantus's rule), the
+    root excluded, narrowed to `selectors` (layer selectors, as layers.include) when given."""
+    found = [(name, m) for name, m in model.named_modules() if name and hasattr(m, "reset_parameters")]
+    if selectors:
+        chosen = {name for name, _ in resolve_layers(model, selectors)}
+        found = [(name, m) for name, m in found if name in chosen]
+        if not found:
+            raise RunnerError(
+                f"method.randomize={selectors} selects no module with parameters to re-initialise"
+                " (e.g. [_fc, Conv2d, _blocks.15])."
+            )
+    if not found:
+        raise RunnerError("method=mprt: the model has no module with parameters to re-initialise (reset_parameters).")
+    return found
+
+
+@register(MprtConfig)
+class Mprt(Method):
+    name = "mprt"
+
+    def __init__(self, cfg: MprtConfig, layers: list[Layer], runtime: Runtime) -> None:
+        from runner.methods import CAM_METHODS, method_config
+
+        if cfg.inner not in CAM_METHODS:
+            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
+        if cfg.target is TargetMode.topk:
+            raise RunnerError("method=mprt compares one map per sample: use target predicted, label or fixed.")
+        unknown = [s for s in cfg.similarities if s not in SIMILARITIES]
+        if unknown or not cfg.similarities:
+            hint = suggest(unknown[0], list(SIMILARITIES)) if unknown else ""
+            raise RunnerError(
+                f"method.similarities={list(cfg.similarities)}: each must be one of {', '.join(SIMILARITIES)}.{hint}"
+            )
+        try:
+            self.order = MprtOrder(cfg.order)  # a plain string where code builds the config
+        except ValueError:
+            raise RunnerError(f"method.order={cfg.order}: one of {', '.join(o.value for o in MprtOrder)}.") from None
+        self.cfg, self.layers, self.runtime = cfg, layers, runtime
+        self.inner_class = CAM_METHODS[cfg.inner]
+        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
+        self.inner_cfg = method_config(cfg.inner, **shared)
+        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, runtime)
+        self.random: CamMethod | None = None
+        self.copy: nn.Module | None = None
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        self.trained.setup(session, num_samples)
+        self.copy = self._copy(session.model)
+        steps = parameterised_modules(self.copy, self.cfg.randomize)
+        if self.order is MprtOrder.top_down:
+            steps = steps[::-1]
+        self.steps = steps[: self.cfg.max_steps]
+        # The trained weights to restore: the run's own tensors (never changed), no second copy in memory.
+        self.trained_state = session.model.state_dict()
+        layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
+        self.random = self.inner_class(self.inner_cfg, layers, self.runtime)
+        self.random.setup(session, num_samples)  # its capture hooks are on the copy, held by the session
+        log.info("mprt: %d steps (%s) from %s", len(self.steps), self.order.value, self.steps[0][0])
+
+    def finish(self, out: Path) -> None:
+        """Drop the copy (its capture hooks go with the session)."""
+        self.copy = self.random = None
+
+    @staticmethod
+    def _copy(model: nn.Module) -> nn.Module:
+        clone = copy.deepcopy(model)
+        for module in clone.modules():  # the copy must not carry the session's hooks (or their captures) along
+            module._forward_hooks.clear()
+            module._forward_pre_hooks.clear()
+            module._backward_hooks.clear()
+            module._backward_pre_hooks.clear()
+        for p in clone.parameters():
+            p.requires_grad_(False)
+        return clone.eval()
+
+    def _reset(self, module: nn.Module) -> None:
+        """Re-initialise `module` as Quantus does (seed + 1 before each), leaving the run's random state as it was."""
+        device = self.runtime.device
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.cfg.seed + 1)
+            module.reset_parameters()  # type: ignore[operator]
+
+    def _maps(
+        self, method: CamMethod, model: nn.Module, batch: Batch, session: HookSession, targets: torch.Tensor | None
+    ) -> tuple[list[tuple[str, int]], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(entries (layer, call), their maps each (B, H, W) prepared, the targets, the predicted classes) from one
+        forward and one backward."""
+        logits, x = forward(model, batch, session, self.runtime, with_grad=method.needs_gradients)
+        if targets is None:
+            targets = select_targets(self.cfg, logits, batch)  # (B,)
+        capture = method.capture
+        for name in capture.names:
+            if not capture.outputs[name]:
+                raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
+        entries = [(n, c, a) for n in capture.names for c, a in enumerate(capture.outputs[n])]
+        score = logits.gather(1, targets[:, None]).squeeze(1)  # (B,)
+        if method.needs_gradients:
+            grads = gradients(score, [a for _, _, a in entries], x, session)
+        else:
+            grads = [None] * len(entries)
+        ctx = CamContext(model, batch.x, targets, self.runtime)
+        size = batch.x.shape[-2:]
+        maps = [prepare(method._map(n, a, g, ctx), size) for (n, _, a), g in zip(entries, grads, strict=True)]
+        capture.clear()  # the step's activations and graph go now, not at the next step
+        return [(n, c) for n, c, _ in entries], maps, targets, logits.argmax(dim=1)
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        assert self.random is not None and self.copy is not None
+        entries, trained, targets, predicted = self._maps(self.trained, model, batch, session, None)
+        b = targets.shape[0]
+        values: list[torch.Tensor] = []  # per step: (L, K, B)
+        try:
+            for step, (_, module) in enumerate(self.steps):
+                if step == 0 or self.order is MprtOrder.independent:
+                    self.copy.load_state_dict(self.trained_state)
+                self._reset(module)
+                _, randomised, _, _ = self._maps(self.random, self.copy, batch, session, targets)
+                values.append(
+                    torch.stack(
+                        [
+                            torch.stack([SIMILARITIES[s](t, r, self.cfg) for s in self.cfg.similarities])  # (K, B)
+                            for t, r in zip(trained, randomised, strict=True)
+                        ]
+                    )
+                )
+        finally:
+            self.random.capture.clear()
+        n_steps, n_layers, n_sims = len(self.steps), len(entries), len(self.cfg.similarities)
+        per_step = n_layers * n_sims * b  # rows of one step, ordered (layer, similarity, sample)
+        module_types = {name: type(m).__name__ for name, m in self.layers}
+        columns: Columns = {
+            "layer": [n for n, _ in entries for _ in range(n_sims * b)] * n_steps,
+            "module_type": [module_types[n] for n, _ in entries for _ in range(n_sims * b)] * n_steps,
+            "call": [c for _, c in entries for _ in range(n_sims * b)] * n_steps,
+            "sample_index": torch.arange(b, device=targets.device).repeat(n_steps * n_layers * n_sims),
+            "target": targets.repeat(n_steps * n_layers * n_sims),
+            "order": [self.order.value] * (n_steps * per_step),
+            "step": [s + 1 for s in range(n_steps) for _ in range(per_step)],
+            "randomised_up_to": [name for name, _ in self.steps for _ in range(per_step)],
+            "randomised_type": [type(m).__name__ for _, m in self.steps for _ in range(per_step)],
+            "similarity": [s for _ in range(n_steps * n_layers) for s in self.cfg.similarities for _ in range(b)],
+            "value": torch.stack(values).reshape(-1).float(),  # (S, L, K, B) flattened
+            "inner_method": [self.cfg.inner] * (n_steps * per_step),
+        }
+        return BatchOutput(predicted=predicted, tables={self.name: columns})
