@@ -14,8 +14,6 @@ import scipy.stats
 import skimage
 import skimage.metrics
 import torch
-import torchvision.transforms as T
-from PIL import Image
 from torch import nn
 
 import runner.app as app
@@ -25,10 +23,10 @@ from runner.hooks import HookSession, count_hooks
 from runner.layers import resolve_layers
 from runner.methods import build_method, method_config
 from runner.methods.mprt import prepare, spearman_rows, ssim_rows, topk_intersection_rows
-from runner.models import build_model
-from runner.schema import ModelConfig, TargetMode
+from runner.schema import TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import CPU, run_method
+from tests.test_reference import effnet, photos  # noqa: F401  (module fixtures: the real embedded model, 2 photos)
 
 
 def tied_maps(n: int, h: int, w: int, seed: int) -> torch.Tensor:
@@ -182,24 +180,11 @@ def test_mprt_effnet_writes_its_table(tmp_path: Path) -> None:
     assert len(frame) == 2 * 5 * 3 * 3  # samples x layers x steps x similarities
 
 
-# ---- agreement with quantus.MPRT -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def effnet() -> nn.Module:
-    """The embedded EfficientNet-Lite0 with its shipped ImageNet weights, frozen, in eval mode."""
-    return build_model(ModelConfig(name="efficientnet_lite0", weights="embedded")).model
-
-
-@pytest.fixture(scope="module")
-def photos() -> torch.Tensor:
-    """(2, 3, 64, 64): chelsea the cat and the coffee cup at 64 px, ImageNet-normalised."""
-    to_input = T.Compose([T.Resize((64, 64)), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-    return torch.stack(
-        [to_input(Image.fromarray(skimage.data.chelsea())), to_input(Image.fromarray(skimage.data.coffee()))]
-    )
+# ---- agreement with quantus.MPRT (the real model and photos: tests/test_reference.py's fixtures) ---------------
 
 
 @pytest.mark.slow
-def test_agrees_with_quantus_mprt(effnet: nn.Module, photos: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_agrees_with_quantus_mprt(effnet: nn.Module, photos: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Same model, photos, layer order (top-down cascading), seed, and similarity functions: Quantus's own
     (scipy's Spearman, skimage's SSIM through quantus.ssim) inside quantus.MPRT's loop; explain_func is the
     runner's Grad-CAM at one layer. Quantus normalises by the batch's maximum by default; given per-sample axes it
