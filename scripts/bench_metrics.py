@@ -32,7 +32,7 @@ from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
 from runner.methods import build_method, method_config  # noqa: E402
 from runner.methods.base import Runtime  # noqa: E402
-from runner.metrics import METRICS, EvaluationConfig, MetricInputs  # noqa: E402
+from runner.metrics import EvaluationConfig, MetricInputs, load_metrics  # noqa: E402
 from runner.models import build_model  # noqa: E402
 from runner.schema import ModelConfig, Precision  # noqa: E402
 
@@ -109,7 +109,7 @@ def main() -> None:
     )
     for name in args.metrics.split(","):
         ours_model, their_model = copy.deepcopy(base), copy.deepcopy(base)
-        metric = METRICS[name](cfg)
+        metric = load_metrics()[name](cfg)
         inputs = MetricInputs(
             ours_model, x.repeat(n_layers, 1, 1, 1), target.repeat(n_layers), torch.arange(b).repeat(n_layers),
             None, runtime, 0,
