@@ -46,6 +46,17 @@ class Capture:
         self.outputs = {n: [] for n in self.names}
         self.inputs = {n: [] for n in self.names}
 
+    def call_outputs(self, call: int, key: str) -> dict[str, torch.Tensor]:
+        """Each layer's output at its call `call` of the last forward; a layer called fewer times is a RunnerError
+        naming the config `key` that chose the call."""
+        picked = {}
+        for name in self.names:
+            calls = self.outputs[name]
+            if len(calls) <= call:
+                raise RunnerError(f"Layer '{name}' was called {len(calls)} time(s) per forward; {key}={call}.")
+            picked[name] = calls[call]
+        return picked
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Forwards inside keep nothing and pass everything through; capturing resumes on exit, also on an error."""

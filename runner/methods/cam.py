@@ -266,38 +266,27 @@ class CamMethod(Method):
                 torch.cat([m.reshape(-1) for m in maps]), [h * w for h, w in sizes for _ in range(b)]
             )
         size = batch.x.shape[-2:]
+        saliency: list[torch.Tensor] | None = None
+        if self.cfg.faithfulness.enabled or self.metrics:
+            saliency, random_saliency = self._saliency(maps, batch)
         if self.cfg.faithfulness.enabled:
-            saliency = [faithfulness.upsample(m, size) for m in maps]  # each (B, H, W) in [0, 1]
-            # One random map per sample and resolution, shared by the layers of that resolution, so that
-            # layers are compared with the same baseline. Drawn from (seed, sample index, resolution),
-            # never from the batch: the same sample gets the same baseline at any batch size, after an
-            # OOM split and on resume.
-            indices = range(batch.first_index, batch.first_index + b)
-            by_shape: dict[tuple[int, ...], torch.Tensor] = {}
-            for m in maps:
-                h, w = m.shape[1:]
-                if (h, w) not in by_shape:
-                    by_shape[(h, w)] = per_sample_uniform(
-                        (h, w), self.cfg.faithfulness.seed, indices, f"faithfulness.random_map.{h}x{w}", m.device
-                    )  # (B, h, w)
-            random_maps = [by_shape[tuple(m.shape[1:])] for m in maps]
-            random_saliency = [faithfulness.upsample(m, size) for m in random_maps]
             metrics = faithfulness.evaluate(
                 ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime,
-                sample_indices=indices, degenerate=degenerate, undefined=flat_logits,
+                sample_indices=range(batch.first_index, batch.first_index + b), degenerate=degenerate,
+                undefined=flat_logits,
             )  # fmt: skip
             columns["faithfulness"] = metrics
         if self.metrics:
             if target_rank == 0:  # a batch's first target: drop parts of an attempt that failed (OOM back-off)
                 self._evaluation = []
-            self._evaluation.append(self._evaluate(entries, maps, target, target_rank, batch, ctx))
+            self._evaluation.append(self._evaluate(entries, saliency, random_saliency, target, target_rank, batch, ctx))
         # Pictures show the data set's first pictures_max samples, a batch's leading ones: only their maps are
         # upsampled for them, and a batch past the last picture does no picture work at all.
         drawn = 0
         if self.runtime.pictures_dir is not None and target_rank == 0:
             drawn = pictures.drawn_count(batch, self.cfg.pictures_max)
         if drawn:
-            if not self.cfg.faithfulness.enabled:
+            if saliency is None:
                 saliency = [faithfulness.upsample(m[:drawn], size) for m in maps]  # each (drawn, H, W) in [0, 1]
             pictures.write_overlays(
                 self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name,
@@ -315,39 +304,44 @@ class CamMethod(Method):
                 )
         return columns
 
+    def _saliency(self, maps: list[torch.Tensor], batch: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's map and its random baseline, upsampled to the input: each (B, H, W) in [0, 1].
+
+        One random map per sample and resolution, shared by the layers of that resolution, so that layers are
+        compared with the same baseline (by faithfulness and by the evaluation metrics alike). Drawn from (seed,
+        sample index, resolution), never from the batch: the same sample gets the same baseline at any batch
+        size, after an OOM split and on resume."""
+        size = batch.x.shape[-2:]
+        indices = range(batch.first_index, batch.first_index + batch.x.shape[0])
+        by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+        for m in maps:
+            h, w = m.shape[1:]
+            if (h, w) not in by_shape:
+                by_shape[(h, w)] = per_sample_uniform(
+                    (h, w), self.cfg.faithfulness.seed, indices, f"faithfulness.random_map.{h}x{w}", m.device
+                )  # (B, h, w)
+        saliency = [faithfulness.upsample(m.detach(), size) for m in maps]
+        random_saliency = [faithfulness.upsample(by_shape[tuple(m.shape[1:])], size) for m in maps]
+        return saliency, random_saliency
+
     def _evaluate(
         self,
         entries: list[tuple[str, int, torch.Tensor]],
-        maps: list[torch.Tensor],
+        saliency: list[torch.Tensor],
+        random_saliency: list[torch.Tensor],
         target: torch.Tensor,
         target_rank: int,
         batch: Batch,
         ctx: CamContext,
     ) -> Columns:
-        """The `evaluation` rows of one target: each metric on each layer's map and on the layer's random map."""
-        size = batch.x.shape[-2:]
-        b = target.shape[0]
-        indices = range(batch.first_index, batch.first_index + b)
-        saliency = [faithfulness.upsample(m.detach(), size) for m in maps]  # each (B, H, W) in [0, 1]
-        # The faithfulness baseline's random map (same draw: seed, sample index, resolution), so that both
-        # tables compare a layer with the same random map.
-        random_saliency = [
-            faithfulness.upsample(
-                per_sample_uniform(
-                    tuple(m.shape[1:]), self.cfg.faithfulness.seed, indices,
-                    f"faithfulness.random_map.{m.shape[1]}x{m.shape[2]}", m.device,
-                ),
-                size,
-            )
-            for m in maps
-        ]  # fmt: skip
+        """The `evaluation` rows of one target: each metric on each layer's map and on its random map (`_saliency`)."""
         capture = getattr(self, "capture", None)  # captum's layer methods capture nothing
         paused = capture.paused() if capture is not None else contextlib.nullcontext()
         with paused, torch.no_grad():  # the metrics' perturbed forwards keep nothing
             return evaluation_rows(
                 self.metrics, [(name, call) for name, call, _ in entries], saliency, random_saliency, ctx.model,
                 batch.x, target, target_rank, batch.first_index, self.runtime, self.cfg.evaluation.seed,
-                masks=getattr(batch, "masks", None),
+                masks=batch.masks,
             )  # fmt: skip
 
     def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:

@@ -184,15 +184,7 @@ class CamVsPatching(Method):
         self.capture.clear()
         with torch.set_grad_enabled(self.needs_gradients or session.needs_input_grad), self.runtime.autocast():
             logits = model(both).float()  # (2B, K)
-        acts = {}
-        for name in self.capture.names:
-            calls = self.capture.outputs[name]
-            if len(calls) <= self.p.call:
-                raise RunnerError(
-                    f"Layer '{name}' was called {len(calls)} time(s) per forward;"
-                    f" method.exact_patching.call={self.p.call}."
-                )
-            acts[name] = calls[self.p.call]  # (2B, ...)
+        acts = self.capture.call_outputs(self.p.call, "method.exact_patching.call")  # each (2B, ...)
         names = list(acts)
         clean_logits, corrupted_logits = logits[:b].detach(), logits[b:].detach()
         target = select_targets(self.cfg, clean_logits, batch)  # (B,)
