@@ -180,6 +180,29 @@ class OutputConfig:
     shard_batches: int = 8  # batches per shard: the unit of atomic writing, resuming and splitting across ranks
 
 
+class FigureFormat(str, Enum):
+    png = "png"
+    pdf = "pdf"
+    svg = "svg"
+
+
+class MapScale(str, Enum):
+    """How CAM maps are scaled to [0, 1] for display: each on its own, or one range for all layers of a sample."""
+
+    per_map = "per_map"  # each map min-max scaled on its own: shapes comparable, magnitudes not
+    shared = "shared"  # one min-max over the sample's maps of all layers: magnitudes comparable across layers
+
+
+@dataclass
+class FiguresConfig:
+    """How figures look (pictures during a run, `runner report`): resolution, file format, map scaling, width."""
+
+    dpi: int = 100
+    format: FigureFormat = FigureFormat.png
+    map_scale: MapScale = MapScale.per_map
+    columns: int = 5  # panels per row before a grid wraps (5 x 2.4 in at 100 dpi: 1200 px, no sideways scrolling)
+
+
 @dataclass
 class RunConfig:
     name: str = "default"
@@ -191,6 +214,8 @@ class RunConfig:
     hooks: list[HookSpec] = field(default_factory=list)
     method: MethodConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
+    figures: FiguresConfig = field(default_factory=FiguresConfig)
+    report: bool = False  # write report.html into the run's folder at the end (`runner report DIR` does it later)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Precision = Precision.fp32
     channels_last: bool = False  # model and inputs in NHWC memory format (faster convolutions on GPUs)
