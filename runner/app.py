@@ -117,16 +117,22 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
         if refusal is not None:
             raise RunnerError(refusal)
         try:
-            return _run_locked(config, out, device)
+            result = _run_locked(config, out, device)
         finally:
             lock.release()
+        if config.report and distributed.rank_and_world()[0] == 0:  # after the lock: the page says "complete"
+            from runner.report import write_after_run
+
+            write_after_run(out)  # a failure here only warns: the results are committed
+        return result
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
     """`run` once this process (or its rank 0) holds the output directory's lock."""
-    runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None)
+    runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures)
 
     bundle = build_model(config.model)
+    runtime.class_names = bundle.categories  # pictures title the class explained by its name
     model = bundle.model.to(device)
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -21,8 +21,10 @@ CONF = Path(__file__).resolve().parent.parent / "conf"  # the same folder as __m
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "ls": ("runner.listing", "main", "runs and sweeps under DIR (default outputs/): status, resume command, tables"),
     "layers": ("runner.layer_table", "main", "every module of the configured model: name, type, shape, CAM use"),
+    "report": ("runner.report", "main", "DIR/report.html: one offline HTML page of a run or a sweep"),
 }
-SUBCOMMAND_ARGS = {"ls": "[DIR]", "layers": "[overrides]"}  # how each subcommand's help line shows its arguments
+# How each subcommand's help line shows its arguments.
+SUBCOMMAND_ARGS = {"ls": "[DIR]", "layers": "[overrides]", "report": "DIR [--output FILE]"}
 HELP_FLAGS = ("-h", "--help")
 # Hydra flags after which Hydra composes and prints (or completes) without running the task.
 PRINT_ONLY_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")

@@ -52,9 +52,12 @@ def hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-# Keys that say how fast or where a run goes, not what it computes: changing them does not block a resume.
+# Keys that say how fast or where a run goes, or how its figures look, not what it computes: changing them does
+# not block a resume.
 SPEED_KEYS = (
     "progress",
+    "figures",
+    "report",
     "output",
     "device",
     "distributed_timeout_minutes",
@@ -99,7 +102,8 @@ def _file_digest(path: Path) -> str:
 
 def input_fingerprints(config: RunConfig) -> dict[str, str]:
     """What the config names by path and a resume must find unchanged: the checkpoint's contents (a hash) and
-    an image folder's files (name, size and modification time of each; no hash: folders can be large)."""
+    an image folder's files (name, size and modification time of each; no hash: folders can be large) and its
+    mask side files (masks.json, *.mask.png: their contents, hashed)."""
     found: dict[str, str] = {}
     if config.model.checkpoint:
         file = Path(config.model.checkpoint).expanduser()
@@ -116,6 +120,18 @@ def input_fingerprints(config: RunConfig) -> dict[str, str]:
                 lines.update(f"{file.relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
                 count += 1
             found["data.root (contents)"] = f"{count} files, {lines.hexdigest()[:16]}"
+            # Localisation masks (runner/composites.py) change the localisation rows: their contents are hashed
+            # (small files; masks.json is no image, and an edited mask may keep its size and time).
+            from runner.composites import MASK_SUFFIX, MASKS_FILE
+
+            sides = sorted(p for p in folder.rglob("*") if p.name.lower().endswith(MASK_SUFFIX) and p.is_file())
+            if (folder / MASKS_FILE).is_file():
+                sides.insert(0, folder / MASKS_FILE)
+            if sides:
+                masks = hashlib.sha256()
+                for file in sides:
+                    masks.update(f"{file.relative_to(folder)}\t{_file_digest(file)}\n".encode())
+                found["data.root masks (contents)"] = f"{len(sides)} files, {masks.hexdigest()[:16]}"
     return found
 
 

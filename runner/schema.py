@@ -256,6 +256,7 @@ def validate(config: RunConfig) -> RunConfig:
     bad = config.method.check() + config.data.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
+    bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:

@@ -3,43 +3,51 @@
     python -m runner -m experiment=gradcam_effnet method=gradcam,layercam,hirescam
     python scripts/plot_sweep.py outputs/multirun/2026-11-22/10-00-00 --value deletion_auc --by sweep.method
 
-Writes <sweep>/per_layer_<value>.png (one line per swept value, layers in model order) and prints the table.
+Writes <sweep>/per_layer_<value>.<format> (one line per swept value, layers in model order, the 95% bootstrap
+interval over samples as a band; runner/plots.py) and prints the per-layer means with their intervals.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from runner.results import load  # noqa: E402
-from runner.summary import layers_in_model_order  # noqa: E402
+from runner import figure_style
+from runner.analysis import summarise
+from runner.errors import RunnerError
+from runner.plots import per_layer_figure
+from runner.results import load
+from runner.schema import FigureFormat, FiguresConfig
+from runner.summary import layers_in_model_order
 
 
 def main() -> None:
+    """Parse the command line, print the per-layer summary, write the figure."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--table", default="cam")
     parser.add_argument("--value", default="cam_max", help="the column to compare, e.g. deletion_auc, restoration")
     parser.add_argument("--by", default="method", help="the column whose values are compared, e.g. sweep.method")
+    parser.add_argument("--format", default="png", choices=[f.value for f in FigureFormat])
+    parser.add_argument("--dpi", type=int, default=FiguresConfig.dpi)
     args = parser.parse_args()
 
-    frame = load(args.sweep, args.table)
-    layers = layers_in_model_order(frame)  # by layer_index: features.2 before features.10
-    per_layer = frame.groupby([args.by, "layer"])[args.value].mean().unstack(args.by).reindex(layers)
-    print(per_layer.round(4).to_string())
-    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(layers)), 3.5))
-    per_layer.plot(ax=ax, marker="o")
-    ax.set_xticks(range(len(layers)), layers, rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel(f"mean {args.value}")
-    ax.set_title(f"{args.value} per layer, by {args.by}")
-    fig.tight_layout()
-    out = args.sweep / f"per_layer_{args.value}.png"
-    fig.savefig(out, dpi=100)
+    try:
+        frame = load(args.sweep, args.table)
+        # The figure's lines, as a table: mean and interval per (by, layer); raises naming a missing column.
+        summary = summarise(frame, args.value, by=[args.by, "layer"])
+    except RunnerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None  # as the runner's CLI: one line, exit 2
+    fig = per_layer_figure(frame, args.value, by=args.by)
+    layers = layers_in_model_order(frame)
+    summary["layer"] = pd.Categorical(summary["layer"], categories=layers, ordered=True)
+    print(summary.sort_values(["layer", args.by]).round(4).to_string(index=False))
+    figures = FiguresConfig(dpi=args.dpi, format=FigureFormat(args.format))
+    out = figure_style.save(fig, args.sweep / f"per_layer_{args.value}", figures)
     print(f"wrote {out}")
 
 

@@ -172,3 +172,10 @@ def test_the_base_config_is_refused_not_guessed() -> None:
         build_dataset(DataConfig(name="synthetic"), None, 0)
     with pytest.raises(RunnerError, match=r"method=gradcam needs its own config \(GradCamConfig\)"):
         method_class(MethodConfig(name="gradcam"))
+
+
+@pytest.mark.parametrize("override", ["figures.dpi=0", "figures.columns=0", "figures.format=gif"])
+def test_bad_figure_settings_are_refused_before_the_run(override: str) -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError, RunnerError)) as info:
+        make_config(override)
+    assert override.split("=")[0].split(".")[1] in str(info.value) + str(getattr(info.value, "__cause__", ""))

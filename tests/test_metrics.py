@@ -100,21 +100,69 @@ def test_map_statistics_match_quantus(name: str, peer: str) -> None:
 
 
 # ---- item 3: ROAD -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("solver", ["direct", "cg"])
 @pytest.mark.parametrize("fraction", [0.3, 0.9])
-def test_road_imputation_matches_quantus_spsolve(fraction: float) -> None:
-    """CG to a relative residual of 1e-10 in float64 vs Quantus's direct sparse solve: equal to 1e-6."""
+def test_road_imputation_matches_quantus_spsolve(fraction: float, solver: str) -> None:
+    """Both solvers (CG to a relative residual of 1e-10 in float64) vs Quantus's direct sparse solve: equal to 1e-6."""
     from quantus.functions.perturb_func import noisy_linear_imputation as peer
 
     g = torch.Generator().manual_seed(1)
     x = torch.rand(2, 3, 20, 20, generator=g)
     removed = torch.rand(2, 20, 20, generator=g) < fraction
-    ours, converged = noisy_linear_imputation(x, removed, None, tolerance=1e-10, max_iterations=5000)
+    ours, converged = noisy_linear_imputation(x, removed, None, tolerance=1e-10, max_iterations=5000, solver=solver)
     assert converged
     for b in range(2):
         indices = np.flatnonzero(removed[b].numpy())
         theirs = peer(x[b].numpy().astype(np.float64), indices, noise=0.0)
         np.testing.assert_allclose(ours[b].numpy(), theirs, atol=1e-6, rtol=0)
     assert not torch.equal(ours[removed[:, None].expand_as(x)], x[removed[:, None].expand_as(x)])
+
+
+@pytest.mark.parametrize("percent", [5, 50, 95])
+def test_road_direct_equals_cg(percent: int) -> None:
+    """The direct solve (SuperLU) and the CG (to 1e-12) give the same imputation to 1e-6 at 48 px, on removed sets
+    shaped as ROAD's (the top p% of a smooth map: large connected blobs, image borders included) and scattered."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(3, 3, 48, 48, generator=g)
+    yy, xx = torch.meshgrid(torch.arange(48.0), torch.arange(48.0), indexing="ij")
+    blob = -((yy - 10) ** 2 + (xx - 40) ** 2)  # (48, 48) highest at a corner-near point
+    scores = torch.stack([blob, blob.T, torch.rand(48, 48, generator=g)])  # (3, 48, 48)
+    k = int(48 * 48 * percent / 100)
+    rank = scores.flatten(1).argsort(dim=1, descending=True).argsort(dim=1)  # (3, D)
+    removed = (rank < k).reshape(3, 48, 48)
+    direct, ok_direct = noisy_linear_imputation(x, removed, None, solver="direct")
+    cg, ok_cg = noisy_linear_imputation(x, removed, None, tolerance=1e-12, max_iterations=5000, solver="cg")
+    assert ok_direct and ok_cg
+    assert direct.dtype == x.dtype and torch.equal(direct[~removed[:, None].expand_as(x)], x[~removed[:, None].expand_as(x)])
+    torch.testing.assert_close(direct, cg, atol=1e-6, rtol=0)
+    assert (direct - x).abs().amax() > 1e-3  # the removed pixels did change: not two copies of x
+
+
+def test_road_solver_setting_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """method.evaluation.road_solver picks the imputation: direct on the CPU by default, CG when asked (and, for
+    "auto", on an accelerator); an unknown name fails when the metric is built."""
+    from runner.metrics import faithfulness_family as ff
+
+    assert ff.road_solver_for("auto", torch.device("cpu")) == "direct"
+    assert ff.road_solver_for("auto", torch.device("cuda")) == "cg"
+    assert ff.road_solver_for("direct", torch.device("cuda")) == "direct"
+    calls: list[str] = []
+    direct, harmonic = ff._direct, ff._harmonic
+    monkeypatch.setattr(ff, "_direct", lambda *a: calls.append("direct") or direct(*a))
+    monkeypatch.setattr(ff, "_harmonic", lambda *a: calls.append("cg") or harmonic(*a))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4)).eval()
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    maps = scaled_maps(2, 16, 16)
+    results = {}
+    for solver in ["auto", "cg", "direct"]:
+        calls.clear()
+        cfg = EvaluationConfig(metrics=["road"], road_percentages=[50.0], road_noise=0.0, road_solver=solver)
+        results[solver] = build_metrics(cfg)[0].compute(inputs_for(model, x, torch.tensor([0, 1])), maps)
+        assert set(calls) == {"cg" if solver == "cg" else "direct"}
+    for variant in results["auto"]:  # same system, same scores
+        torch.testing.assert_close(results["cg"][variant], results["auto"][variant], atol=1e-5, rtol=0)
+    with pytest.raises(RunnerError, match="road_solver='lu'"):
+        build_metrics(EvaluationConfig(metrics=["road"], road_solver="lu"))
 
 
 class Gray(torch.nn.Module):

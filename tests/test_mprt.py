@@ -22,7 +22,15 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession, count_hooks
 from runner.layers import resolve_layers
 from runner.methods import build_method, method_config
-from runner.methods.mprt import prepare, spearman_rows, ssim_rows, topk_intersection_rows
+from runner.methods.mprt import (
+    average_ranks,
+    compare,
+    prepare,
+    reference,
+    spearman_rows,
+    ssim_rows,
+    topk_intersection_rows,
+)
 from runner.schema import TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import CPU, run_method
@@ -51,6 +59,31 @@ def test_similarities_match_scipy_and_skimage() -> None:
     assert rho[1] > 0.5 and ssim[1] > ssim[0]
     zero = torch.zeros(1, 12, 10, dtype=torch.float64)
     assert torch.isnan(spearman_rows(zero, a[:1])).all() and torch.isnan(topk_intersection_rows(zero, a[:1], 0.1)).all()
+
+
+def test_batched_ranks_and_similarities_match_per_row_references() -> None:
+    """The batched engine (one reference, one compare per step for all layers' rows) against scipy/skimage row by
+    row, on many ties, a constant row and a 224 px map (the size the runner compares at)."""
+    values = tied_maps(4, 9, 7, 2).flatten(1)
+    values[2] = 0.0  # one constant row: all ranks tied
+    np.testing.assert_array_equal(average_ranks(values).numpy(), scipy.stats.rankdata(values.numpy(), axis=1))
+    a, b = tied_maps(3, 224, 224, 3), tied_maps(3, 224, 224, 4)
+    b[0] = a[0]
+    a[2] = 0.0
+    sims = ["spearman", "ssim", "topk_intersection"]
+    got = compare(reference(a, sims, 0.1), b, sims)  # (K, N)
+    for i in range(3):
+        x, y = a[i].numpy(), b[i].numpy()
+        rng = float(max(x.max(), y.max()) - min(x.min(), y.min()))
+        rho = scipy.stats.spearmanr(x.ravel(), y.ravel())[0] if i != 2 else np.nan
+        np.testing.assert_allclose(got[0, i].item(), rho, atol=1e-12)
+        np.testing.assert_allclose(
+            got[1, i].item(), skimage.metrics.structural_similarity(x, y, data_range=rng), atol=1e-12
+        )
+    assert got[0, 0].item() == pytest.approx(1.0) and got[2, 0].item() == 1.0 and torch.isnan(got[2, 2])
+    k = round(0.1 * 224 * 224)
+    top_a, top_b = (np.argsort(-m[1].numpy().ravel(), kind="stable")[:k] for m in (a, b))
+    assert got[2, 1].item() == len(np.intersect1d(top_a, top_b)) / k
 
 
 def test_topk_intersection_counts_shared_top_pixels() -> None:

@@ -320,6 +320,7 @@ def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     config = [*TINY, f"model.checkpoint={checkpoint}"]
     app.run(make_config(*config), tmp_path / "run")
     app.run(make_config(*config, "data.num_workers=1", "method.faithfulness.chunk=3"), tmp_path / "run")  # speed only
+    app.run(make_config(*config, "figures.dpi=50", "figures.format=svg", "report=true"), tmp_path / "run")  # looks only
     torch.manual_seed(2)
     torch.save(TinyNet().state_dict(), checkpoint)  # the same path, other weights
     with pytest.raises(RunnerError, match='different run.*model.checkpoint \\(contents\\): "sha256:'):
@@ -341,6 +342,34 @@ def test_changed_image_folder_is_not_resumed(tmp_path: Path) -> None:
     Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(images / "2.png")  # replaced
     os.utime(images / "2.png", ns=(1, 1))
     with pytest.raises(RunnerError, match='data.root \\(contents\\): "4 files, '):
+        app.run(make_config(*config), tmp_path / "run")
+
+
+@pytest.mark.parametrize("side", ["masks.json", "0.mask.png"])
+def test_changed_mask_side_file_is_not_resumed(tmp_path: Path, side: str) -> None:
+    """A localisation mask edited in place (same size, same modification time) between a run and its resume."""
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    (images / "masks.json").write_text('{"1.png": {"boxes": [[1, 1, 5, 5]]}}')
+    mask = np.zeros((8, 8), np.uint8)
+    mask[2:6, 2:6] = 255
+    Image.fromarray(mask).save(images / "0.mask.png")
+    config = [*TINY[:2], "data=image_folder", f"data.root={images}", "data.image_size=8", "data.resize=square",
+              "data.batch_size=2", *TINY[7:]]  # fmt: skip
+    app.run(make_config(*config), tmp_path / "run")
+    app.run(make_config(*config), tmp_path / "run")  # unchanged: resumes (nothing left to do)
+    path = images / side
+    stat = path.stat()
+    if side == "masks.json":
+        path.write_text('{"1.png": {"boxes": [[2, 2, 6, 6]]}}')  # another box, the same number of bytes
+    else:
+        mask[2:6, 2:6], mask[0:4, 0:4] = 0, 255
+        Image.fromarray(mask).save(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as a copy that keeps times would leave it
+    with pytest.raises(RunnerError, match='different run.*data.root masks \\(contents\\): "2 files, '):
         app.run(make_config(*config), tmp_path / "run")
 
 

@@ -18,7 +18,7 @@ from runner.data import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.registry import Registry
-from runner.schema import MethodConfig, Precision, TargetMode
+from runner.schema import FiguresConfig, MethodConfig, Precision, TargetMode
 
 Columns = dict[str, Any]
 
@@ -70,11 +70,13 @@ def register(config: type[MethodConfig]) -> Callable[[M], M]:
 
 @dataclass
 class Runtime:
-    """How passes run (device, autocast precision), and where pictures go (None: no pictures)."""
+    """How passes run (device, autocast precision), where pictures go (None: no pictures) and how they look."""
 
     device: torch.device
     precision: Precision
     pictures_dir: Path | None = None
+    figures: FiguresConfig = field(default_factory=FiguresConfig)  # dpi, format, map scale, columns
+    class_names: list[str] | None = None  # the model's class names (pictures' titles); None: unknown
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision is Precision.bf16:

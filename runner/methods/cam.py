@@ -44,7 +44,7 @@ from runner.metrics.base import EvaluationConfig, Metric, build_metrics
 from runner.metrics.table import evaluation_rows
 from runner.randomness import per_sample_uniform
 from runner.results import Block, Ragged
-from runner.schema import MethodConfig
+from runner.schema import MapScale, MethodConfig
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional
 
@@ -286,11 +286,18 @@ class CamMethod(Method):
         if self.runtime.pictures_dir is not None and target_rank == 0:
             drawn = pictures.drawn_count(batch, self.cfg.pictures_max)
         if drawn:
-            if saliency is None:
-                saliency = [faithfulness.upsample(m[:drawn], size) for m in maps]  # each (drawn, H, W) in [0, 1]
+            figures = self.runtime.figures
+            # Faithfulness's maps are scaled per map; a scale shared by the layers needs the maps before that.
+            shown = saliency
+            if shown is None or figures.map_scale is not MapScale.per_map:
+                shown = pictures.scaled_maps([m[:drawn] for m in maps], size, figures.map_scale)  # (drawn, H, W)
+            explained = pictures.Explained(
+                target[:drawn].tolist(), score[:drawn].detach().float().tolist(),
+                probs.gather(1, target[:drawn, None])[:, 0].tolist(), self.runtime.class_names,
+            )  # fmt: skip
             pictures.write_overlays(
-                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], saliency, self.name,
-                self.cfg.pictures_max,
+                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], shown, self.name,
+                self.cfg.pictures_max, explained, sizes, figures,
             )  # fmt: skip
             grid = self.cfg.feature_grid_layer
             if grid is not None:
@@ -301,6 +308,7 @@ class CamMethod(Method):
                     grid,
                     to_spatial(act.detach().float(), grid, self.module_types[grid], self.name, self.cfg.token_prefix),
                     self.cfg.pictures_max,
+                    figures=figures,
                 )
         return columns
 

@@ -11,7 +11,8 @@ destroyed explains the input, not the model.
 Maps are compared as Quantus compares them (its defaults abs=True, normalise=True): upsampled to the input size
 (bilinear), absolute values, divided by their maximum; but each map by its own maximum, where Quantus divides a
 batch by the batch's maximum, which makes its SSIM depend on which samples share a batch.
-Similarities, each (B,) per layer and step, NaN where undefined:
+Similarities, each (B,) per layer and step, NaN where undefined; computed in torch (float64, on the device) for
+all layers' maps as one stack per step, with the trained side (ranks, top pixels, SSIM windows) done once per batch:
   - spearman: Spearman's rho of the pixels, ties given average ranks (scipy's); NaN when either map is constant.
   - ssim: skimage's `structural_similarity` of the two (H, W) maps (7x7 uniform window, K1=0.01, K2=0.03, sample
     covariance, the mean over the windows that fit), with Quantus's data_range = max - min of both maps; NaN when
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
@@ -106,79 +106,151 @@ class MprtConfig(CamConfig):
 
 
 # ---- similarities: (N, H, W) float64 maps, each normalised to max 1 -> (N,) float64 ----------------------------
+# Each similarity is split in two: what it needs of the trained maps (`reference`, computed once per batch) and
+# the comparison with one step's maps (`compare`), so that every step redoes only the randomised side; all target
+# layers' maps (at the input's size) are compared as one stack of rows.
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
     """(N, D) float64 ranks 1..D of each row, ties given the mean of the ranks they span (scipy's `rankdata`)."""
-    n, d = values.shape
-    ordered, order = values.sort(dim=1, stable=True)  # (N, D)
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    group = starts.long().cumsum(dim=1) - 1  # (N, D) tie group of each sorted position
-    position = torch.arange(1, d + 1, dtype=torch.float64, device=values.device).expand(n, d)
-    total = torch.zeros(n, d, dtype=torch.float64, device=values.device).scatter_add_(1, group, position)
-    count = torch.zeros(n, d, dtype=torch.float64, device=values.device).scatter_add_(
-        1, group, torch.ones_like(position)
-    )
-    mean = (total / count.clamp_min(1)).gather(1, group)  # (N, D) in sorted order
+    return _ranks_of_sorted(*values.sort(dim=1, stable=True))
+
+
+def _ranks_of_sorted(ordered: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(N, D) float64 average ranks from a row-wise sort (values (N, D), their indices (N, D))."""
+    n, d = ordered.shape
+    position = torch.arange(d, device=ordered.device).expand(n, d)  # (N, D)
+    differs = ordered[:, 1:] != ordered[:, :-1]  # (N, D-1): a tie group ends between two sorted positions
+    yes = torch.ones(n, 1, dtype=torch.bool, device=ordered.device)
+    first = torch.where(torch.cat([yes, differs], dim=1), position, 0).cummax(dim=1).values  # group's first position
+    last = torch.where(torch.cat([differs, yes], dim=1), position, d - 1).flip(1).cummin(dim=1).values.flip(1)
+    mean = (first + last).double() / 2 + 1  # (N, D) the mean of ranks first+1 .. last+1, in sorted order
     return torch.empty_like(mean).scatter_(1, order, mean)
 
 
-def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(N,) Spearman's rho of each row pair of (N, ...) tensors; NaN where a side is constant or not finite."""
-    ra, rb = average_ranks(a.flatten(1).double()), average_ranks(b.flatten(1).double())
-    ra, rb = ra - ra.mean(dim=1, keepdim=True), rb - rb.mean(dim=1, keepdim=True)
-    rho = (ra * rb).sum(dim=1) / (ra.norm(dim=1) * rb.norm(dim=1))
-    undefined = constant_rows(a) | constant_rows(b)
-    return torch.where(undefined, torch.nan, rho.clamp(-1.0, 1.0))
+def _descending(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of (N, ...) sorted from the largest, ties in pixel order: (values negated (N, D), indices (N, D)).
+    One sort serves both the ranks (of the negated map) and the top pixels."""
+    return (-maps.flatten(1).double()).sort(dim=1, stable=True)
 
 
-def ssim_rows(a: torch.Tensor, b: torch.Tensor, flat: bool = False) -> torch.Tensor:
-    """(N,) skimage `structural_similarity` of each (H, W) pair (a 1-D signal of H*W with `flat`), data_range as
-    Quantus's: max - min of both. The mean over the windows that fit equals skimage's cropped mean of its filter."""
-    a, b = a.double(), b.double()
-    if flat:
-        a, b = a.flatten(1)[:, None], b.flatten(1)[:, None]  # (N, 1, H*W)
-        pool: Callable[[torch.Tensor], torch.Tensor] = lambda t: F.avg_pool1d(t, SSIM_WINDOW, stride=1)  # noqa: E731
-        points = SSIM_WINDOW
-    else:
-        a, b = a[:, None], b[:, None]  # (N, 1, H, W)
-        pool = lambda t: F.avg_pool2d(t, SSIM_WINDOW, stride=1)  # noqa: E731
-        points = SSIM_WINDOW**2
-    if min(a.shape[2:]) < SSIM_WINDOW:
+def _unit_ranks(descending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(N, D) average ranks of each row, centred and divided by their norm (NaN for a constant row), from
+    `_descending`: the ranks of the negated map are D + 1 minus the map's, so its centred ranks are negated."""
+    ranks = _ranks_of_sorted(*descending)  # (N, D) ranks of -map
+    ranks = ranks.mean(dim=1, keepdim=True) - ranks  # centred ranks of the map
+    return ranks / ranks.norm(dim=1, keepdim=True)
+
+
+def _top(descending: tuple[torch.Tensor, torch.Tensor], k: int) -> torch.Tensor:
+    """(N, D) bool: each row's k largest entries, ties to the lower index, from `_descending`."""
+    order = descending[1]
+    return torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(1, order[:, :k], True)
+
+
+def _ssim_shape(maps: torch.Tensor, flat: bool) -> torch.Tensor:
+    """(N, H, W) -> (N, 1, H, W) float64, or (N, 1, H*W) with `flat`; at least a window a side."""
+    maps = maps.double()
+    shaped = maps.flatten(1)[:, None] if flat else maps[:, None]
+    if min(shaped.shape[2:]) < SSIM_WINDOW:
         raise RunnerError(
-            f"ssim needs maps of at least {SSIM_WINDOW} pixels a side; the input is {tuple(a.shape[2:])}."
+            f"ssim needs maps of at least {SSIM_WINDOW} pixels a side; the input is {tuple(shaped.shape[2:])}."
         )
-    both = torch.cat([a.flatten(1), b.flatten(1)], dim=1)  # (N, 2D)
+    return shaped
+
+
+def _window_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean over each 7-pixel (1-D) or 7x7 (2-D) window that fits: (N, C, ...) -> (N, C, ...smaller).
+    Separable (columns, then rows) as skimage's uniform filter: 14 additions a pixel instead of 49."""
+    if t.dim() == 3:
+        return F.avg_pool1d(t, SSIM_WINDOW, stride=1)
+    return F.avg_pool2d(F.avg_pool2d(t, (SSIM_WINDOW, 1), stride=1), (1, SSIM_WINDOW), stride=1)
+
+
+@dataclass
+class Reference:
+    """The trained maps (N, H, W) float64 and, once, what each similarity needs of them."""
+
+    maps: torch.Tensor
+    constant: torch.Tensor  # (N,) bool: no order (constant or not finite)
+    ranks: torch.Tensor | None = None  # (N, H*W) centred unit ranks (spearman)
+    top: torch.Tensor | None = None  # (N, H*W) bool top pixels (topk_intersection)
+    top_k: int = 0
+    window: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # window[flat]: (the map shaped for SSIM, its window means, its windows' mean squares)
+
+
+def reference(maps: torch.Tensor, similarities: list[str], topk_fraction: float) -> Reference:
+    """What `similarities` need of the trained maps (N, H, W), computed once for all the steps of a batch."""
+    maps = maps.double()
+    ref = Reference(maps, constant_rows(maps))
+    descending = _descending(maps)  # one sort for the ranks and the top pixels
+    if "spearman" in similarities:
+        ref.ranks = _unit_ranks(descending)
+    if "topk_intersection" in similarities:
+        ref.top_k = max(1, round(topk_fraction * maps[0].numel()))
+        ref.top = _top(descending, ref.top_k)
+    for flat in {s == "ssim_flat" for s in similarities if s in ("ssim", "ssim_flat")}:
+        a = _ssim_shape(maps, flat)
+        ref.window[flat] = (a, _window_mean(a), _window_mean(a * a))
+    return ref
+
+
+def compare(ref: Reference, maps: torch.Tensor, similarities: list[str]) -> torch.Tensor:
+    """(K, N) float64: each of `similarities` between the reference's maps and `maps` (N, H, W), row by row;
+    NaN where undefined (see the module's docstring)."""
+    maps = maps.double()
+    undefined = ref.constant | constant_rows(maps)  # (N,)
+    descending = _descending(maps) if {"spearman", "topk_intersection"} & set(similarities) else None
+    out = []  # (N,) per similarity
+    for name in similarities:
+        if name == "spearman":
+            assert ref.ranks is not None and descending is not None
+            rho = (ref.ranks * _unit_ranks(descending)).sum(dim=1)  # (N,) Pearson's r of the ranks
+            out.append(torch.where(undefined, torch.nan, rho.clamp(-1.0, 1.0)))
+        elif name == "topk_intersection":
+            assert ref.top is not None and descending is not None
+            share = (ref.top & _top(descending, ref.top_k)).sum(dim=1).double() / ref.top_k
+            out.append(torch.where(undefined, torch.nan, share))
+        elif name in ("ssim", "ssim_flat"):
+            out.append(_ssim(ref, maps, name == "ssim_flat"))
+        else:
+            raise RunnerError(f"Unknown similarity '{name}': one of {', '.join(SIMILARITIES)}.")
+    return torch.stack(out)
+
+
+def _ssim(ref: Reference, maps: torch.Tensor, flat: bool) -> torch.Tensor:
+    """(N,) skimage `structural_similarity` (sample covariance, K1, K2, the mean over the windows that fit, which is
+    skimage's cropped mean of its uniform filter), data_range as Quantus's: max - min of both maps."""
+    a, ux, uxx = ref.window[flat]
+    b = _ssim_shape(maps, flat)
+    both = torch.cat([ref.maps.flatten(1), maps.flatten(1)], dim=1)  # (N, 2D)
     data_range = (both.amax(dim=1) - both.amin(dim=1)).view(-1, *([1] * (a.dim() - 1)))
     c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
-    ux, uy = pool(a), pool(b)
+    pooled = _window_mean(torch.cat([b, b * b, a * b], dim=1))  # (N, 3, ...): one pooling for the three
+    uy, uyy, uxy = pooled[:, :1], pooled[:, 1:2], pooled[:, 2:]
+    points = SSIM_WINDOW if flat else SSIM_WINDOW**2
     cov_norm = points / (points - 1)  # skimage's use_sample_covariance=True
-    vx = cov_norm * (pool(a * a) - ux * ux)
-    vy = cov_norm * (pool(b * b) - uy * uy)
-    vxy = cov_norm * (pool(a * b) - ux * uy)
+    vx, vy, vxy = cov_norm * (uxx - ux * ux), cov_norm * (uyy - uy * uy), cov_norm * (uxy - ux * uy)
     s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
     return s.flatten(1).mean(dim=1)
 
 
+def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(N,) Spearman's rho of each row pair of (N, ...) tensors; NaN where a side is constant or not finite."""
+    return compare(reference(a, ["spearman"], 1.0), b, ["spearman"])[0]
+
+
+def ssim_rows(a: torch.Tensor, b: torch.Tensor, flat: bool = False) -> torch.Tensor:
+    """(N,) skimage `structural_similarity` of each (H, W) pair (a 1-D signal of H*W with `flat`)."""
+    name = "ssim_flat" if flat else "ssim"
+    return compare(reference(a, [name], 1.0), b, [name])[0]
+
+
 def topk_intersection_rows(a: torch.Tensor, b: torch.Tensor, fraction: float) -> torch.Tensor:
     """(N,) share of a's top `fraction` pixels also in b's top; ties by pixel order; NaN where a side is constant."""
-    fa, fb = a.flatten(1), b.flatten(1)  # (N, D)
-    k = max(1, round(fraction * fa.shape[1]))
-    share = (_top(fa, k) & _top(fb, k)).sum(dim=1).double() / k
-    return torch.where(constant_rows(a) | constant_rows(b), torch.nan, share)
+    return compare(reference(a, ["topk_intersection"], fraction), b, ["topk_intersection"])[0]
 
 
-def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """(N, D) bool: each row's k largest entries, ties to the lower index (a stable sort)."""
-    top = flat.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (N, k)
-    return torch.zeros_like(flat, dtype=torch.bool).scatter_(1, top, True)
-
-
-SIMILARITIES: dict[str, Callable[[torch.Tensor, torch.Tensor, MprtConfig], torch.Tensor]] = {
-    "spearman": lambda a, b, cfg: spearman_rows(a, b),
-    "ssim": lambda a, b, cfg: ssim_rows(a, b),
-    "ssim_flat": lambda a, b, cfg: ssim_rows(a, b, flat=True),
-    "topk_intersection": lambda a, b, cfg: topk_intersection_rows(a, b, cfg.topk_fraction),
-}
+SIMILARITIES = ("spearman", "ssim", "ssim_flat", "topk_intersection")
 
 
 def prepare(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
@@ -301,22 +373,19 @@ class Mprt(Method):
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         assert self.random is not None and self.copy is not None
         entries, trained, targets, predicted = self._maps(self.trained, model, batch, session, None)
-        b = targets.shape[0]
-        values: list[torch.Tensor] = []  # per step: (L, K, B)
+        b, sims = targets.shape[0], list(self.cfg.similarities)
+        # All layers' maps as one (E*B, H, W) stack: each step compares them in one call, against a reference
+        # computed once per batch (the trained maps' ranks, top pixels and SSIM windows).
+        ref = reference(torch.cat(trained), sims, self.cfg.topk_fraction)
+        values: list[torch.Tensor] = []  # per step: (E, K, B)
         try:
             for step, (_, module) in enumerate(self.steps):
                 if step == 0 or self.order is MprtOrder.independent:
                     self.copy.load_state_dict(self.trained_state)
                 self._reset(module)
                 _, randomised, _, _ = self._maps(self.random, self.copy, batch, session, targets)
-                values.append(
-                    torch.stack(
-                        [
-                            torch.stack([SIMILARITIES[s](t, r, self.cfg) for s in self.cfg.similarities])  # (K, B)
-                            for t, r in zip(trained, randomised, strict=True)
-                        ]
-                    )
-                )
+                scores = compare(ref, torch.cat(randomised), sims)  # (K, E*B)
+                values.append(scores.view(len(sims), len(entries), b).transpose(0, 1))
         finally:
             self.random.capture.clear()
         n_steps, n_layers, n_sims = len(self.steps), len(entries), len(self.cfg.similarities)

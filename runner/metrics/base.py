@@ -12,13 +12,15 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
-from runner.methods.base import Runtime
 from runner.registry import Registry
+
+if TYPE_CHECKING:  # runner.methods imports this module (CAM methods carry EvaluationConfig): no import cycle
+    from runner.methods.base import Runtime
 
 
 @dataclass
@@ -33,6 +35,8 @@ class EvaluationConfig:
     # ROAD (Rong et al. 2022; Quantus ROAD defaults)
     road_percentages: list[float] = field(default_factory=lambda: [float(p) for p in range(1, 100, 2)])
     road_noise: float = 0.01  # std of the noise added to each imputed pixel (Quantus noise=0.01)
+    road_solver: str = "auto"  # the imputation: "direct" (scipy SuperLU, host), "cg" (batched, on the device), "auto"
+    # (direct on the CPU, cg on an accelerator); both solve the same system (tests/test_metrics.py)
     road_tolerance: float = 1e-5  # the imputation's conjugate gradients stop at this relative residual
     road_max_iterations: int = 2000  # ... or after this many (a warning says when a solve did not converge)
     # faithfulness correlation (Bhatt et al. 2020; Quantus FaithfulnessCorrelation defaults)

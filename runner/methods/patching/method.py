@@ -95,7 +95,10 @@ class Patching(Method):
                     parts += self._unit_rows(model, base_input, base, source, site, estimates.get((direction, name)))
         columns = concat_columns(parts)
         if self.runtime.pictures_dir is not None and self.p.units is PatchUnit.cell:
-            pictures.write_patching_heatmaps(self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max)
+            pictures.write_patching_heatmaps(
+                self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max, self.runtime.class_names,
+                self.runtime.figures,
+            )
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.name: columns})
 
     def metric(self, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:
