@@ -73,7 +73,7 @@ class SweepInfo:
     jobs_total: int | None  # from the sweep's saved overrides; None if they cannot be read
 
 
-def _yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
     import yaml  # PyYAML, Hydra's own dependency
 
     try:
@@ -127,8 +127,8 @@ def _parquet_rows(path: Path) -> int | None:
 
 def run_info(directory: Path) -> RunInfo:
     """What `runner ls` says about one run directory."""
-    config = _yaml(directory / ".hydra" / "config.yaml") or {}
-    overrides = _yaml(directory / ".hydra" / "overrides.yaml") or []
+    config = read_yaml(directory / ".hydra" / "config.yaml") or {}
+    overrides = read_yaml(directory / ".hydra" / "overrides.yaml") or []
     experiment = str(config.get("name", "?")) if isinstance(config, dict) else "?"
     info = RunInfo(directory, experiment, [str(o) for o in overrides], "partial", 0, None)
     manifests = sorted(directory.glob("manifest*.json"))
@@ -170,7 +170,7 @@ def run_info(directory: Path) -> RunInfo:
     return info
 
 
-def _is_run(directory: Path) -> bool:
+def is_run(directory: Path) -> bool:
     return (directory / ".hydra").is_dir() or any(directory.glob("manifest*.json"))
 
 
@@ -193,15 +193,15 @@ def find(root: Path) -> list[RunInfo | SweepInfo]:
         here = Path(current)
         folders[:] = sorted(f for f in folders if not f.startswith(".") and not f.endswith(".parquet"))
         if (here / "multirun.yaml").is_file():
-            saved = _yaml(here / "multirun.yaml") or {}
+            saved = read_yaml(here / "multirun.yaml") or {}
             overrides = (((saved.get("hydra") or {}).get("overrides") or {}).get("task") or []) if saved else []
-            jobs = [run_info(here / f) for f in folders if _is_run(here / f)]
+            jobs = [run_info(here / f) for f in folders if is_run(here / f)]
             jobs.sort(
                 key=lambda job: (not job.path.name.isdigit(), int(job.path.name) if job.path.name.isdigit() else 0)
             )
             found.append(SweepInfo(here, [str(o) for o in overrides], jobs, _sweep_jobs_total(here)))
             folders[:] = []
-        elif _is_run(here):
+        elif is_run(here):
             found.append(run_info(here))
             folders[:] = []
     return found

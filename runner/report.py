@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.listing import RunInfo, SweepInfo, _is_run, _yaml, find, read_manifest, run_info
+from runner.listing import RunInfo, SweepInfo, find, is_run, read_manifest, read_yaml, run_info
 from runner.schema import FigureFormat, FiguresConfig
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def figures_config(run_dir: Path | None) -> FiguresConfig:
     """The run's `figures` settings (its .hydra/config.yaml), else the defaults."""
     from omegaconf import OmegaConf
 
-    saved = _yaml(run_dir / ".hydra" / "config.yaml") if run_dir is not None else None
+    saved = read_yaml(run_dir / ".hydra" / "config.yaml") if run_dir is not None else None
     chosen = saved.get("figures") if isinstance(saved, dict) else None
     if not isinstance(chosen, dict):
         return FiguresConfig()
@@ -219,7 +219,7 @@ def _number(value: Any) -> str:
         number = float(value)
     except (TypeError, ValueError):
         return str(value)
-    return "–" if number != number else f"{number:.4g}"  # NaN: no value (an interval of one sample)
+    return "–" if number != number else f"{number:.3g}"  # NaN: no value (an interval of one sample)
 
 
 def summary_html(summary: pd.DataFrame) -> str:
@@ -477,7 +477,7 @@ def write_report(directory: str | Path, output: str | Path | None = None) -> Pat
     if (directory / "multirun.yaml").is_file():
         sweeps = [item for item in find(directory) if isinstance(item, SweepInfo) and item.path == directory]
         text = sweep_report(sweeps[0], page_dir)
-    elif _is_run(directory):
+    elif is_run(directory):
         text = run_report(directory, page_dir)
     else:
         raise RunnerError(

@@ -424,8 +424,9 @@ def test_experiment_runs_at_tiny_size_on_cuda(tmp_path: Path, name: str) -> None
 
 
 def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
-    """ROAD's batched imputation (float32 CG on CUDA, float64 on the CPU, both to a relative residual of 1e-5)
-    agrees to 1e-3 absolute on [0, 1] images (the residual bound times the system's condition number at 32 px);
+    """ROAD's imputation (road_solver=auto: float32 CG on CUDA to a relative residual of 1e-5, the exact direct
+    solve on the CPU) agrees to 1e-3 absolute on [0, 1] images (the residual bound times the system's condition
+    number at 32 px); solver="direct" on CUDA inputs solves on the host and returns to CUDA, equal to the CPU's;
     ROAD's probability curves on the embedded EfficientNet-Lite0 (noise drawn on the CPU, so the same) to 1e-3."""
     from runner.methods.base import Runtime
     from runner.metrics import EvaluationConfig, MetricInputs
@@ -441,6 +442,8 @@ def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
     assert ok_cpu and ok_gpu
     assert not torch.equal(cpu, x)  # something was imputed
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-3, rtol=0)
+    direct, _ = noisy_linear_imputation(x.cuda(), removed.cuda(), None, solver="direct")
+    assert direct.is_cuda and torch.equal(direct.cpu(), cpu)
 
     model = build_model(ModelConfig(name="efficientnet_lite0", weights="embedded")).model.eval()
     photos = torch.nn.functional.interpolate(x, size=(64, 64)) * 2 - 1  # (4, 3, 64, 64)
