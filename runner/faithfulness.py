@@ -21,8 +21,9 @@ Python loop per image. The random map has the layer's own resolution, so both ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,13 +58,29 @@ class FaithfulnessConfig:
 
     enabled: bool = False
     steps: int = 20  # deletion/insertion curve points (plus the start)
-    chunk: int = 64  # images per batched forward while scoring perturbed inputs
+    chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
     seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
     insertion_blur: BlurConfig = field(default_factory=BlurConfig)
 
 
 # A bound that keeps a typo from running for days: each step costs about 4 forwards per sample and layer.
 MAX_FAITHFULNESS_STEPS = 1000
+
+# Images per forward when scoring perturbed inputs and no chunk is set. On a CPU a large batch spills the caches:
+# EfficientNet-Lite0 at 224 px on 2 cores ran 33-36 img/s at batch 1-8, 23 at 16, 14 at 64 (benchmarks/RESULTS.md,
+# 2026-11-23), so a CPU chunk holds at most 8 images' worth of 224 px pixels; an accelerator
+# gains from large batches.
+CPU_CHUNK_PIXELS = 8 * 224 * 224
+ACCELERATOR_CHUNK = 64
+
+
+def forward_chunk(chunk: int | None, device: torch.device, image_size: tuple[int, int] | torch.Size) -> int:
+    """Images per batched forward: `chunk` when set, else by device (CPU: CPU_CHUNK_PIXELS of input)."""
+    if chunk is not None:
+        return chunk
+    if device.type != "cpu":
+        return ACCELERATOR_CHUNK
+    return max(1, CPU_CHUNK_PIXELS // (int(image_size[0]) * int(image_size[1])))
 
 METRICS = ("deletion_auc", "insertion_auc", "avg_drop", "increase")
 COLUMNS = [*METRICS, *(f"random_{m}" for m in METRICS)]
@@ -224,6 +241,7 @@ def evaluate(
     NaN where undefined: a `degenerate` (B,) map's own four metrics; all eight for samples whose
     target is `undefined` (B,) (all logits equal: the class explained is arbitrary).
     """
+    cfg = replace(cfg, chunk=forward_chunk(cfg.chunk, x.device, x.shape[-2:]))
     clean = probs.gather(1, target[:, None]).squeeze(1)  # (B,)
     keys = tie_keys(cfg.seed, sample_indices, x.shape[-2] * x.shape[-1], x.device)  # (B, H*W)
     nan = torch.tensor(float("nan"), device=x.device)

@@ -67,6 +67,7 @@ SPEED_KEYS = (
     "data.persistent_workers",
     "method.score_chunk",
     "method.faithfulness.chunk",
+    "method.evaluation.chunk",
     "method.patching.chunk",
 )
 

@@ -77,7 +77,7 @@ img { max-width: 100%; height: auto; }
 .scroll { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; font-size: .85em; margin: .5em 0; }
 th, td { border: 1px solid #ddd; padding: .2em .5em; text-align: right; white-space: nowrap; }
-th { background: #f0f0f0; } td.label { text-align: left; }
+th { background: #f0f0f0; white-space: normal; } td.label { text-align: left; }
 .status { font-weight: bold; } .complete { color: #1a7f37; } .incomplete { color: #b35900; } .failed { color: #c00; }
 .note { background: #fff4e0; border-left: 4px solid #b35900; padding: .4em .8em; }
 figure { margin: 1em 0; } figcaption { font-size: .9em; color: #444; }
@@ -223,19 +223,19 @@ def _number(value: Any) -> str:
 
 
 def summary_html(summary: pd.DataFrame) -> str:
-    """The summary as an HTML table in its own scrolling box: label columns, then 'mean [low, high]' per value."""
+    """The summary as an HTML table in its own scrolling box: label columns, then the mean over [low, high] per value."""
     group = [c for c in summary.columns if ":" not in c]
     values = list(dict.fromkeys(c.split(":")[0] for c in summary.columns if ":" in c))
     if not values:
         return "<p>No measured column with a value to summarise.</p>"
     head = "".join(f"<th>{_e(c)}</th>" for c in group)
-    head += "".join(f"<th>{_e(v)}<br>mean [95% CI]</th>" for v in values) + "<th>n</th>"
+    head += "".join(f"<th>{_e(v)}<br>mean<br>[95% CI]</th>" for v in values) + "<th>n</th>"
     rows = []
     for _, row in summary.head(MAX_SUMMARY_ROWS).iterrows():
         cells = "".join(f'<td class="label">{_e(row[c])}</td>' for c in group)
         for v in values:
             mean, low, high = (row[f"{v}:{k}"] for k in ("mean", "ci_low", "ci_high"))
-            interval = "" if low != low else f" [{_number(low)}, {_number(high)}]"
+            interval = "" if low != low else f"<br><small>[{_number(low)}, {_number(high)}]</small>"  # narrow columns
             cells += f"<td>{_number(mean)}{interval}</td>"
         counts = {int(row[f"{v}:n"]) for v in values if row[f"{v}:n"] == row[f"{v}:n"]}
         cells += f"<td>{_e('/'.join(map(str, sorted(counts))))}</td>"

@@ -37,6 +37,7 @@ from benchtools import Contender, close_all, interleaved, pick_device, report, s
 
 from runner import faithfulness  # noqa: E402
 from runner.data import Batch, SkimagePhotosConfig, build_dataset  # noqa: E402
+from runner.faithfulness import forward_chunk  # noqa: E402
 from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
 from runner.methods import build_method, method_config  # noqa: E402
@@ -105,7 +106,7 @@ class Gray(nn.Module):
 
 
 def forwards_per_map(name: str, cfg: EvaluationConfig) -> tuple[int, int]:
-    """(Quantus's, the runner's) model forwards per map (each one image; the runner batches them by cfg.chunk)."""
+    """(Quantus's, the runner's) model forwards per map (each one image; the runner batches them by its chunk)."""
     steps = {
         "road": (len(cfg.road_percentages), 2 * len(cfg.road_percentages)),  # the runner: MoRF and LeRF
         "faithfulness_correlation": (1 + cfg.faithfulness_correlation_runs,) * 2,  # the unperturbed one + runs
@@ -183,7 +184,8 @@ def main() -> None:
     size, rounds = (64, 1) if args.quick else (args.size, args.rounds)
     device = pick_device(args.device)
     runtime = Runtime(device, Precision.fp32)
-    cfg = EvaluationConfig(chunk=64)
+    cfg = EvaluationConfig()
+    chunk = forward_chunk(cfg.chunk, torch.device(device), (size, size))  # the runner's default for this device
     if args.quick:
         cfg.road_percentages = [10.0, 50.0, 90.0]
         cfg.faithfulness_correlation_runs = 10
@@ -199,14 +201,14 @@ def main() -> None:
     if args.imputation_only:
         imputation_line(x, maps[0], cfg, imputation_percentages)
         return
-    print(forward_rates(copy.deepcopy(base).eval(), x, [1, b, cfg.chunk], device))
+    print(forward_rates(copy.deepcopy(base).eval(), x, sorted({1, b, chunk, 64}), device))
     for name in args.metrics.split(","):
         model, xm = (Gray(base).eval(), x.mean(dim=1, keepdim=True)) if name == "road" else (base, x)
         ours_model, their_model = copy.deepcopy(model), copy.deepcopy(model)
         metric = load_metrics()[name](cfg)
         inputs = MetricInputs(
             ours_model, xm.repeat(n_layers, 1, 1, 1), target.repeat(n_layers), torch.arange(b).repeat(n_layers),
-            None, runtime, 0,
+            None, runtime, 0, chunk,
         )  # fmt: skip
         peer = quantus_metric(name, cfg)
         x_np, y_np = xm.cpu().numpy(), target.cpu().numpy()

@@ -287,3 +287,28 @@ def test_scorecam_weights_paper_and_pytorch_grad_cam() -> None:
     assert make_config("method=scorecam", "method.scorecam_weights=pytorch_grad_cam").method.scorecam_weights is (
         ScoreCamWeights.pytorch_grad_cam
     )
+
+
+def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
+    """On a CPU a batch of 64 images at 224 px ran 2.5x slower per image than one of 8 (benchmarks/RESULTS.md):
+    with no chunk set, deletion/insertion and the evaluation metrics forward at most 8 such images at once."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device descriptor; no GPU needed
+    assert faithfulness.forward_chunk(None, cpu, (224, 224)) == 8
+    assert faithfulness.forward_chunk(None, cpu, (32, 32)) == 392  # small images: the same pixels per forward
+    assert faithfulness.forward_chunk(None, cuda, (224, 224)) == 64
+    assert faithfulness.forward_chunk(5, cpu, (224, 224)) == 5
+    model = TinyNet().eval()
+    sizes: list[int] = []
+    model.register_forward_hook(lambda _m, inputs, _o: sizes.append(inputs[0].shape[0]))
+    x = torch.rand(2, 3, 224, 224)
+    saliency = [torch.rand(2, 224, 224)]
+    with torch.no_grad():
+        probs = model(x).softmax(1)
+        target = probs.argmax(1)
+        sizes.clear()
+        no_flags = torch.zeros(2, dtype=torch.bool)
+        for chunk, largest in ((None, 8), (5, 5)):
+            faithfulness.evaluate(model, x, saliency, saliency, target, probs, FaithfulnessConfig(steps=8, chunk=chunk),
+                                  CPU, range(2), [no_flags], no_flags)  # fmt: skip
+            assert max(sizes) == largest
+            sizes.clear()

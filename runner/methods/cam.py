@@ -65,7 +65,7 @@ class CamConfig(MethodConfig):
         bad = super().check()
         f = self.faithfulness
         bad += [
-            f"method.faithfulness.{key}={value}" for key, value in (("steps", f.steps), ("chunk", f.chunk)) if value < 1
+            f"method.faithfulness.{key}={value}" for key, value in (("steps", f.steps), ("chunk", f.chunk)) if value is not None and value < 1
         ]
         blur = f.insertion_blur
         if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
@@ -349,7 +349,7 @@ class CamMethod(Method):
             return evaluation_rows(
                 self.metrics, [(name, call) for name, call, _ in entries], saliency, random_saliency, ctx.model,
                 batch.x, target, target_rank, batch.first_index, self.runtime, self.cfg.evaluation.seed,
-                masks=batch.masks,
+                masks=batch.masks, chunk=self.cfg.evaluation.chunk,
             )  # fmt: skip
 
     def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:

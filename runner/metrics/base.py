@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ class EvaluationConfig:
 
     metrics: list[str] = field(default_factory=list)  # names from METRICS; empty: no `evaluation` table
     seed: int = 0  # per-sample draws (noise, random subsets): from (seed, sample index), never from the batch
-    chunk: int = 64  # images per batched forward while scoring perturbed inputs
+    chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
     # sparseness / complexity: no settings (map statistics)
     # ROAD (Rong et al. 2022; Quantus ROAD defaults)
     road_percentages: list[float] = field(default_factory=lambda: [float(p) for p in range(1, 100, 2)])
@@ -64,6 +64,7 @@ class MetricInputs:
     masks: torch.Tensor | None  # (B, H, W) bool localisation masks at input resolution; None when the data has none
     runtime: Runtime  # runner.methods.base.Runtime: autocast()/precision, device
     seed: int
+    chunk: int = 64  # images per batched forward of perturbed inputs (evaluation_rows: resolved for the device)
 
 
 class Metric:

@@ -238,8 +238,8 @@ def road_curves(
     prob = torch.empty(n, 2, len(percentages), device=inputs.x.device)
     correct = torch.empty_like(prob)
     converged = True
-    for start in range(0, len(jobs), cfg.chunk):
-        part = jobs[start : start + cfg.chunk]
+    for start in range(0, len(jobs), inputs.chunk):
+        part = jobs[start : start + inputs.chunk]
         i = torch.tensor([job[0] for job in part], device=inputs.x.device)
         k = torch.tensor([int(d * percentages[job[2]] / 100) for job in part], device=inputs.x.device)[:, None]
         lerf = torch.tensor([job[1] == 1 for job in part], device=inputs.x.device)[:, None]
@@ -263,7 +263,7 @@ def road_curves(
             inputs.x[i], removed, noise, cfg.road_tolerance, cfg.road_max_iterations, cfg.road_solver
         )  # (J, C, H, W)
         converged &= ok
-        logits = _logits(inputs.model, imputed, inputs.runtime, cfg.chunk)  # (J, K)
+        logits = _logits(inputs.model, imputed, inputs.runtime, inputs.chunk)  # (J, K)
         t = inputs.target[i]
         o = torch.tensor([job[1] for job in part], device=i.device)
         j = torch.tensor([job[2] for job in part], device=i.device)
@@ -326,13 +326,13 @@ def faithfulness_correlation_values(
     runs = subsets.shape[1]
     flat_maps = maps.flatten(1).float()  # (N, HW)
     sums = flat_maps.gather(1, (subsets % (h * w)).flatten(1)).reshape(n, runs, -1).sum(dim=2)  # (N, R)
-    base = _score(_logits(inputs.model, inputs.x, inputs.runtime, cfg.chunk), inputs.target,
+    base = _score(_logits(inputs.model, inputs.x, inputs.runtime, inputs.chunk), inputs.target,
                   cfg.faithfulness_correlation_softmax)  # fmt: skip  # (N,)
     drops = torch.empty(n, runs, device=inputs.x.device)
     kind = cfg.faithfulness_correlation_baseline
     jobs = [(i, r) for i in range(n) for r in range(runs)]
-    for start in range(0, len(jobs), cfg.chunk):
-        part = jobs[start : start + cfg.chunk]
+    for start in range(0, len(jobs), inputs.chunk):
+        part = jobs[start : start + inputs.chunk]
         i = torch.tensor([a for a, _ in part], device=inputs.x.device)
         r = torch.tensor([b for _, b in part], device=inputs.x.device)
         images = inputs.x[i].flatten(1).clone()  # (J, CHW)
@@ -343,7 +343,7 @@ def faithfulness_correlation_values(
             value = _baseline(images, kind, "faithfulness_correlation_baseline")
         idx = subsets[i, r]  # (J, S)
         images.scatter_(1, idx, value[:, None].expand_as(idx).to(images.dtype))
-        logits = _logits(inputs.model, images.reshape(-1, c, h, w), inputs.runtime, cfg.chunk)
+        logits = _logits(inputs.model, images.reshape(-1, c, h, w), inputs.runtime, inputs.chunk)
         drops[i, r] = base[i] - _score(logits, inputs.target[i], cfg.faithfulness_correlation_softmax)
     return pearson(sums, drops)
 
@@ -406,16 +406,16 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
     pixel_rank = pixel_rank[:, top : top + h, left : left + w]  # (N, H, W)
     steps = min(cfg.region_steps, gh * gw)
     base_value = _baseline(inputs.x, cfg.region_baseline, "region_baseline")  # (N,)
-    base = _score(_logits(inputs.model, inputs.x, inputs.runtime, cfg.chunk), inputs.target, cfg.region_softmax)
+    base = _score(_logits(inputs.model, inputs.x, inputs.runtime, inputs.chunk), inputs.target, cfg.region_softmax)
     drops = torch.empty(n, steps, device=inputs.x.device)
     jobs = [(i, k) for i in range(n) for k in range(1, steps + 1)]
-    for start in range(0, len(jobs), cfg.chunk):
-        part = jobs[start : start + cfg.chunk]
+    for start in range(0, len(jobs), inputs.chunk):
+        part = jobs[start : start + inputs.chunk]
         i = torch.tensor([a for a, _ in part], device=inputs.x.device)
         k = torch.tensor([b for _, b in part], device=inputs.x.device)
         gone = (pixel_rank[i] < k[:, None, None])[:, None]  # (J, 1, H, W)
         images = torch.where(gone, base_value[i, None, None, None].to(inputs.x.dtype), inputs.x[i])
-        logits = _logits(inputs.model, images, inputs.runtime, cfg.chunk)
+        logits = _logits(inputs.model, images, inputs.runtime, inputs.chunk)
         drops[i, k - 1] = base[i] - _score(logits, inputs.target[i], cfg.region_softmax)
     return drops
 

@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from runner.faithfulness import forward_chunk
 from runner.methods.base import Columns, Runtime
 from runner.metrics.base import Metric, MetricInputs
 from runner.tables import declare
@@ -47,6 +48,7 @@ def evaluation_rows(
     runtime: Runtime,
     seed: int,
     masks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> Columns:
     """Rows of the `evaluation` table for one batch and target: names[i] = (layer, call) of saliency[i] (B, H, W).
 
@@ -64,6 +66,7 @@ def evaluation_rows(
         masks=None if masks is None else masks.repeat(2 * n, 1, 1),
         runtime=runtime,
         seed=seed,
+        chunk=forward_chunk(chunk, x.device, x.shape[-2:]),
     )
     columns: dict[str, list] = {k: [] for k in ("layer", "call", "target", "target_rank", "metric", "variant")}
     values: list[torch.Tensor] = []
