@@ -312,3 +312,16 @@ def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_s
                                   CPU, range(2), [no_flags], no_flags)  # fmt: skip
             assert max(sizes) == largest
             sizes.clear()
+
+
+def test_scorecam_masked_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
+    model = TinyNet().eval()
+    sizes: list[int] = []
+    model.register_forward_hook(lambda _m, inputs, _o: sizes.append(inputs[0].shape[0]))
+    act = torch.rand(1, 20, 7, 7)  # 20 channels: 20 masked inputs of 224 px
+    ctx = CamContext(model, torch.rand(1, 3, 224, 224), torch.tensor([0]), CPU)
+    for chunk, largest in ((None, 8), (3, 3)):
+        CAM_METHODS["scorecam"](ScoreCamConfig(score_chunk=chunk), [], CPU).cam(act, None, ctx)
+        assert max(sizes) == largest and sum(sizes) == 20
+        sizes.clear()
+    assert ScoreCamConfig(score_chunk=0).check() == ["method.score_chunk=0"]

@@ -19,12 +19,13 @@ No backward pass runs. Cost: C forwards per sample and layer (512 at VGG16's las
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.faithfulness import upsample
+from runner.faithfulness import forward_chunk, upsample
 from runner.methods.base import register
 from runner.methods.cam import CamConfig, CamContext, CamMethod
 from runner.schema import ScoreCamWeights
@@ -33,13 +34,14 @@ from runner.schema import ScoreCamWeights
 @dataclass
 class ScoreCamConfig(CamConfig):
     name: str = "scorecam"
-    score_chunk: int = 64  # masked inputs per batched forward
+    score_chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) masked inputs per forward; null: forward_chunk
     # `paper` (each channel's weight is the target's softmax probability on the masked input, as Wang et al.
     # 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
     scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
 
     def check(self) -> list[str]:
-        return super().check() + ([f"method.score_chunk={self.score_chunk}"] if self.score_chunk < 1 else [])
+        bad = self.score_chunk is not None and self.score_chunk < 1
+        return super().check() + ([f"method.score_chunk={self.score_chunk}"] if bad else [])
 
 
 @torch.no_grad()
@@ -76,7 +78,7 @@ class ScoreCAM(CamMethod):
         maps = act.reshape(b * c, h, w)
         sample = torch.arange(b, device=act.device).repeat_interleave(c)  # (B*C,) which sample each mask is for
         scores = []
-        chunk = self.cfg.score_chunk
+        chunk = forward_chunk(self.cfg.score_chunk, act.device, size)  # small on a CPU (runner/faithfulness.py)
         for start in range(0, b * c, chunk):  # masks are built per chunk: all B*C at input size would not fit
             idx = torch.arange(start, min(start + chunk, b * c), device=act.device)
             masks = upsample(maps[idx], size) if paper else pytorch_grad_cam_masks(maps[idx], size)  # (n, H, W)
