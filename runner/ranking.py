@@ -1,4 +1,4 @@
-"""Rank statistics shared by the methods that compare orderings (sanity's maps, patching's estimates).
+"""Rank statistics shared by the methods that compare orderings (sanity's maps, patching's estimates, MPRT's rows).
 
 Spearman's rho is Pearson's r of average ranks (ties share the mean of their ranks), the textbook
 definition and `scipy.stats.spearmanr`'s: CAM maps are full of ties (every pixel ReLU set to 0). A
@@ -12,9 +12,25 @@ import torch
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
     """(N,) float64 ranks 1..N of a 1-D tensor, ties given the mean of the ranks they span (scipy's `rankdata`)."""
-    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()  # (U,) rank of each distinct value's last occurrence
-    return (ends - (counts.double() - 1) / 2)[inverse]  # mean of ranks end-count+1 .. end
+    return row_average_ranks(values[None])[0]
+
+
+def row_average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """(N, D) float64 ranks 1..D of each row of `values` (N, D), ties given the mean of the ranks they span."""
+    return ranks_of_sorted(*values.sort(dim=1, stable=True))
+
+
+def ranks_of_sorted(ordered: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(N, D) float64 average ranks from a row-wise sort (sorted values (N, D), their indices (N, D)): callers that
+    sort anyway (MPRT's top pixels) rank without a second sort."""
+    n, d = ordered.shape
+    position = torch.arange(d, device=ordered.device).expand(n, d)  # (N, D)
+    differs = ordered[:, 1:] != ordered[:, :-1]  # (N, D-1): a tie group ends between two sorted positions
+    yes = torch.ones(n, 1, dtype=torch.bool, device=ordered.device)
+    first = torch.where(torch.cat([yes, differs], dim=1), position, 0).cummax(dim=1).values  # group's first position
+    last = torch.where(torch.cat([differs, yes], dim=1), position, d - 1).flip(1).cummin(dim=1).values.flip(1)
+    mean = (first + last).double() / 2 + 1  # (N, D) the mean of ranks first+1 .. last+1, in sorted order
+    return torch.empty_like(mean).scatter_(1, order, mean)
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

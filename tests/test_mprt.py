@@ -23,7 +23,6 @@ from runner.hooks import HookSession, count_hooks
 from runner.layers import resolve_layers
 from runner.methods import build_method, method_config
 from runner.methods.mprt import (
-    average_ranks,
     compare,
     prepare,
     reference,
@@ -31,6 +30,7 @@ from runner.methods.mprt import (
     ssim_rows,
     topk_intersection_rows,
 )
+from runner.ranking import row_average_ranks
 from runner.schema import TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import CPU, run_method
@@ -66,7 +66,7 @@ def test_batched_ranks_and_similarities_match_per_row_references() -> None:
     row, on many ties, a constant row and a 224 px map (the size the runner compares at)."""
     values = tied_maps(4, 9, 7, 2).flatten(1)
     values[2] = 0.0  # one constant row: all ranks tied
-    np.testing.assert_array_equal(average_ranks(values).numpy(), scipy.stats.rankdata(values.numpy(), axis=1))
+    np.testing.assert_array_equal(row_average_ranks(values).numpy(), scipy.stats.rankdata(values.numpy(), axis=1))
     a, b = tied_maps(3, 224, 224, 3), tied_maps(3, 224, 224, 4)
     b[0] = a[0]
     a[2] = 0.0

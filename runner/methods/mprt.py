@@ -47,6 +47,7 @@ from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers
 from runner.methods.base import BatchOutput, Columns, Method, Runtime, forward, gradients, register, select_targets
 from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.ranking import ranks_of_sorted
 from runner.schema import TargetMode
 from runner.stats import constant_rows
 from runner.tables import declare
@@ -109,23 +110,6 @@ class MprtConfig(CamConfig):
 # Each similarity is split in two: what it needs of the trained maps (`reference`, computed once per batch) and
 # the comparison with one step's maps (`compare`), so that every step redoes only the randomised side; all target
 # layers' maps (at the input's size) are compared as one stack of rows.
-def average_ranks(values: torch.Tensor) -> torch.Tensor:
-    """(N, D) float64 ranks 1..D of each row, ties given the mean of the ranks they span (scipy's `rankdata`)."""
-    return _ranks_of_sorted(*values.sort(dim=1, stable=True))
-
-
-def _ranks_of_sorted(ordered: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """(N, D) float64 average ranks from a row-wise sort (values (N, D), their indices (N, D))."""
-    n, d = ordered.shape
-    position = torch.arange(d, device=ordered.device).expand(n, d)  # (N, D)
-    differs = ordered[:, 1:] != ordered[:, :-1]  # (N, D-1): a tie group ends between two sorted positions
-    yes = torch.ones(n, 1, dtype=torch.bool, device=ordered.device)
-    first = torch.where(torch.cat([yes, differs], dim=1), position, 0).cummax(dim=1).values  # group's first position
-    last = torch.where(torch.cat([differs, yes], dim=1), position, d - 1).flip(1).cummin(dim=1).values.flip(1)
-    mean = (first + last).double() / 2 + 1  # (N, D) the mean of ranks first+1 .. last+1, in sorted order
-    return torch.empty_like(mean).scatter_(1, order, mean)
-
-
 def _descending(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of (N, ...) sorted from the largest, ties in pixel order: (values negated (N, D), indices (N, D)).
     One sort serves both the ranks (of the negated map) and the top pixels."""
@@ -135,7 +119,7 @@ def _descending(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _unit_ranks(descending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """(N, D) average ranks of each row, centred and divided by their norm (NaN for a constant row), from
     `_descending`: the ranks of the negated map are D + 1 minus the map's, so its centred ranks are negated."""
-    ranks = _ranks_of_sorted(*descending)  # (N, D) ranks of -map
+    ranks = ranks_of_sorted(*descending)  # (N, D) ranks of -map
     ranks = ranks.mean(dim=1, keepdim=True) - ranks  # centred ranks of the map
     return ranks / ranks.norm(dim=1, keepdim=True)
 
