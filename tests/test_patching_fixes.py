@@ -230,6 +230,34 @@ def test_an_ordinary_pair_is_not_flagged() -> None:
     torch.testing.assert_close(columns["restoration"], torch.ones(2))  # the whole layer restores everything
 
 
+def test_a_pair_whose_outputs_barely_differ_is_flagged_small_span(caplog: pytest.LogCaptureFixture) -> None:
+    """Noise of std 1e-3 moves the logit by about 1e-3 of its size: below min_span (0.05) the restoration would
+    divide by float noise, so it is NaN and flagged; the measurement (`patched`) is still reported."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 3, 4, 4)
+    faint = CorruptionConfig(kind=CorruptionKind.noise, std=1e-3)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        columns = patch(frozen(CornerNet()), x, ["conv"], units=PatchUnit.cell, grid=[2, 2], corruption=faint)
+    span = (columns["clean"] - columns["corrupted"]).abs()
+    assert bool((span < 0.05 * columns["clean"].abs()).all()) and bool((span > 0).all())  # small, not zero
+    assert bool(columns["small_span"].all()) and bool(columns["restoration"].isnan().all())
+    assert torch.isfinite(columns["patched"]).all()
+    assert set(columns["degenerate_reason"]) == {""}  # a weak corruption, not a degenerate set-up
+    warnings = [r.getMessage() for r in caplog.records if "min_span" in r.getMessage()]
+    assert len(warnings) == 1 and "'s0'" in warnings[0] and "\n" not in warnings[0]
+    unflagged = patch(frozen(CornerNet()), x, ["conv"], units=PatchUnit.cell, grid=[2, 2], corruption=faint,
+                      min_span=0.0)  # fmt: skip
+    assert not bool(unflagged["small_span"].any()) and bool(torch.isfinite(unflagged["restoration"]).all())
+    strong = patch(frozen(CornerNet()), x, ["conv"], units=PatchUnit.layer)  # noise of std 1: a real difference
+    assert not bool(strong["small_span"].any())
+    torch.testing.assert_close(strong["restoration"], torch.ones(2))
+
+
+def test_min_span_is_checked_at_start_up() -> None:
+    with pytest.raises(RunnerError, match=r"method.patching.min_span=-0.1 \(finite, >= 0\)"):
+        PatchingMethodConfig(patching=PatchingConfig(min_span=-0.1)).check()
+
+
 def test_a_sample_paired_with_itself_among_others(tmp_path: Path) -> None:
     config = make_config(
         "experiment=patching_effnet", "data.photos=[chelsea,coffee]", "data.image_size=32",

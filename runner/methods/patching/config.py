@@ -70,6 +70,9 @@ class PatchingConfig:
     reuse_prefix: bool = True  # run the unpatched prefix once per chunk, at batch 1 (falls back if the model can't)
     local_recompute: bool = True  # cells in a chain of local ops (VGG features): recompute only each cell's cone
     call: int = 0  # which call of a module used several times per forward is patched
+    # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span and
+    # its restoration is NaN: dividing by a near-zero difference makes any patch look like a huge restoration.
+    min_span: float = 0.05
 
 
 def is_valid_box(box: list[float]) -> bool:
@@ -105,11 +108,14 @@ class PatchingMethodConfig(MethodConfig):
             or not math.isfinite(c.sigma)
             or c.sigma <= 0
             or p.call < 0
+            or not math.isfinite(p.min_span)
+            or p.min_span < 0
             or (p.contrast_class is not None and p.contrast_class < 0)
         ):
             raise RunnerError(
                 f"Out of range: method.patching.corruption.std={c.std} (finite, >= 0),"
                 f" corruption.sigma={c.sigma} (finite, > 0), method.patching.call={p.call} (>= 0),"
+                f" method.patching.min_span={p.min_span} (finite, >= 0),"
                 f" method.patching.contrast_class={p.contrast_class} (null or a class id >= 0)."
             )
         if not is_valid_box(c.box):

@@ -3,6 +3,8 @@ target layer in each direction (exactly through engine.py, estimated through att
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -19,9 +21,18 @@ from runner.methods.patching.config import PatchDirection, PatchingMethodConfig,
 from runner.methods.patching.corruption import corrupt
 from runner.methods.patching.engine import ExactEngine
 from runner.methods.patching.metric import metric
-from runner.methods.patching.rows import UNDEFINED, Site, degenerate_reasons, unit_columns
+from runner.methods.patching.rows import (
+    SMALL_SPAN_WARNING,
+    UNDEFINED,
+    Site,
+    degenerate_reasons,
+    small_spans,
+    unit_columns,
+)
 from runner.methods.patching.units import Units, enumerate_units
 from runner.ranking import spearman
+
+log = logging.getLogger(__name__)
 
 
 @register(PatchingMethodConfig)
@@ -69,6 +80,7 @@ class Patching(Method):
             self.warned,
         )  # fmt: skip
         undefined = [any(r in UNDEFINED for r in rs.split(",")) for rs in reasons]  # per sample
+        small = self._small_spans(batch, metric_clean, metric_corrupted, undefined)  # per sample
         names = [n for n, _ in self.layers]
         estimates = (
             estimate_maps(self.p.metric, self.p.directions, logits, acts, names, target, contrast, b)
@@ -90,7 +102,7 @@ class Patching(Method):
                     units = enumerate_units(name, tuple(base.shape), self.p.units, self.p.grid, self.p.cell_size)
                     site = Site(
                         i, direction, name, self.module_types[name], units, self.p.metric, target[i], contrast[i],
-                        metric_clean[i], metric_corrupted[i], corrupted_ids[i], reasons[i], undefined[i],
+                        metric_clean[i], metric_corrupted[i], corrupted_ids[i], reasons[i], undefined[i], small[i],
                     )  # fmt: skip
                     parts += self._unit_rows(model, base_input, base, source, site, estimates.get((direction, name)))
         columns = concat_columns(parts)
@@ -104,6 +116,22 @@ class Patching(Method):
     def metric(self, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:
         """(n,) metric of logits (n, K) for the class `target` (and `contrast` for logit_diff), per row."""
         return metric(self.p.metric, logits, target, contrast)
+
+    def _small_spans(
+        self, batch: Batch, m_clean: torch.Tensor, m_corrupted: torch.Tensor, undefined: list[bool]
+    ) -> list[bool]:
+        """Per sample, whether its pair's span is below `min_span` (undefined pairs are flagged as such instead);
+        warns once per run."""
+        flags = small_spans(m_clean, m_corrupted, self.p.min_span).tolist()
+        small = [bool(f) and not u for f, u in zip(flags, undefined, strict=True)]
+        if any(small) and "small_span" not in self.warned:
+            self.warned.add("small_span")
+            i = small.index(True)
+            span = float((m_clean[i] - m_corrupted[i]).abs())
+            log.warning(SMALL_SPAN_WARNING.format(
+                sample=batch.sample_ids[i], metric=self.p.metric.value, span=span, min_span=self.p.min_span,
+            ))  # fmt: skip
+        return small
 
     def _contrast(self, corrupted_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.p.contrast_class is not None:

@@ -35,6 +35,7 @@ PATCHING_SCHEMA = declare(
         *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),
         pa.field("degenerate", pa.bool_()),
         pa.field("degenerate_reason", pa.string()),
+        pa.field("small_span", pa.bool_()),  # |clean - corrupted| below method.patching.min_span: restoration NaN
         optional("rank_correlation", pa.float32(), "method.patching.mode=attribution_topk"),
     ],
 )
@@ -53,6 +54,19 @@ DEGENERATE_WARNINGS = {
 }
 # Reasons that leave restoration undefined (constant_logits alone leaves it a number, if a meaningless one).
 UNDEFINED = ("self_pair", "target_is_contrast", "zero_span")
+SMALL_SPAN_WARNING = (
+    "patching: sample '{sample}': clean and corrupted {metric} differ by {span:.3g}, below method.patching.min_span"
+    " = {min_span} of their size, so restoration (patched - corrupted) / (clean - corrupted) divides by a near-zero"
+    " difference; its restoration is NaN and its rows have small_span=True (warned once per run). Use a stronger"
+    " corruption, or lower method.patching.min_span."
+)
+
+
+def small_spans(m_clean: torch.Tensor, m_corrupted: torch.Tensor, min_span: float) -> torch.Tensor:
+    """(B,) bool: |clean - corrupted| below `min_span` x max(|clean|, |corrupted|), a relative threshold, so it
+    means the same for a trained model's logits of 30 and an untrained one's of 0.01."""
+    span = (m_clean - m_corrupted).abs()  # (B,)
+    return span < min_span * torch.maximum(m_clean.abs(), m_corrupted.abs())
 
 
 def degenerate_reasons(
@@ -104,6 +118,7 @@ class Site:
     corrupted_id: str
     reason: str  # degenerate reasons, comma-joined ("" if none)
     undefined: bool  # a reason that leaves restoration undefined
+    small_span: bool = False  # |clean - corrupted| below method.patching.min_span: restoration NaN
 
     @property
     def base_metric(self) -> torch.Tensor:
@@ -118,7 +133,7 @@ def unit_columns(site: Site, order: list[int], kind: str, patched: torch.Tensor)
     device = patched.device  # every tensor column on the rows' device: the table concatenates them
     span = site.clean - site.corrupted
     restoration = (patched.detach().float() - site.corrupted) / span  # (n,)
-    if site.undefined:  # a zero (or float-noise) span: NaN, not the +-inf or huge number the division gives
+    if site.undefined or site.small_span:  # a zero or near-zero span: NaN, not the +-inf or huge number it gives
         restoration = torch.full_like(restoration, float("nan"))
     return {
         "sample_index": torch.full((n,), site.sample_index, device=device),
@@ -143,4 +158,5 @@ def unit_columns(site: Site, order: list[int], kind: str, patched: torch.Tensor)
         "restoration": restoration,
         "degenerate": torch.full((n,), bool(site.reason), device=device),
         "degenerate_reason": [site.reason] * n,
+        "small_span": torch.full((n,), site.small_span, device=device),
     }
