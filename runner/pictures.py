@@ -71,10 +71,15 @@ def drawn_count(batch: Batch, limit: int) -> int:
     return max(0, min(len(batch.sample_ids), limit - batch.first_index))
 
 
-def _axes_grid(panels: int, columns: int, panel_inches: float, header_inches: float) -> tuple[Any, np.ndarray]:
-    """A figure of `panels` axes wrapped at `columns` per row (constrained layout), and its axes (rows, cols)."""
+def _axes_grid(
+    panels: int, columns: int, panel_inches: float, header_inches: float, width: float | None = None
+) -> tuple[Any, np.ndarray]:
+    """A figure of `panels` axes in even rows of at most `columns` (constrained layout), and its axes (rows, cols).
+    `width`: the figure's width in inches, the panels as large as fit (at most twice `panel_inches`)."""
     plt = figure_style.pyplot()
     rows, cols = figure_style.grid_shape(panels, columns)
+    if width is not None:
+        panel_inches = min(2 * panel_inches, 0.92 * width / cols)  # room for the colour bar beside the grid
     fig, axes = plt.subplots(
         rows, cols, figsize=(cols * panel_inches, rows * panel_inches + header_inches), squeeze=False,
         layout="constrained",
@@ -117,7 +122,8 @@ def overlay_figure(
 ) -> Any:
     """The input (H, W, 3), then each layer's map (H, W) in [0, 1] over it, titled with the layer and its map size;
     wrapped at `figures.columns` panels a row, one colour bar, `note` (the maps' scaling) under `title`."""
-    fig, axes = _axes_grid(len(labels) + 1, figures.columns, figure_style.PANEL_INCHES, 0.9)
+    width = figure_style.full_width(figures)
+    fig, axes = _axes_grid(len(labels) + 1, figures.columns, figure_style.PANEL_INCHES, 0.9, width)
     flat = axes.flat
     flat[0].imshow(image)
     flat[0].set_title(f"input {image.shape[0]}x{image.shape[1]}", fontsize=figure_style.PANEL_TITLE_SIZE)
@@ -170,7 +176,10 @@ def write_overlays(
     labels = _layer_labels(layers)
     written = []
     for i, sample_id in shown:
-        title = f"{sample_id}: {method}"
+        title = f"{sample_id}"
+        if int(batch.labels[i]) >= 0:  # the true class beside the explained one: a wrong prediction shows
+            title += f" (true: {class_label(int(batch.labels[i]), explained.names if explained else None)})"
+        title += f": {method}"
         if explained is not None:
             target = explained.target[i]
             title += (
@@ -240,17 +249,21 @@ def write_feature_grid(
 
 # ---- patching heatmaps --------------------------------------------------------------------------------------------
 def patching_figure(
-    image: np.ndarray, layers: list[str], grids: list[np.ndarray], title: str, figures: FiguresConfig
-) -> Any:
-    """Each layer's cell grid (gh, gw) of restoration over the dimmed photo (H, W, 3), upsampled nearest and
-    translucent, on one scale centred on 0 with one colour bar; wrapped at `figures.columns` panels a row."""
+    image: np.ndarray, layers: list[str], grids: list[np.ndarray], title: str, figures: FiguresConfig,
+    quantity: str = "restoration",
+) -> Any:  # fmt: skip
+    """Each layer's cell grid (gh, gw) of `quantity` (restoration, or a noising patch's drop) over the dimmed photo
+    (H, W, 3), upsampled nearest and translucent, on one scale centred on 0 with one colour bar; in even rows of at
+    most `figures.columns` panels."""
     finite = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.array([])
     # Finite values only: a degenerate pair (paired with itself, target == contrast) has every restoration
     # NaN, and its picture is then an empty grid over the photo, not a crash that loses the run.
     scale = max(1e-6, float(np.abs(finite).max()) if finite.size else 1.0)
     dimmed = (1 - DIM) * image + DIM * 0.5  # (H, W, 3), blended towards mid-grey
     size = image.shape[:2]
-    fig, axes = _axes_grid(len(layers), figures.columns, figure_style.PANEL_INCHES, 0.9)
+    fig, axes = _axes_grid(
+        len(layers), figures.columns, figure_style.PANEL_INCHES, 0.9, figure_style.full_width(figures)
+    )
     shown = None
     for ax, layer, grid in zip(axes.flat, layers, grids, strict=False):  # axes: whole rows, some unused
         cells = F.interpolate(torch.from_numpy(grid).float()[None, None], size=size, mode="nearest")[0, 0]  # (H, W)
@@ -259,9 +272,9 @@ def patching_figure(
         ax.set_title(f"{layer} {grid.shape[0]}x{grid.shape[1]} cells", fontsize=figure_style.PANEL_TITLE_SIZE)
     if shown is not None:
         solid = figure_style.pyplot().cm.ScalarMappable(norm=shown.norm, cmap=shown.cmap)  # opaque, as above
-        fig.colorbar(solid, ax=axes.ravel().tolist(), shrink=0.8, label="restoration")
+        fig.colorbar(solid, ax=axes.ravel().tolist(), shrink=0.8, label=quantity)
     width = fig.get_size_inches()[0]
-    text = f"{title}\nrestoration per patched cell over the dimmed clean photo; one scale, centred on 0 (±{scale:.3g})"
+    text = f"{title}\n{quantity} per patched cell over the dimmed clean photo; one scale, centred on 0 (±{scale:.3g})"
     fig.suptitle(_wrapped(text, width, figure_style.TITLE_SIZE), fontsize=figure_style.TITLE_SIZE)
     return fig
 
@@ -301,10 +314,16 @@ def write_patching_heatmaps(
                 for r in cells:
                     grid[columns["y"][r], columns["x"][r]] = restoration[r]
                 grids.append(grid)
+            noising = direction == "noising"
+            if noising:  # what matters is what breaks the output: drawn as the drop, 1 - restoration
+                grids = [1 - g for g in grids]
+            quantity = "drop (1 - restoration)" if noising else "restoration"
             undefined = "" if any(np.isfinite(g).any() for g in grids) else ", restoration undefined (NaN)"
             target = "" if targets is None else f", target {class_label(int(targets[rows[0]]), class_names)}"
             title = f"{sample_id} vs corrupted {columns['corrupted_id'][rows[0]]}: {direction} ({measured}){target}"
-            fig = patching_figure(_display(batch.x[i].detach().float()), layers, grids, title + undefined, figures)
+            fig = patching_figure(
+                _display(batch.x[i].detach().float()), layers, grids, title + undefined, figures, quantity
+            )
             stem = directory / f"{batch.first_index + i:06d}_{_safe(sample_id)}_patching_{direction}"
             written.append(figure_style.save(fig, stem, figures))
     return written

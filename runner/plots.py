@@ -1,14 +1,18 @@
 """Plots of result tables: per-layer curves in model order with 95% bootstrap intervals across samples.
 
 - `per_layer_figure(frame, value, by)`: x the layers in model order (`layer_index`), y the mean of `value` over
-  samples with its 95% percentile bootstrap interval (runner/analysis.py `summarise`) as a shaded band, one line
-  per value of `by` (a swept column such as `sweep.method`, or `method`, `variant`, `cam_method`).
+  samples with its 95% percentile bootstrap interval (runner/analysis.py `summarise`) as a shaded band, one panel
+  per value of `by` (a swept column such as `sweep.method`) on one y scale; a random-map baseline dashed orange
+  beside the explanation's dark blue line.
 - `mprt_figure(frame, similarity, by)`: x the randomisation step (ticks: the module re-initialised up to there),
   y the mean similarity to the trained model's map with its interval, one line per layer in model order.
 - `table_figures(table, frame, by)`: the standard figures of one results table, each with a one-sentence caption
   (what `runner report` shows); [] for a table without a standard figure or a frame with nothing to draw.
 
-A point with one sample has no interval (NaN): it is drawn without a band. NaN values (undefined statistics,
+Every figure is as wide as the page (`figures.columns` panels), its legend outside the panels. A point with one
+sample has no interval (NaN): it is drawn without a band; bands made of fewer than five samples are grey and the
+caption says so. Patching figures draw `patching_effects`, one statistic per pair that the report's table
+summarises too: restoration where denoising, the drop (1 - restoration) where noising. NaN values (undefined statistics,
 e.g. a degenerate map's faithfulness) are left out before averaging; captions say how many samples entered.
 Style (sizes, fonts, colour maps, saving) comes from runner/figure_style.py; the caller saves each Figure with
 `figure_style.save`, which closes it.
@@ -32,15 +36,26 @@ Figure = Any  # matplotlib.figure.Figure; matplotlib is imported on first use (i
 
 BAND_ALPHA = 0.2  # the interval band's opacity: the line stays readable through overlapping bands
 LINE_COLOUR_CMAP = "tab10"  # categorical lines (swept values, methods): distinct hues
-TICK_SIZE = 7  # points; layer names are long (_blocks.15._depthwise_conv), so smaller than panel titles
 AXES_SHARE = 0.78  # the part of a figure's width the axes take (the rest: y label, ticks, margins)
-PLOT_HEIGHT = 3.2  # inches of one panel of curves
+PLOT_HEIGHT = 4.0  # inches of one row of panels of curves
 REFERENCE = "reference"  # gid of a drawn reference line (y = 0), left out of legends
 MAX_STEP_TICKS = 12  # an MPRT run may re-initialise dozens of modules: label at most this many steps
+CAM_HEADLINE = "cam_frac_zero"  # the cam table's figure without AUCs: a raw map's maximum compares no layers
+PAIR_KEYS = (
+    "sample",
+    "sample_id",
+    "corrupted_id",
+    "direction",
+    "layer",
+    "layer_index",
+    "unit",
+    "patch_method",
+    "metric",
+)
 CAPTION_WORDS = {
     "deletion_auc": "deletion AUC (lower: the map's top pixels matter more)",
     "insertion_auc": "insertion AUC (higher: the map's top pixels suffice)",
-    "cam_max": "the map's maximum",
+    "cam_frac_zero": "the share of the map at zero (no positive evidence; scale-free, unlike the raw map's values)",
     "restoration": "restoration (1: the patch restores the clean output)",
     "spearman": "Spearman's rho between the CAM and the patching effects",
 }
@@ -50,11 +65,12 @@ def per_layer_figure(
     frame: pd.DataFrame, value: str, by: str | None = None, title: str | None = None,
     figures: FiguresConfig | None = None, *, baseline: str | None = None,
 ) -> Figure:  # fmt: skip
-    """`value`'s mean over samples per layer (model order) with its 95% bootstrap band, one line per `by` value.
+    """`value`'s mean over samples per layer (model order) with its 95% bootstrap band: one panel per value of `by`
+    (small multiples on one y scale, not one tangle of lines and bands).
 
-    `baseline`: a second column (e.g. `random_value`) drawn dashed in each line's colour.
+    `baseline`: a second column (e.g. `random_value`) drawn dashed in a contrasting colour in each panel.
     """
-    return _per_layer(frame, value, [by] if by else [], title, figures, baseline)[0]
+    return _per_layer(frame, value, [by] if by else [], [], title, figures, baseline)[0]
 
 
 def mprt_figure(
@@ -83,78 +99,100 @@ def table_figures(
 
 
 def _per_layer(
-    frame: pd.DataFrame, value: str, lines: Sequence[str], title: str | None, figures: FiguresConfig | None,
-    baseline: str | None = None, ylabel: str | None = None,
+    frame: pd.DataFrame, value: str, panels: Sequence[str], lines: Sequence[str], title: str | None,
+    figures: FiguresConfig | None, baseline: str | None = None, ylabel: str | None = None,
 ) -> tuple[Figure, pd.DataFrame]:  # fmt: skip
-    """The per-layer figure and its summary rows (layer, *lines, n, mean, ci_low, ci_high)."""
+    """The per-layer figure, one panel per value of the `panels` columns and one line per value of `lines` in each,
+    and its summary rows (*panels, *lines, layer, n, mean, ci_low, ci_high)."""
     figures = figures or FiguresConfig()
     plt = style.pyplot()
     frame, unit = _with_unit(frame)
     layers = layers_in_model_order(frame)
-    lines = [c for c in lines if c in frame.columns]
-    summary = _summary(frame, value, [*lines, "layer"], unit)
-    base = _summary(frame, baseline, [*lines, "layer"], unit) if baseline and baseline in frame.columns else None
-    fig, ax = plt.subplots(figsize=(_layer_width(len(layers), figures), PLOT_HEIGHT))
-    x = np.arange(len(layers))  # (L,) positions of the layers in model order
-    colours = plt.get_cmap(LINE_COLOUR_CMAP).colors
-    keys = _line_keys(summary, lines)
-    for k, key in enumerate(keys):
-        colour = colours[k % len(colours)]
-        label = _label(lines, key) if lines else ("explanation" if base is not None else value)
-        _draw_line(ax, x, _select(summary, lines, key), layers, colour, label, "-")
-        if base is not None:
-            _draw_line(ax, x, _select(base, lines, key), layers, colour, f"{label} (random map)" if lines else
-                       "random map", "--")  # fmt: skip
-    if not keys:
-        ax.text(0.5, 0.5, f"no {value} values", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlim(-0.5, max(len(layers) - 0.5, 0.5))
-    _layer_ticks(ax, fig, layers)
-    ax.set_xlabel("layer (model order)", fontsize=style.PANEL_TITLE_SIZE)
-    ax.set_ylabel(ylabel or f"mean {value}", fontsize=style.PANEL_TITLE_SIZE)
-    ax.tick_params(axis="y", labelsize=TICK_SIZE)
-    ax.grid(True, alpha=0.3)
-    ax.set_title(
-        title or f"{value} per layer" + (f" by {', '.join(lines)}" if lines else ""), fontsize=style.TITLE_SIZE
+    panels = [c for c in panels if c in frame.columns]
+    lines = [c for c in lines if c in frame.columns and c not in panels]
+    summary = _summary(frame, value, [*panels, *lines, "layer"], unit)
+    base = _summary(frame, baseline, [*panels, *lines, "layer"], unit) if baseline and baseline in frame else None
+    panel_keys = _line_keys(summary, panels) or [()]
+    width = style.full_width(figures)
+    most = max(1, int(width // max(4.0, 0.45 * len(layers) + 1.5)))  # panels a row: room for the layer names
+    rows, cols = style.grid_shape(len(panel_keys), most)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width, PLOT_HEIGHT * rows + 0.6), squeeze=False, sharey=True, layout="constrained"
     )
-    if lines or base is not None:
-        _legend(ax, fontsize=TICK_SIZE, ncol=2 if len(ax.get_lines()) > 6 else 1, loc="best")
-    fig.tight_layout()
+    few = bool(len(summary)) and int(summary["n"].min()) < style.FEW_SAMPLES
+    x = np.arange(len(layers))  # (L,) positions of the layers in model order
+    colours = _line_colours(len(_line_keys(summary, lines)) if lines else 1)
+    legend: dict[str, Any] = {}
+    for ax, pkey in zip(axes.flat, panel_keys, strict=False):
+        part = _select(summary, panels, pkey) if panels else summary
+        base_part = None if base is None else (_select(base, panels, pkey) if panels else base)
+        keys = _line_keys(part, lines)
+        for k, key in enumerate(keys):
+            colour = colours[k % len(colours)] if lines else style.EXPLANATION_COLOUR
+            label = _label(lines, key) if lines else ("explanation" if base is not None else value)
+            legend[label] = _draw_line(ax, x, _select(part, lines, key), layers, colour, label, "-", few)
+            if base_part is not None:
+                rows_b = _select(base_part, lines, key)
+                legend[f"{label} (random map)" if lines else "random map"] = _draw_line(
+                    ax, x, rows_b, layers, style.BASELINE_COLOUR, "random map", "--", few
+                )
+        if not keys:
+            ax.text(0.5, 0.5, f"no {value} values", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlim(-0.5, max(len(layers) - 0.5, 0.5))
+        _layer_ticks(ax, fig, layers, panel_width=width / cols)
+        ax.set_xlabel("layer (model order)", fontsize=style.PANEL_TITLE_SIZE)
+        ax.tick_params(axis="y", labelsize=style.TICK_SIZE)
+        ax.grid(True, alpha=0.3)
+        if panels:
+            ax.set_title(_label(panels, pkey, named=True), fontsize=style.PANEL_TITLE_SIZE)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel or f"mean {value}", fontsize=style.PANEL_TITLE_SIZE)
+    for ax in list(axes.flat)[len(panel_keys) :]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{value} per layer", fontsize=style.TITLE_SIZE)
+    if len(legend) > 1 or lines:  # outside the panels, above them: never over the data
+        fig.legend(list(legend.values()), list(legend), loc="outside upper center", ncol=min(len(legend), 6),
+                   fontsize=style.TICK_SIZE, frameon=False)  # fmt: skip
     return fig, summary
 
 
-def _draw_line(ax: Any, x: np.ndarray, rows: pd.DataFrame, layers: list[str], colour: Any, label: str, ls: str) -> None:
-    """One line (a marker per point: a lone point stays visible) and its band where an interval exists."""
+def _line_colours(n: int) -> list[Any]:
+    """`n` distinct hues for categorical lines, the baseline's orange left out (it marks random maps)."""
+    plt = style.pyplot()
+    palette = [c for i, c in enumerate(plt.get_cmap(LINE_COLOUR_CMAP).colors) if i not in (1, 7)]  # no orange, grey
+    return palette[: max(n, 1)] if n <= len(palette) else list(plt.get_cmap(LINE_COLOUR_CMAP).colors)
+
+
+def _draw_line(
+    ax: Any, x: np.ndarray, rows: pd.DataFrame, layers: list[str], colour: Any, label: str, ls: str, few: bool
+) -> Any:
+    """One line (a marker per point: a lone point stays visible) and its band where an interval exists; the band
+    grey where fewer than FEW_SAMPLES samples made it. Returns the line (a legend handle)."""
     rows = rows.set_index("layer").reindex(layers)
-    ax.plot(x, rows["mean"].to_numpy(float), marker="o", markersize=3.5, color=colour, linestyle=ls, label=label)
+    (line,) = ax.plot(x, rows["mean"].to_numpy(float), marker="o", markersize=5, color=colour, linestyle=ls,
+                      linewidth=2, label=label)  # fmt: skip
     low, high = rows["ci_low"].to_numpy(float), rows["ci_high"].to_numpy(float)  # (L,), NaN: < 2 samples
     if np.isfinite(low).any():
-        ax.fill_between(x, low, high, color=colour, alpha=BAND_ALPHA if ls == "-" else BAND_ALPHA / 2, linewidth=0)
+        band = style.FEW_COLOUR if few else colour
+        ax.fill_between(x, low, high, color=band, alpha=BAND_ALPHA if ls == "-" else BAND_ALPHA / 2, linewidth=0)
+    return line
 
 
-def _legend(ax: Any, **kwargs: Any) -> None:
-    """A legend of every line, handles passed explicitly: matplotlib skips labels starting with '_' (EfficientNet's
-    `_blocks.5`, `_conv_head`) when it collects them itself."""
-    lines = [line for line in ax.get_lines() if line.get_gid() != REFERENCE]
-    ax.legend(lines, [line.get_label() for line in lines], **kwargs)
-
-
-def _layer_width(n_layers: int, figures: FiguresConfig) -> float:
-    """The figure's width in inches: grows with the layers, never beyond figures.columns panels."""
-    return min(figures.columns * style.PANEL_INCHES, max(2 * style.PANEL_INCHES, 0.55 * n_layers + 1.5))
-
-
-def _layer_ticks(ax: Any, fig: Any, names: list[str], positions: Sequence[float] | None = None) -> None:
-    """Tick labels `names` rotated (45 degrees, or 90 and smaller where dense) so that neighbours do not overlap."""
+def _layer_ticks(
+    ax: Any, fig: Any, names: list[str], positions: Sequence[float] | None = None, panel_width: float | None = None
+) -> None:
+    """Tick labels `names` rotated (45 degrees, or 90 and smaller where dense) so that neighbours do not overlap
+    (`panel_width`: the inches of one panel, default the figure's width)."""
     positions = list(range(len(names))) if positions is None else list(positions)
     if not names:
         ax.set_xticks([])
         return
     low, high = ax.get_xlim()
-    axes_inches = fig.get_figwidth() * AXES_SHARE
+    axes_inches = (panel_width or fig.get_figwidth()) * AXES_SHARE
     spacing = axes_inches / max((high - low), 1e-9)  # inches between neighbouring positions one unit apart
     gaps = np.diff(sorted(positions)) if len(positions) > 1 else np.array([high - low])
     dx = spacing * float(np.min(gaps))  # inches between the closest two ticks
-    size, rotation = rotation_for(dx, TICK_SIZE)
+    size, rotation = rotation_for(dx, style.TICK_SIZE)
     ax.set_xticks(positions, names, rotation=rotation, fontsize=size)
     for label in ax.get_xticklabels():
         label.set_horizontalalignment("right" if rotation == 45 else "center")
@@ -190,11 +228,15 @@ def _mprt(
     layers = layers_in_model_order(frame) if "layer" in frame.columns else []
     summary = _summary(frame, "value", [*panel_cols, "layer", "step"], unit)
     panels = _line_keys(summary, panel_cols) or [()]
-    rows, cols = style.grid_shape(len(panels), max(1, min(figures.columns // 2, 3)))
-    width = min(figures.columns * style.PANEL_INCHES, max(2 * style.PANEL_INCHES, cols * 2 * style.PANEL_INCHES))
-    fig, axes = plt.subplots(rows, cols, figsize=(width, PLOT_HEIGHT * rows), squeeze=False, sharey=True)
+    width = style.full_width(figures)
+    rows, cols = style.grid_shape(len(panels), max(1, int(width // 5.5)))  # 5.5 in: room for a dozen step names
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width, PLOT_HEIGHT * rows + 0.8), squeeze=False, sharey=True, layout="constrained"
+    )
     cmap = plt.get_cmap(style.FEATURE_CMAP)
     colours = [cmap(v) for v in np.linspace(0.0, 0.85, max(len(layers), 1))]  # early dark, late light: model order
+    few = bool(len(summary)) and int(summary["n"].min()) < style.FEW_SAMPLES
+    legend: dict[str, Any] = {}
     for ax, key in zip(axes.flat, panels, strict=False):
         part = _select(summary, panel_cols, key) if panel_cols else summary
         raw = _select(frame, panel_cols, key) if panel_cols else frame
@@ -203,28 +245,33 @@ def _mprt(
             if rows_l.empty:
                 continue
             x = rows_l["step"].to_numpy(float)  # (S,)
-            ax.plot(x, rows_l["mean"].to_numpy(float), marker="o", markersize=3, color=colour, label=layer)
+            (line,) = ax.plot(x, rows_l["mean"].to_numpy(float), marker="o", markersize=4, linewidth=2,
+                              color=colour, label=layer)  # fmt: skip
+            legend[layer] = line
             low, high = rows_l["ci_low"].to_numpy(float), rows_l["ci_high"].to_numpy(float)
             if np.isfinite(low).any():
-                ax.fill_between(x, low, high, color=colour, alpha=BAND_ALPHA, linewidth=0)
+                band = style.FEW_COLOUR if few else colour
+                ax.fill_between(x, low, high, color=band, alpha=BAND_ALPHA / 2 if few else BAND_ALPHA, linewidth=0)
         _step_ticks(ax, fig, raw, cols)
-        ax.axhline(0.0, color="grey", linewidth=0.6, gid=REFERENCE)  # no similarity: not a legend entry
+        ax.axhline(0.0, color="grey", linewidth=0.8, gid=REFERENCE)  # no similarity: not a legend entry
         ax.set_xlabel("randomised up to (step)", fontsize=style.PANEL_TITLE_SIZE)
-        ax.set_ylabel(f"mean {similarity}", fontsize=style.PANEL_TITLE_SIZE)
-        ax.tick_params(axis="y", labelsize=TICK_SIZE)
+        ax.tick_params(axis="y", labelsize=style.TICK_SIZE)
         ax.grid(True, alpha=0.3)
         if panel_cols:
-            ax.set_title(_label(panel_cols, key), fontsize=style.PANEL_TITLE_SIZE)
-        if len(ax.get_lines()) > 1:  # a layer's line besides the y = 0 reference
-            _legend(ax, fontsize=TICK_SIZE - 1, title="layer", title_fontsize=TICK_SIZE, loc="best")
-        else:
+            ax.set_title(_label(panel_cols, key, named=True), fontsize=style.PANEL_TITLE_SIZE)
+        if len(ax.get_lines()) <= 1:  # the y = 0 reference alone
             ax.text(0.5, 0.5, f"no {similarity} values", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"mean {similarity}", fontsize=style.PANEL_TITLE_SIZE)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(
         f"MPRT: {similarity} to the trained model's map as weights are re-initialised", fontsize=style.TITLE_SIZE
     )
-    fig.tight_layout()
+    if legend:  # one legend for every panel, above them: never over the data
+        fig.legend(list(legend.values()), list(legend), loc="outside upper center", ncol=min(len(legend), 7),
+                   fontsize=style.TICK_SIZE, title="layer (model order)", title_fontsize=style.TICK_SIZE,
+                   frameon=False)  # fmt: skip
     return fig, summary
 
 
@@ -240,27 +287,24 @@ def _step_ticks(ax: Any, fig: Any, raw: pd.DataFrame, cols: int) -> None:
     keep = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), MAX_STEP_TICKS)).round().astype(int))
     ax.set_xlim(steps.min() - 0.5, steps.max() + 0.5)
     labels = [f"{names[i]} ({steps[i]})" for i in keep]
-    width = fig.get_figwidth()
-    fig.set_figwidth(width / cols)  # `_layer_ticks` measures spacing on one panel's width
-    _layer_ticks(ax, fig, labels, steps[keep].tolist())
-    fig.set_figwidth(width)
+    _layer_ticks(ax, fig, labels, steps[keep].tolist(), panel_width=fig.get_figwidth() / cols)
 
 
 # --- the standard figures of each table ---------------------------------------------------------------------
 
 
 def _cam(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
-    """deletion/insertion AUC per layer (those present with values), else the map's maximum."""
+    """deletion/insertion AUC per layer (those present with values), else the share of the map at zero."""
     values = [v for v in ("deletion_auc", "insertion_auc") if v in frame.columns and frame[v].notna().any()]
-    values = values or (["cam_max"] if "cam_max" in frame.columns else [])
+    values = values or ([CAM_HEADLINE] if CAM_HEADLINE in frame.columns else [])
     out = []
     for value in values:
         baseline = f"random_{value}" if f"random_{value}" in frame.columns else None
-        fig, summary = _per_layer(frame, value, _lines(by), None, figures, baseline)
+        fig, summary = _per_layer(frame, value, _lines(by), [], None, figures, baseline)
         what = CAPTION_WORDS.get(value, value)
-        extra = f"; dashed: the same for a random map ({baseline})" if baseline else ""
-        out.append((f"Mean {what} per layer in model order, 95% bootstrap band over samples{extra}"
-                    f"{_n_note(summary, frame, value)}.", fig))  # fmt: skip
+        extra = f"; orange dashed: the same for a random map ({baseline})" if baseline else ""
+        out.append((f"Mean over samples of {what} per layer in model order, 95% bootstrap band{_panels_note(by)}"
+                    f"{extra}{_n_note(summary, frame, value)}.", fig))  # fmt: skip
     return out
 
 
@@ -272,10 +316,10 @@ def _evaluation(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> 
     for key, part in _split(frame, ["metric", "variant"]):
         name = _name(key) or "value"
         baseline = "random_value" if "random_value" in part.columns else None
-        fig, summary = _per_layer(part, "value", _lines(by), f"{name} per layer", figures, baseline, f"mean {name}")
-        extra = "; dashed: the same metric of a random map" if baseline else ""
-        out.append((f"{name}: mean per layer in model order, 95% bootstrap band over samples{extra}"
-                    f"{_n_note(summary, part, 'value')}.", fig))  # fmt: skip
+        fig, summary = _per_layer(part, "value", _lines(by), [], f"{name} per layer", figures, baseline, f"mean {name}")
+        extra = "; orange dashed: the same metric of a random map" if baseline else ""
+        out.append((f"{name}: mean over samples per layer in model order, 95% bootstrap band{_panels_note(by)}"
+                    f"{extra}{_n_note(summary, part, 'value')}.", fig))  # fmt: skip
     return out
 
 
@@ -294,22 +338,47 @@ def _mprt_table(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> 
     return out
 
 
+def patching_effects(frame: pd.DataFrame, keep: Sequence[str] = ()) -> pd.DataFrame:
+    """The patching table's one statistic per (pair, direction, layer, patch method, swept values): `effect`, the
+    restoration where denoising and the drop it causes, 1 - restoration, where noising, of the whole layer or, for
+    finer units, of the strongest unit. NaN restorations (small_span or degenerate pairs) are left out, so a pair
+    with none left has NaN; `unit` and `direction` say which statistic a row holds. `keep`: more columns to keep
+    (a compared column)."""
+    if "restoration" not in frame.columns:
+        return frame.iloc[:0]
+    noising = (frame["direction"] == "noising") if "direction" in frame.columns else False
+    effect = frame["restoration"].where(~noising, 1 - frame["restoration"])  # noising: the drop, 1 = fully broken
+    swept = [c for c in frame.columns if c.startswith("sweep.")]
+    keys = list(dict.fromkeys(c for c in (*PAIR_KEYS, *swept, *keep) if c in frame.columns))
+    per_pair = frame.assign(effect=effect).groupby(keys, sort=False, dropna=False, observed=True)["effect"]
+    return per_pair.max().reset_index()  # max skips NaN; all NaN: NaN
+
+
+def effect_words(direction: str | None, unit: str | None) -> str:
+    """What `patching_effects` holds for one direction and unit, for captions of its table and figure."""
+    whole = unit in (None, "layer")
+    if direction == "noising":
+        what = "the whole layer's" if whole else f"the most damaging {unit}'s"
+        return f"{what} drop, 1 - restoration (1: the corrupted activation breaks the clean output entirely)"
+    what = "the whole layer's" if whole else f"the best {unit}'s"
+    return f"{what} restoration (1: the clean activation restores the clean output)"
+
+
 def _patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
-    """Restoration per layer, one figure per (direction, unit): a whole-layer patch's, else the best unit's."""
+    """Per (direction, unit): `patching_effects` per layer, restoration where denoising, the drop where noising."""
     if "restoration" not in frame.columns:
         return []
+    effects = patching_effects(frame, [by] if by else [])
     out = []
-    for key, part in _split(frame, ["direction", "unit"]):
-        unit = key[1] if len(key) > 1 else None
-        lines = _lines(by, "patch_method", part)
-        keys = [c for c in ("layer", "layer_index", *lines, *_unit_cols(part)) if c in part.columns]
-        if unit not in (None, "layer"):  # many units per layer: the strongest single unit's restoration per sample
-            part = part.groupby(keys, sort=False, dropna=False)["restoration"].max().reset_index()
+    for key, part in _split(effects, ["direction", "unit"]):
+        direction, unit = (key + (None, None))[:2]
+        words = effect_words(direction, unit)
         name = _name(key)
-        how = "mean restoration" if unit in (None, "layer") else f"mean over samples of the best {unit}'s restoration"
-        fig, summary = _per_layer(part, "restoration", lines, f"restoration per layer ({name})", figures, None, how)
-        out.append((f"Patching ({name}): {how} per layer in model order (1: the patch restores the clean output),"
-                    f" 95% bootstrap band over samples{_n_note(summary, part, 'restoration')}.", fig))  # fmt: skip
+        label = "drop" if direction == "noising" else "restoration"
+        fig, summary = _per_layer(part, "effect", _lines(by), _lines(None, "patch_method", part),
+                                  f"{label} per layer ({name})", figures, None, f"mean {label}")  # fmt: skip
+        out.append((f"Patching ({name}): mean over pairs of {words}, per layer in model order, 95% bootstrap band"
+                    f"{_panels_note(by)}{_n_note(summary, part, 'effect')}{_left_out_note(frame, key)}.", fig))  # fmt: skip
     return out
 
 
@@ -319,12 +388,13 @@ def _cam_vs_patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
         return []
     out = []
     for key, part in _split(frame, ["direction"]):
-        lines = _lines(by, "cam_method", part)
+        lines = _lines(None, "cam_method", part)
         name = _name(key)
         title = "CAM vs patching: Spearman's rho per layer" + (f" ({name})" if name else "")
-        fig, summary = _per_layer(part, "spearman", lines, title, figures, None, "mean Spearman's rho")
-        out.append((f"Mean {CAPTION_WORDS['spearman']} per layer in model order{f' ({name})' if name else ''},"
-                    f" 95% bootstrap band over samples{_n_note(summary, part, 'spearman')}.", fig))  # fmt: skip
+        fig, summary = _per_layer(part, "spearman", _lines(by), lines, title, figures, None, "mean Spearman's rho")
+        out.append((f"Mean over samples of {CAPTION_WORDS['spearman']} per layer in model order"
+                    f"{f' ({name})' if name else ''}, 95% bootstrap band{_panels_note(by)}"
+                    f"{_n_note(summary, part, 'spearman')}.", fig))  # fmt: skip
     return out
 
 
@@ -388,9 +458,10 @@ def _name(key: tuple) -> str:
     return " ".join(str(k) for k in key if k is not None and k == k and str(k) != "")
 
 
-def _label(lines: Sequence[str], key: tuple) -> str:
-    """A legend label: the value alone for one column, `column=value` pairs for several."""
-    if len(lines) == 1:
+def _label(lines: Sequence[str], key: tuple, named: bool = False) -> str:
+    """A legend label: the value alone for one column, `column=value` pairs for several (or `named`: a panel's
+    title, which says what the value is)."""
+    if len(lines) == 1 and not named:
         return str(key[0])
     return ", ".join(f"{c.removeprefix('sweep.')}={v}" for c, v in zip(lines, key, strict=True))
 
@@ -411,6 +482,30 @@ def _split(frame: pd.DataFrame, columns: list[str]) -> list[tuple[tuple, pd.Data
     return [(k if isinstance(k, tuple) else (k,), g) for k, g in frame.groupby(present, sort=False, dropna=False)]
 
 
+def _panels_note(by: str | None) -> str:
+    return f"; one panel per {by.removeprefix('sweep.')}" if by else ""
+
+
+def _left_out_note(frame: pd.DataFrame, key: tuple) -> str:
+    """How many pairs `patching_effects` left out (NaN restoration), and why, for a caption."""
+    counts = left_out_pairs(frame[frame["direction"] == key[0]] if key and "direction" in frame.columns else frame)
+    parts = [f"{n} {why}" for why, n in counts.items() if n]
+    return f"; left out: {', '.join(parts)}" if parts else ""
+
+
+def left_out_pairs(frame: pd.DataFrame) -> dict[str, int]:
+    """Pairs (sample, direction, swept values) of a patching frame whose restoration is NaN, by why: small_span
+    (|clean - corrupted| below method.patching.min_span) or degenerate (restoration undefined)."""
+    keys = [c for c in ("sample", "direction", *(c for c in frame.columns if c.startswith("sweep."))) if c in frame]
+    nan = frame["restoration"].isna() if "restoration" in frame.columns else pd.Series(False, index=frame.index)
+    small = frame["small_span"].fillna(False).astype(bool) if "small_span" in frame.columns else nan & False
+    pairs = {
+        "pairs with small_span (|clean - corrupted| below method.patching.min_span)": frame[nan & small],
+        "degenerate pairs (restoration undefined)": frame[nan & ~small],
+    }
+    return {why: len(rows.drop_duplicates(keys)) if keys else int(len(rows) > 0) for why, rows in pairs.items()}
+
+
 def _n_note(summary: pd.DataFrame, frame: pd.DataFrame, value: str) -> str:
     """How many samples entered each point, and how many values were NaN (left out), for a caption."""
     if summary.empty:
@@ -420,6 +515,8 @@ def _n_note(summary: pd.DataFrame, frame: pd.DataFrame, value: str) -> str:
         f"; n = {n.min()} to {n.max()} samples per point"  # fmt: skip
     if (n < 2).any():
         note += " (no band where n = 1)"
+    if (n < style.FEW_SAMPLES).any():
+        note += f"; grey bands: fewer than {style.FEW_SAMPLES} samples, an interval over so few is rough"
     missing = int(frame[value].isna().sum()) if value in frame.columns else 0
     if missing:
         note += f"; {missing} NaN value{'s' if missing != 1 else ''} (undefined) left out"

@@ -44,7 +44,7 @@ SUMMARY_SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cam": (
         ("method", "call"),
         (
-            "cam_max",
+            "cam_frac_zero",  # scale-free; a raw map's cam_max compares no layers (its scale is the layer's own)
             "deletion_auc",
             "insertion_auc",
             "avg_drop",
@@ -55,7 +55,7 @@ SUMMARY_SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),  # fmt: skip
     "evaluation": (("metric", "variant"), ("value", "random_value")),
     "mprt": (("similarity", "step", "randomised_up_to"), ("value",)),
-    "patching": (("direction", "patch_method", "unit", "metric"), ("restoration",)),
+    "patching": (("direction", "patch_method", "unit", "metric"), ("effect",)),  # plots.patching_effects' rows
     "cam_vs_patching": (("cam_method", "direction"), ("spearman",)),
     "sanity": (("randomized", "inner_method"), ("spearman",)),
     "hook_check": (("call",), ("max_abs_diff",)),
@@ -83,6 +83,7 @@ th { background: #f0f0f0; white-space: normal; } td.label { text-align: left; }
 figure { margin: 1em 0; } figcaption { font-size: .9em; color: #444; }
 .gallery { display: flex; flex-wrap: wrap; gap: 1em; }
 .gallery figure { flex: 1 1 100%; margin: 0; }
+.few { color: #9a9a9a; } p.caption { font-size: .9em; color: #444; margin: .2em 0 .6em; }
 """
 
 
@@ -190,8 +191,16 @@ def summary_columns(table: str, frame: pd.DataFrame, extra_keys: Iterable[str] =
     group = ["layer"] if "layer" in frame.columns else []
     group += [k for k in keys if k in frame.columns and (k in ALWAYS_SHOWN or frame[k].nunique(dropna=False) > 1)]
     group += [k for k in extra_keys if k in frame.columns and k not in group]
+    group = [k for k in group if not any(_same_partition(frame, k, e) for e in extra_keys if e in frame and e != k)]
     measured = [v for v in values if v in frame.columns and frame[v].notna().any()]
     return group, measured
+
+
+def _same_partition(frame: pd.DataFrame, a: str, b: str) -> bool:
+    """Whether columns `a` and `b` name the same groups of rows (`method` beside a swept `sweep.method`): one of
+    them says it all, so the other is not shown."""
+    pairs = frame[[a, b]].astype(str).drop_duplicates()
+    return len(pairs) == pairs[a].nunique() == pairs[b].nunique()
 
 
 def summary_frame(table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = ()) -> pd.DataFrame:
@@ -222,8 +231,11 @@ def _number(value: Any) -> str:
     return "–" if number != number else f"{number:.3g}"  # NaN: no value (an interval of one sample)
 
 
-def summary_html(summary: pd.DataFrame) -> str:
-    """The summary as an HTML table in its own scrolling box: label columns, then the mean over [low, high] per value."""
+def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
+    """The summary as an HTML table in its own scrolling box: label columns, then the mean over [low, high] per value;
+    `caption` (the statistic) above it, intervals of fewer than FEW_SAMPLES samples grey with a note below."""
+    from runner.figure_style import FEW_SAMPLES
+
     group = [c for c in summary.columns if ":" not in c]
     values = list(dict.fromkeys(c.split(":")[0] for c in summary.columns if ":" in c))
     if not values:
@@ -231,21 +243,29 @@ def summary_html(summary: pd.DataFrame) -> str:
     head = "".join(f"<th>{_e(c)}</th>" for c in group)
     head += "".join(f"<th>{_e(v)}<br>mean<br>[95% CI]</th>" for v in values) + "<th>n</th>"
     rows = []
+    few = False
     for _, row in summary.head(MAX_SUMMARY_ROWS).iterrows():
         cells = "".join(f'<td class="label">{_e(row[c])}</td>' for c in group)
         for v in values:
-            mean, low, high = (row[f"{v}:{k}"] for k in ("mean", "ci_low", "ci_high"))
-            interval = "" if low != low else f"<br><small>[{_number(low)}, {_number(high)}]</small>"  # narrow columns
+            mean, low, high, n = (row[f"{v}:{k}"] for k in ("mean", "ci_low", "ci_high", "n"))
+            grey = n == n and n < FEW_SAMPLES and low == low
+            few |= bool(grey)
+            attr = ' class="few"' if grey else ""
+            interval = "" if low != low else f"<br><small{attr}>[{_number(low)}, {_number(high)}]</small>"  # narrow
             cells += f"<td>{_number(mean)}{interval}</td>"
         counts = {int(row[f"{v}:n"]) for v in values if row[f"{v}:n"] == row[f"{v}:n"]}
         cells += f"<td>{_e('/'.join(map(str, sorted(counts))))}</td>"
         rows.append(f"<tr>{cells}</tr>")
     more = ""
+    if few:
+        more += (f'<p class="caption"><span class="few">Grey intervals</span>: fewer than {FEW_SAMPLES} samples;'
+                 " a bootstrap interval over so few is rough, read it as a range of the values seen.</p>")  # fmt: skip
     if len(summary) > MAX_SUMMARY_ROWS:
-        more = f"<p>The first {MAX_SUMMARY_ROWS} of {len(summary)} rows; the rest are in the table's Parquet files.</p>"
-    return (
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>{more}'
-    )
+        more += (
+            f"<p>The first {MAX_SUMMARY_ROWS} of {len(summary)} rows; the rest are in the table's Parquet files.</p>"
+        )
+    top = f'<p class="caption">{_e(caption)}</p>' if caption else ""
+    return f'{top}<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>{more}'
 
 
 # ---- figures ----------------------------------------------------------------------------------------------------
@@ -355,12 +375,50 @@ def _tables_html(page: Page, directory: Path, tables: list[str], by: list[str], 
         samples = frame["sample"].nunique() if "sample" in frame.columns else 0
         page.add(f"<p>{len(frame)} rows; {samples} samples; {layers} layers, listed in model order.</p>")
         present = [c for c in by if c in frame.columns]
+        compare = _compare_column(frame, present)
+        if table == "patching" and "restoration" in frame.columns:
+            _patching_html(page, frame, present, compare, figures)
+            continue
         try:
-            page.add(summary_html(summary_frame(table, frame, present)))
+            page.add(summary_html(summary_frame(table, frame, present), SUMMARY_CAPTION))
         except RunnerError as e:
             page.add(f"<p>No summary: {_e(e)}</p>")
-        compare = _compare_column(frame, present)
         page.add(figure_html(table, frame, compare, figures))
+
+
+SUMMARY_CAPTION = (
+    "Per layer in model order: the mean over samples of each column, its 95% bootstrap interval in brackets;"
+    " n: the samples each mean is over."
+)
+
+
+def _patching_html(
+    page: Page, frame: pd.DataFrame, present: list[str], compare: str | None, figures: FiguresConfig
+) -> None:
+    """The patching table, one summary and one figure per direction, both of the same statistic
+    (plots.patching_effects: the whole layer's or the strongest unit's restoration, or drop where noising), and
+    the pairs left out of the means counted."""
+    from runner.plots import effect_words, left_out_pairs, patching_effects
+
+    for why, n in left_out_pairs(frame).items():
+        if n:
+            page.add(f'<p class="note">{n} {_e(why)} left out of the means below (restoration NaN).</p>')
+    keep = [c for c in (*present, compare) if c]
+    effects = patching_effects(frame, keep)
+    for direction, part in effects.groupby("direction", sort=False) if "direction" in effects else [(None, effects)]:
+        units = part["unit"].dropna().unique().tolist() if "unit" in part.columns else []
+        words = effect_words(direction, units[0] if len(units) == 1 else None)
+        label = "drop" if direction == "noising" else "restoration"
+        caption = (f"{(direction or 'patching').capitalize()}: per layer in model order, the mean over pairs of {words}, its 95%"
+                   " bootstrap interval in brackets; n: the pairs each mean is over.")  # fmt: skip
+        try:
+            summary = summary_frame("patching", part, present)
+            summary.columns = [c.replace("effect:", f"{label}:", 1) for c in summary.columns]
+            page.add(summary_html(summary, caption))
+        except RunnerError as e:
+            page.add(f"<p>No summary: {_e(e)}</p>")
+        rows = frame if direction is None else frame[frame["direction"] == direction]
+        page.add(figure_html("patching", rows, compare, figures))
 
 
 def _compare_column(frame: pd.DataFrame, present: list[str]) -> str | None:
@@ -427,12 +485,13 @@ def sweep_report(sweep: SweepInfo, page_dir: Path) -> str:
     page.add(header)
     page.section("Command and provenance", "provenance")
     command = shlex.join(["runner", "-m", *sweep.overrides])
-    first = sweep.jobs[0].path if sweep.jobs else sweep.path
-    page.add(_provenance_html(first, command))
+    found = {job.path: provenance_of(job.path) for job in sweep.jobs}
+    page.add(_sweep_provenance_html(sweep, command, list(found.values())))
     page.section("Jobs", "jobs")
     shared = set.intersection(*(set(job.overrides) for job in sweep.jobs)) if sweep.jobs else set()
     tables = table_names(job.path for job in sweep.jobs)
-    head = "<th>job</th><th>overrides</th><th>status</th>" + "".join(f"<th>{_e(t)} rows</th>" for t in tables)
+    head = "<th>job</th><th>overrides</th><th>status</th><th>config hash</th><th>run id</th>"
+    head += "".join(f"<th>{_e(t)} rows</th>" for t in tables)
     rows = []
     for job in sweep.jobs:
         own = " ".join(o for o in job.overrides if o not in shared)
@@ -441,14 +500,45 @@ def sweep_report(sweep: SweepInfo, page_dir: Path) -> str:
             name = f'<a href="{_e(Path(os.path.relpath(job.path / REPORT_NAME, page_dir)).as_posix())}">{name}</a>'
         status = _status_html(_run_status(job), job.status == "complete", job.status in ("failed", "damaged"))
         counts = "".join(f"<td>{job.tables.get(t, 0)}</td>" for t in tables)
+        ids = "".join(
+            f'<td class="label">{_e(found[job.path].get(k, "unknown"))}</td>' for k in ("config_hash", "run_id")
+        )
         rows.append(f'<tr><td class="label">{name}</td><td class="label"><code>{_e(own)}</code></td>'
-                    f"<td class=\"label\">{status}</td>{counts}</tr>")  # fmt: skip
+                    f"<td class=\"label\">{status}</td>{ids}{counts}</tr>")  # fmt: skip
     page.add(f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>')
     swept = _swept_columns(sweep, tables)
     if swept:
         page.add(f"<p>Compared across: {_e(', '.join(swept))}.</p>")
     _tables_html(page, sweep.path, tables, swept, figures_config(sweep.jobs[0].path if sweep.jobs else None))
     return _document(f"Sweep: {sweep.path.name}", page)
+
+
+def _sweep_provenance_html(sweep: SweepInfo, command: str, found: list[dict[str, Any]]) -> str:
+    """The sweep's own provenance: its command, and per item the value its jobs share, or that they differ (each
+    job's config hash and run id are in the jobs table); the sweep's multirun.yaml, folded."""
+
+    def shared(key: str, show: Any = str) -> str:
+        values = list(dict.fromkeys(show(f[key]) for f in found if f.get(key) is not None))
+        if not values:
+            return "unknown"
+        return _e(values[0]) if len(values) == 1 else _e(f"differs between jobs: {'; '.join(values)}")
+
+    versions = lambda v: ", ".join(f"{k} {x}" for k, x in v.items())  # noqa: E731 - one use
+    items = [
+        ("command", f"<code>{_e(command)}</code>"),
+        ("folder", f"<code>{_e(sweep.path)}</code>"),
+        ("jobs", _e(len(sweep.jobs))),
+        ("commit", shared("git_commit")),
+        ("device", shared("device")),
+        ("samples per job", shared("num_samples")),
+        ("versions", shared("versions", versions)),
+        ("config hash, run id", "one per job: see the jobs table"),
+    ]
+    text = (
+        (sweep.path / "multirun.yaml").read_text(errors="replace") if (sweep.path / "multirun.yaml").is_file() else ""
+    )
+    config = f"<details><summary>The sweep's config (multirun.yaml)</summary><pre>{_e(text)}</pre></details>"
+    return _definition_list(items) + (config if text else "")
 
 
 def _swept_columns(sweep: SweepInfo, tables: list[str]) -> list[str]:
