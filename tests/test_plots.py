@@ -7,12 +7,13 @@ import runpy
 import sys
 from pathlib import Path
 
+import matplotlib.colors
 import numpy as np
 import pandas as pd
 import pytest
 
 from runner import app, figure_style
-from runner.plots import mprt_figure, per_layer_figure, table_figures
+from runner.plots import left_out_pairs, mprt_figure, patching_effects, per_layer_figure, table_figures
 from runner.results import load
 from runner.schema import FiguresConfig
 from runner.summary import layers_in_model_order
@@ -49,20 +50,94 @@ def tick_texts(ax) -> list[str]:  # noqa: ANN001 - a matplotlib Axes
     return [t.get_text() for t in ax.get_xticklabels()]
 
 
-def test_layers_in_model_order_and_one_line_per_swept_value() -> None:
+def test_layers_in_model_order_and_one_panel_per_swept_value() -> None:
     frame = frame_of(
         {"features.28": 28, "features.2": 2, "features.10": 10}, samples=3, methods=("layercam", "gradcam")
     )
     fig = per_layer_figure(frame, "value", by="sweep.method")
-    ax = fig.axes[0]
-    assert tick_texts(ax) == ["features.2", "features.10", "features.28"]
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert sorted(lines) == ["gradcam", "layercam"]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["gradcam", "layercam"]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["method=gradcam", "method=layercam"]  # small multiples, sorted
+    for ax in panels:
+        assert tick_texts(ax) == ["features.2", "features.10", "features.28"]
+        assert len(ax.get_lines()) == 1 and len(ax.collections) == 1  # one line, one band: no spaghetti
+        assert "layer" in ax.get_xlabel()
     # y follows the x order: layercam (m=0) at features.2 is mean(2 + s for s in 0..2) = 3, gradcam 103.
-    np.testing.assert_allclose(lines["layercam"].get_ydata(), [3, 11, 29])
-    np.testing.assert_allclose(lines["gradcam"].get_ydata(), [103, 111, 129])
-    assert "layer" in ax.get_xlabel() and ax.get_title()
+    np.testing.assert_allclose(panels[0].get_lines()[0].get_ydata(), [103, 111, 129])
+    np.testing.assert_allclose(panels[1].get_lines()[0].get_ydata(), [3, 11, 29])
+    assert panels[0].get_shared_y_axes().joined(panels[0], panels[1])  # one y scale to compare them on
+    assert fig.get_suptitle()
+
+
+def test_baseline_in_a_contrasting_colour_and_the_legend_outside_the_data() -> None:
+    frame = frame_of({"a": 0, "b": 1, "c": 2}, samples=6)
+    frame["random_value"] = frame["value"] + 5
+    fig = per_layer_figure(frame, "value", baseline="random_value")
+    ax = fig.axes[0]
+    explanation, random = ax.get_lines()
+    assert explanation.get_linestyle() == "-" and random.get_linestyle() == "--"
+    assert explanation.get_color() == figure_style.EXPLANATION_COLOUR
+    assert random.get_color() == figure_style.BASELINE_COLOUR != explanation.get_color()
+    assert ax.get_legend() is None and len(fig.legends) == 1  # the figure's legend, not one over the axes
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["explanation", "random map"]
+    fig.canvas.draw()
+    legend_box = fig.legends[0].get_window_extent()
+    assert not legend_box.overlaps(ax.get_window_extent())  # beside the data, never on it
+
+
+def test_figures_span_the_page_in_readable_fonts() -> None:
+    fig = per_layer_figure(frame_of({"a": 0, "b": 1}, samples=6), "value")
+    assert fig.get_figwidth() == pytest.approx(FiguresConfig().columns * figure_style.PANEL_INCHES)  # 1200 px
+    ax = fig.axes[0]
+    sizes = [t.get_fontsize() for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.xaxis.label)]
+    assert min(sizes) >= 10  # points: 14 px at 100 dpi (was 7 pt, about 9 px)
+
+
+def test_bands_of_fewer_than_five_samples_are_grey_and_said_in_the_caption() -> None:
+    frame = frame_of({"a": 0, "b": 1}, samples=3).rename(columns={"value": "deletion_auc"})
+    [(caption, fig)] = table_figures("cam", frame)
+    assert "grey bands: fewer than 5 samples" in caption
+    [band] = fig.axes[0].collections
+    assert matplotlib.colors.to_hex(band.get_facecolor()[0]) == figure_style.FEW_COLOUR
+    [(caption, fig)] = table_figures(
+        "cam", frame_of({"a": 0, "b": 1}, samples=5).rename(columns={"value": "deletion_auc"})
+    )
+    assert "grey" not in caption
+    [band] = fig.axes[0].collections
+    assert matplotlib.colors.to_hex(band.get_facecolor()[0]) == figure_style.EXPLANATION_COLOUR
+
+
+def test_grids_wrap_into_even_rows() -> None:
+    assert figure_style.grid_shape(6, 5) == (2, 3)  # an overlay's input and five layers: 3 + 3, no orphan
+    assert figure_style.grid_shape(8, 5) == (2, 4)
+    assert figure_style.grid_shape(5, 5) == (1, 5) and figure_style.grid_shape(1, 5) == (1, 1)
+
+
+def patching_frame(restoration: dict[tuple[str, int], list[float]], small: set[int] = frozenset()) -> pd.DataFrame:
+    """A patching-like table: per (direction, sample) the restorations of its cells, at one layer."""
+    rows = []
+    for (direction, sample), values in restoration.items():
+        for cell, r in enumerate(values):
+            rows.append({"sample": sample, "direction": direction, "layer": "l", "layer_index": 0, "unit": "cell",
+                         "y": 0, "x": cell, "patch_method": "exact", "metric": "logit", "small_span": sample in small,
+                         "restoration": np.nan if sample in small else r})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_patching_draws_the_best_cell_and_noising_as_the_drop() -> None:
+    frame = patching_frame(
+        {("denoising", 0): [0.1, 0.5], ("denoising", 1): [0.3, 0.2], ("denoising", 2): [26.85, 0.0],
+         ("noising", 0): [0.9, 0.4], ("noising", 1): [1.0, 0.8], ("noising", 2): [1.0, 1.0]},
+        small={2},
+    )  # fmt: skip
+    effects = patching_effects(frame).set_index(["direction", "sample"])["effect"]
+    assert effects[("denoising", 0)] == pytest.approx(0.5) and effects[("noising", 0)] == pytest.approx(0.6)
+    assert np.isnan(effects[("denoising", 2)])  # small_span: out of the mean, not 26.85 dominating it
+    (denoising, fig_d), (noising, fig_n) = table_figures("patching", frame)
+    np.testing.assert_allclose(fig_d.axes[0].get_lines()[0].get_ydata(), [(0.5 + 0.3) / 2])
+    np.testing.assert_allclose(fig_n.axes[0].get_lines()[0].get_ydata(), [(0.6 + 0.2) / 2])  # 1 - restoration
+    assert "best cell's restoration" in denoising and "most damaging cell's drop" in noising
+    assert "left out: 1 pairs with small_span" in denoising and "left out: 1 pairs with small_span" in noising
+    assert left_out_pairs(frame)["pairs with small_span (|clean - corrupted| below method.patching.min_span)"] == 2
 
 
 def test_band_with_two_samples_none_with_one() -> None:
@@ -82,8 +157,8 @@ def test_nan_values_left_out_and_said_in_the_caption() -> None:
     assert "n = 2 to 3 samples" in caption and "1 NaN value" in caption
     np.testing.assert_allclose(fig.axes[0].get_lines()[0].get_ydata(), [1.0, 2.5])  # b: mean of samples 1 and 2
     only_nan = frame.assign(deletion_auc=np.nan)
-    [(_, fig)] = table_figures("cam", only_nan.assign(cam_max=1.0))  # no AUC values: the map's maximum instead
-    assert fig.axes[0].get_ylabel() == "mean cam_max"
+    [(_, fig)] = table_figures("cam", only_nan.assign(cam_frac_zero=0.5))  # no AUCs: the share of the map at 0
+    assert fig.axes[0].get_ylabel() == "mean cam_frac_zero"
 
 
 def test_mprt_lines_are_layers_in_model_order() -> None:
@@ -100,7 +175,7 @@ def test_mprt_lines_are_layers_in_model_order() -> None:
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_child")][:3] == [
         "_blocks.5", "_blocks.10", "_conv_head"]  # fmt: skip
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["_blocks.5", "_blocks.10", "_conv_head"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["_blocks.5", "_blocks.10", "_conv_head"]
     assert tick_texts(ax) == ["_fc (1)", "_conv_head (2)", "_blocks.15 (3)"]
     np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), [0.76, 0.51, 0.26])  # spearman only, not ssim
     assert len(ax.collections) == 3  # a band per layer (3 samples)
@@ -135,7 +210,7 @@ def test_width_limit_and_readable_ticks_for_thirteen_layers() -> None:
 
 
 def test_per_layer_of_a_partial_sweep_frame_lacking_by() -> None:
-    frame = frame_of({"a": 0, "b": 1}, samples=2).rename(columns={"value": "cam_max"})
+    frame = frame_of({"a": 0, "b": 1}, samples=2).rename(columns={"value": "cam_frac_zero"})
     [(caption, fig)] = table_figures("cam", frame, by="sweep.not_there")
     assert len(fig.axes[0].get_lines()) == 1 and "n = 2 samples" in caption
 
@@ -157,7 +232,7 @@ def test_figures_of_a_real_run(tiny_run: Path) -> None:
     assert [f.axes[0].get_ylabel() for _, f in cam_figures] == ["mean deletion_auc", "mean insertion_auc"]
     for caption, fig in cam_figures:
         assert tick_texts(fig.axes[0]) == ["features.0", "features.2"] and caption.endswith(".")
-        assert "random map" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "random map" in [t.get_text() for t in fig.legends[0].get_texts()]
     eval_figures = table_figures("evaluation", evaluation, by="method")
     metrics = sorted(set(evaluation["metric"]))
     assert len(eval_figures) == evaluation[["metric", "variant"]].drop_duplicates().shape[0] >= len(metrics)
