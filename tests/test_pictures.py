@@ -82,6 +82,7 @@ def test_overlay_is_wrapped_labelled_in_model_order_with_class_name(
     title = fig.get_suptitle()
     row = frame.iloc[0]
     assert f"'{row['target_name']}' ({row['target']})" in title and row["target_name"]
+    assert f"chelsea (true: '{row['label_name']}' ({int(row['label'])}))" in title  # the true class, beside it
     assert f"p = {row['probability']:.3f}" in title
     assert pictures.scale_note(MapScale.per_map) in title.replace("\n", " ")
     assert has_colour_bar(fig)
@@ -158,3 +159,30 @@ def test_patching_heatmap_over_dimmed_photo_with_class_name(tmp_path: Path, save
         assert cells.get_cmap().name == figure_style.DIVERGING_CMAP
         low, high = cells.get_clim()
         assert low == -high  # centred on 0
+
+
+def test_overlay_rows_are_even_without_an_orphan_panel(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
+    cam_run(tmp_path, "layers.include=[_blocks.1,_blocks.3,_blocks.5,_blocks.8,_blocks.11]", "figures.columns=5")
+    ((_, fig),) = saved
+    rows = {}
+    for ax in panels(fig):  # the input and five layers: 2 rows of 3 at 5 a row, not 5 and 1
+        rows.setdefault(round(ax.get_position().y0, 3), []).append(ax)
+    assert sorted(len(r) for r in rows.values()) == [3, 3]
+
+
+def test_noising_heatmap_draws_the_drop(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
+    config = make_config(
+        "experiment=patching_effnet", "data.image_size=32", "layers.include=[_blocks.5]", "method.pictures=true",
+        "method.patching.directions=[noising]", "method.patching.grid=[2,2]", f"figures.dpi={DPI}",
+    )  # fmt: skip
+    frame = pd.read_parquet(app.run(config, tmp_path).tables["patching"]).sort_values(["y", "x"])
+    ((path, fig),) = saved
+    assert path.name == "000000_chelsea_patching_noising.png"
+    assert "drop (1 - restoration) per patched cell" in fig.get_suptitle().replace("\n", " ")
+    (ax,) = panels(fig)
+    cells = np.asarray(ax.images[1].get_array())  # (H, W): each cell's value, nearest-upsampled
+    h, w = cells.shape
+    shown = cells[[0, 0, h - 1, h - 1], [0, w - 1, 0, w - 1]]  # one pixel of each 2x2 cell, row by row
+    np.testing.assert_allclose(shown, 1 - frame["restoration"].to_numpy(), rtol=0, atol=1e-5)
+    bar = next(a for a in fig.axes if a.get_label() == "<colorbar>")
+    assert bar.get_ylabel() == "drop (1 - restoration)"
