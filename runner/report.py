@@ -534,8 +534,14 @@ def _sweep_provenance_html(sweep: SweepInfo, command: str, found: list[dict[str,
         ("versions", shared("versions", versions)),
         ("config hash, run id", "one per job: see the jobs table"),
     ]
+    import yaml  # PyYAML, Hydra's own dependency
+
+    saved = read_yaml(sweep.path / "multirun.yaml")
+    # Its own settings, not Hydra's (launcher, help texts with remote addresses): the jobs' configs are theirs.
     text = (
-        (sweep.path / "multirun.yaml").read_text(errors="replace") if (sweep.path / "multirun.yaml").is_file() else ""
+        yaml.safe_dump({k: v for k, v in saved.items() if k != "hydra"}, sort_keys=False)
+        if isinstance(saved, dict)
+        else ""
     )
     config = f"<details><summary>The sweep's config (multirun.yaml)</summary><pre>{_e(text)}</pre></details>"
     return _definition_list(items) + (config if text else "")

@@ -129,6 +129,43 @@ def test_report_of_a_patching_run(tmp_path: Path) -> None:
     assert "features.0" in text and "features.2" in text
 
 
+def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out(tmp_path: Path) -> None:
+    """The summary and the figure both hold the best cell's restoration per pair (the table was the mean over
+    cells, the figure the best cell's); a small_span pair is left out of both and counted; noising is the drop."""
+    import pandas as pd
+
+    from runner.plots import patching_effects
+    from runner.report import summary_frame
+
+    config = make_config(*NO_HOOKS, "data.count=4", "method=patching", "method.patching.grid=[2,2]",
+                         "method.patching.directions=[denoising,noising]", "method.patching.min_span=0")  # fmt: skip
+    app.run(config, tmp_path)
+    part = tmp_path / "patching.parquet" / "part-000000.parquet"
+    frame = pd.read_parquet(part)
+    small = frame["sample"] == 0  # as the run writes a pair below min_span: flagged, restoration NaN
+    frame.loc[small, "small_span"] = True
+    frame.loc[small, "restoration"] = float("nan")
+    frame.to_parquet(part)
+    source, text = check_page(write_report(tmp_path))
+    assert "2 pairs with small_span" in text  # sample 0 in each direction
+    assert "the best cell's restoration" in text and "the most damaging cell's drop, 1 - restoration" in text
+    effects = patching_effects(frame)
+    denoising = effects[effects["direction"] == "denoising"]
+    expected = denoising.groupby("layer")["effect"].mean()  # over the 3 pairs left: the best cell of each
+    shown = summary_frame("patching", denoising).set_index("layer")["effect:mean"]
+    for layer in ("features.0", "features.2"):
+        assert shown[layer] == pytest.approx(expected[layer])
+        assert f"{shown[layer]:.3g}</td>" in source.replace("<br>", "</td>").replace("<small", "</td><small")
+    assert shown["features.0"] != pytest.approx(frame[frame["direction"] == "denoising"].groupby("layer")
+                                                ["restoration"].mean()["features.0"])  # fmt: skip
+    assert (summary_frame("patching", denoising)["effect:n"] == 3).all()
+
+
+def test_intervals_of_fewer_than_five_samples_are_grey_with_a_note(cam_run: Path) -> None:
+    source, text = check_page(cam_run / "report.html")  # 4 samples
+    assert '<small class="few">[' in source and "fewer than 5 samples" in text
+
+
 def test_report_of_a_run_in_progress_says_so(tmp_path: Path) -> None:
     app.run(make_config(*NO_HOOKS, "data.count=8", "output.shard_batches=1"), tmp_path)  # 4 shards
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -161,6 +198,14 @@ def test_sweep_report_has_one_row_per_job(tmp_path: Path) -> None:
     assert "4 of 4 jobs complete" in text
     assert "method=layercam method.target=topk" in text  # each job named by what sets it apart
     assert "sweep.method" in text and "sweep.method.target" in text  # the summary compares the swept values
+    cam = source.split('id="table-cam"', 1)[1]
+    assert "<th>sweep.method</th>" in cam and "<th>method</th>" not in cam  # the same column once, not twice
+    provenance = source.split('id="provenance"', 1)[1].split('id="jobs"', 1)[0]
+    assert "The sweep's config (multirun.yaml)" in provenance and str(tmp_path) in provenance
+    assert "one per job: see the jobs table" in provenance  # not job 0's config hash and run id as the sweep's
+    for job in ("0", "1", "2", "3"):
+        run_id = json.loads((tmp_path / job / "manifest.json").read_text()).get("run_id")
+        assert run_id is None or run_id in jobs  # each job's own, in its row
     assert 'id="table-cam"' in source and "features.0" in text and "features.2" in text
 
 
@@ -185,23 +230,36 @@ def test_report_of_a_missing_folder_is_one_line_and_exit_2(tmp_path: Path) -> No
         write_report(tmp_path)  # an empty folder: neither a run nor a sweep
 
 
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def screenshot(page: Path, shot: Path, browser: str, profile: Path) -> None:
+    """`page` rendered by a headless browser at 1280 px wide into `shot` (PNG), offline, with a fresh profile."""
+    subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+         "--hide-scrollbars", f"--screenshot={shot}", "--window-size=1280,4000", page.resolve().as_uri()],
+        capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
 def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> None:
-    browser = next(
-        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
-    )
+    """The page in a real browser: not blank, and nothing wider than the 1280 px window (no sideways scrolling:
+    the right edge is the page's background)."""
+    browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
         pytest.skip("no chromium, chromium-browser or google-chrome on PATH (README: Tests, to install one)")
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}", "--window-size=1280,2000",
-         (cam_run / "report.html").resolve().as_uri()],
-        capture_output=True, timeout=120, check=False,
-    )  # fmt: skip
+    screenshot(cam_run / "report.html", shot, browser, tmp_path / "profile")
     assert shot.is_file(), "chromium wrote no screenshot"
     from PIL import Image
 
-    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)
-    assert colours is None or len(colours) > 1  # None: more colours than counted; one colour: a blank page
+    image = Image.open(shot).convert("RGB")
+    assert image.size[0] == 1280
+    colours = image.getcolors(maxcolors=1 << 20)
+    assert colours is None or len(colours) > 100  # None: more colours than counted; a few: a blank or text page
+    right = image.crop((1270, 0, 1280, image.size[1])).getcolors()  # the body's margin: 1248 px centred
+    assert right is not None and len(right) == 1, "something is wider than the page"
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
