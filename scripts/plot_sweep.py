@@ -3,8 +3,9 @@
     python -m runner -m experiment=gradcam_effnet method=gradcam,layercam,hirescam
     python scripts/plot_sweep.py outputs/multirun/2026-11-22/10-00-00 --value deletion_auc --by sweep.method
 
-Writes <sweep>/per_layer_<value>.<format> (one line per swept value, layers in model order, the 95% bootstrap
-interval over samples as a band; runner/plots.py) and prints the per-layer means with their intervals.
+Writes <sweep>/per_layer_<value>.<format> (one panel per swept value on one y scale, layers in model order, the
+95% bootstrap interval over samples as a band, grey below 5 samples; runner/plots.py) and prints the per-layer
+means with their intervals.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--table", default="cam")
-    parser.add_argument("--value", default="cam_max", help="the column to compare, e.g. deletion_auc, restoration")
+    parser.add_argument(
+        "--value", default="cam_frac_zero", help="the column to compare, e.g. deletion_auc, restoration"
+    )  # the default is scale-free: a raw map's cam_max has each layer's own scale
     parser.add_argument("--by", default="method", help="the column whose values are compared, e.g. sweep.method")
     parser.add_argument("--format", default="png", choices=[f.value for f in FigureFormat])
     parser.add_argument("--dpi", type=int, default=FiguresConfig.dpi)

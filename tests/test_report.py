@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -248,6 +249,8 @@ def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> Non
     the right edge is the page's background)."""
     browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
+        if os.environ.get("RUNNER_REQUIRE_BROWSER"):  # CI (.ci/run) installs one: its absence is a failure there
+            pytest.fail("RUNNER_REQUIRE_BROWSER is set but no chromium, chromium-browser or google-chrome is on PATH")
         pytest.skip("no chromium, chromium-browser or google-chrome on PATH (README: Tests, to install one)")
     shot = tmp_path / "shot.png"
     screenshot(cam_run / "report.html", shot, browser, tmp_path / "profile")
