@@ -227,6 +227,83 @@ def test_a_manifest_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
     one_line_error(done.stderr, "not a readable runner manifest")
 
 
+# Manifests that are not one, as a disk, an editor or another tool leaves them: (name, bytes).
+MALFORMED_MANIFESTS = [
+    ("truncated", b'{"config_hash": "ab", "shards": {"0": {"cam": 4'),
+    ("binary", bytes(range(256))),
+    ("empty", b""),
+    ("list", b"[1, 2]"),
+    ("null", b"null"),
+    ("empty_object", b"{}"),
+    ("foreign", b'{"name": "my-package", "version": "1.0", "files": ["a.js"]}'),
+    ("shard_entry_a_string", b'{"shards": {"0": "x"}}'),
+    ("rows_a_string", b'{"config_hash": "ab", "complete": true, "shards": {"0": {"cam": "4"}}}'),
+    ("table_outside", b'{"config_hash": "ab", "complete": true, "shards": {"0": {"../../x": 4}}}'),
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    app.run(make_config(*TINY), run)
+    return run
+
+
+@pytest.mark.parametrize("content", [c for _, c in MALFORMED_MANIFESTS], ids=[n for n, _ in MALFORMED_MANIFESTS])
+def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
+    content: bytes, finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from runner import cli, listing
+
+    damaged, intact = tmp_path / "damaged", tmp_path / "intact"
+    shutil.copytree(finished_run, damaged)
+    shutil.copytree(finished_run, intact)
+    (damaged / "manifest.json").write_bytes(content)
+    before = {p: p.read_bytes() for p in damaged.rglob("part-*.parquet")}
+    with pytest.raises(RunnerError, match="manifest.json is not a readable runner manifest.*move it away"):
+        app.run(make_config(*TINY), damaged)
+    with pytest.raises(RunnerError, match="not a readable runner manifest"):
+        load(damaged, "cam", partial=True)
+    assert {p: p.read_bytes() for p in damaged.rglob("part-*.parquet")} == before  # nothing removed or replaced
+
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1 and str(damaged / "manifest.json") in err
+    assert f"{intact}  [complete]" in out  # the other runs are listed
+    # The part files beside it, as what they are: 12 samples x 2 layers of cam rows, 12 of hooks.
+    assert f"{damaged}  [damaged manifest]  ?: cam 24 rows, hooks 12 rows in its part files" in out  # ?: no .hydra/
+    assert "not a readable runner manifest" in out and "resume:" not in out  # the run would refuse a resume
+    (info,) = [i for i in listing.find(tmp_path) if i.path == damaged]
+    assert info.redo_command in out
+
+    assert cli.main(["report", str(damaged)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and err.count("\n") == 1 and "not a readable runner manifest" in err
+
+
+def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run: Path, tmp_path: Path) -> None:
+    import shlex
+    import shutil
+
+    from runner import listing
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    whole = comparable(load(run, "cam"))
+    (run / "manifest.json").write_text('{"shards": {"0": "x"}}')
+    (info,) = listing.find(tmp_path)
+    move, _, command = info.redo_command.partition(" && ")
+    argv = shlex.split(move)
+    Path(argv[1]).rename(argv[2])
+    assert shlex.split(command) == ["runner", f"hydra.run.dir={run}"]  # a run from Python: no saved overrides
+    app.run(make_config(*TINY), run)  # the same command, in the same directory
+    pd.testing.assert_frame_equal(comparable(load(run, "cam")), whole)
+    assert listing.find(tmp_path)[0].status == "complete"
+
+
 # ---- live runs, SIGTERM, a second Ctrl-C ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_live_run_reads_with_pandas_pyarrow_and_duckdb_and_sigterm_stops_it(tmp_path: Path) -> None:
