@@ -62,6 +62,9 @@ def manifest_problem(manifest: Any) -> str | None:
         return "no 'config_hash' entry: not a runner manifest"
     if not isinstance(manifest.get("complete", False), bool):
         return f"'complete' is {json.dumps(manifest['complete'])[:40]}, not true or false"
+    main = manifest.get("main_table")
+    if main is not None and not (isinstance(main, str) and TABLE_NAME.fullmatch(main)):
+        return f"'main_table' is {json.dumps(main)[:40]}, not a table name"
     if not isinstance(manifest.get("resume_details", {}), dict):
         return "'resume_details' is not an object"
     return None
@@ -254,14 +257,38 @@ def is_run(directory: Path) -> bool:
     return (directory / ".hydra").is_dir() or any(directory.glob("manifest*.json"))
 
 
-def _sweep_jobs_total(directory: Path) -> int | None:
-    """How many jobs the sweep has (its saved overrides expanded as the basic sweeper does), or None."""
+def sweep_jobs(directory: Path) -> list[list[str]] | None:
+    """Every job's overrides in the sweep in `directory`, in job-number order (its saved overrides expanded as the
+    basic sweeper does), or None when they cannot be known (an unreadable multirun.yaml, a sweeper of another kind)."""
     try:
         from runner.__main__ import _sweep_jobs
 
-        return len(_sweep_jobs(directory / "multirun.yaml"))
-    except Exception:  # an unreadable multirun.yaml or a sweeper of another kind: the count is a courtesy
+        return _sweep_jobs(directory / "multirun.yaml")
+    except Exception:  # Hydra's parser raises several kinds; the caller then checks the jobs present only
         return None
+
+
+def job_names(jobs: list[list[str]]) -> list[str]:
+    """'#i (overrides)' per job, naming only the overrides that vary across the sweep (the others are all jobs')."""
+    varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
+    return [f"#{i} ({' '.join(job[p] for p in varying)})" if varying else f"#{i}" for i, job in enumerate(jobs)]
+
+
+def job_number(directory: Path) -> int | None:
+    """A sweep job's number: its folder's name (Hydra's default subdir), else the one its .hydra/hydra.yaml records."""
+    if directory.name.isascii() and directory.name.isdigit():
+        return int(directory.name)
+    saved = read_yaml(directory / ".hydra" / "hydra.yaml")
+    try:
+        return int(saved["hydra"]["job"]["num"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _sweep_jobs_total(directory: Path) -> int | None:
+    """How many jobs the sweep has, or None."""
+    jobs = sweep_jobs(directory)
+    return None if jobs is None else len(jobs)
 
 
 def find(root: Path) -> list[RunInfo | SweepInfo]:

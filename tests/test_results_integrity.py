@@ -195,6 +195,51 @@ def test_load_refuses_an_unfinished_run_unless_partial(tmp_path: Path) -> None:
         assert len(load(tmp_path, "cam", partial=True)) == 5 * 2 * 2
 
 
+def test_load_returns_the_methods_main_table_beside_the_hooks_table(tmp_path: Path) -> None:
+    import json
+
+    app.run(make_config(*TINY), tmp_path / "cam")  # a CAM run that also records hooks: cam and hooks tables
+    app.run(make_config(*TINY, "method=record"), tmp_path / "record")  # hooks only
+    pd.testing.assert_frame_equal(load(tmp_path / "cam"), load(tmp_path / "cam", "cam"))
+    assert set(load(tmp_path / "record")["hook"]) == {"forward"}
+    manifest = json.loads((tmp_path / "cam" / "manifest.json").read_text())
+    assert manifest["main_table"] == "cam"
+    del manifest["main_table"]  # a run written before the manifest named it: the method in the tables' config says
+    (tmp_path / "cam" / "manifest.json").write_text(json.dumps(manifest))
+    assert "cam_max" in load(tmp_path / "cam").columns
+    with pytest.raises(
+        RunnerError, match=r"several tables \(cam, hooks\).*main tables differ \(cam, hooks\).*table=NAME"
+    ):
+        load(tmp_path)
+
+
+def test_load_of_a_sweep_with_a_failed_and_an_unstarted_job_raises_naming_them(tmp_path: Path) -> None:
+    import shutil
+
+    from tests.conftest import run_cli
+
+    sweep = tmp_path / "sweep"
+    # Job 1 fails on its layer; the basic launcher then stops, so job 2 never starts.
+    done = run_cli("-m", *TINY, "data.count=2", "layers.include=[features.0],[nowhere],[features.2]",
+                   f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert done.returncode == 2 and not (sweep / "2").exists()
+    with pytest.raises(RunnerError, match="1 of 3 jobs complete") as raised:
+        load(sweep)
+    message = str(raised.value)
+    assert "job #1 (layers.include=[nowhere]) failed: Layer 'nowhere' does not exist" in message
+    assert "job #2 (layers.include=[features.2]) has not started" in message
+    assert f"hydra.sweep.dir={sweep}" in message and "partial=True" in message
+    with pytest.raises(RunnerError, match="job #2"):
+        load(tmp_path, "cam")  # from a folder above the sweep too
+    with pytest.warns(UserWarning, match="job #1 .*job #2"):
+        assert len(load(sweep, partial=True)) == 2  # job 0's 2 samples at 1 layer
+    # A job that has started but has no manifest yet (its first shard in progress, or killed in it).
+    shutil.copytree(sweep / "1" / ".hydra", sweep / "2" / ".hydra")
+    (sweep / "1" / "__main__.log").unlink()
+    with pytest.raises(RunnerError, match="job #1 .* has no complete shard yet.*job #2 .* has no complete shard yet"):
+        load(sweep)
+
+
 def test_parts_no_manifest_lists_are_not_read_and_are_replaced_on_resume(tmp_path: Path) -> None:
     """A kill between a shard's renames and the manifest's replacement: its parts are visible but unlisted."""
     import json
