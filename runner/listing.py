@@ -258,12 +258,17 @@ def is_run(directory: Path) -> bool:
 
 
 def sweep_jobs(directory: Path) -> list[list[str]] | None:
-    """Every job's overrides in the sweep in `directory`, in job-number order (its saved overrides expanded as the
-    basic sweeper does), or None when they cannot be known (an unreadable multirun.yaml, a sweeper of another kind)."""
+    """Every job's overrides in the sweep in `directory`, in job-number order (its saved multirun.yaml expanded as
+    the basic sweeper does), or None when they cannot be known (an unreadable file, a sweeper of another kind)."""
     try:
-        from runner.__main__ import _sweep_jobs
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
 
-        return _sweep_jobs(directory / "multirun.yaml")
+        saved = OmegaConf.load(directory / "multirun.yaml")
+        params = [f"{k}={v}" for k, v in (saved.hydra.sweeper.get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides([*params, *saved.hydra.overrides.task])
+        return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
     except Exception:  # Hydra's parser raises several kinds; the caller then checks the jobs present only
         return None
 
