@@ -558,9 +558,10 @@ def _main_folders(path: Path, folders: list[Path]) -> list[Path]:
     raise RunnerError(f"{path} holds several tables ({', '.join(names)}) and {why}: pass table=NAME.")
 
 
-def _sweep_notes(path: Path) -> list[str]:
+def _sweep_notes(path: Path, noted: set[Path]) -> list[str]:
     """For every sweep at or under `path`, the jobs that are not complete: not started, failed, stopped or running
-    (`runner ls`'s status of the job's folder), named by the overrides that set them apart."""
+    (`runner ls`'s status of the job's folder), named by the overrides that set them apart; those in `noted` (whose
+    tables' notes say it already) are named only."""
     from runner.listing import SweepInfo, find, job_names, job_number, sweep_jobs
 
     notes = []
@@ -577,7 +578,7 @@ def _sweep_notes(path: Path) -> list[str]:
             if job is None:
                 missing.append(f"job {name} has not started")
             elif job.status != "complete":
-                missing.append(f"job {name} {_job_state(job)}")
+                missing.append(f"job {name} {_job_state(job) if job.path not in noted else '(above)'}")
         if missing:
             complete = len(names) - len(missing)
             notes.append(
@@ -622,13 +623,15 @@ def load(path: str | Path, table: str | None = None, partial: bool = False) -> p
         if table is None:
             folders = _main_folders(path, folders)
     parts: list[Path] = []
-    notes = []
+    notes, noted = [], set()
     for folder in folders:
         found, note = _checked_parts(folder)
-        notes += [note] if note else []
+        if note:
+            notes.append(note)
+            noted.add(folder.parent)
         parts += found
     if path.is_dir() and not path.name.endswith(".parquet"):
-        notes += _sweep_notes(path)
+        notes += _sweep_notes(path, noted)
     if notes and not partial:
         raise RunnerError(f"{'; '.join(notes)}; or pass partial=True to read what is complete.")
     if notes:
