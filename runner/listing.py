@@ -223,6 +223,7 @@ def run_info(directory: Path) -> RunInfo:
                                     f" the manifest {rows}")  # fmt: skip
                 info.tables[table] = info.tables.get(table, 0) + (found or 0)
     if info.manifest_error:  # nothing the manifests say can be trusted: the part files as they are
+        problems = []  # row counts checked against the other manifests: moot without this one
         info.tables, info.shards_total, done = _part_files(directory, problems), None, set()
     info.shards_done = len(done)
     if _locked(directory):

@@ -595,9 +595,8 @@ def _job_state(job: RunInfo) -> str:
     if job.status == "partial":
         total = "?" if job.shards_total is None else job.shards_total
         return f"stopped after {job.shards_done} of {total} shards" if job.shards_done else "has no complete shard yet"
-    error = (
-        (job.manifest_error or job.error).split(" [sweep:")[0].rstrip(".")
-    )  # not the sweep's own note on the failure
+    # The error without the sweep's own note on the failure (the jobs it left unrun: named here anyway).
+    error = (job.manifest_error or job.error).split(" [sweep:")[0].rstrip(".")
     return f"{job.status}: {error if len(error) <= 160 else error[:157] + '...'}"
 
 
