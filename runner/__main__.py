@@ -69,14 +69,12 @@ def _sweep_stop_note() -> str:
 
 def _sweep_jobs(multirun_yaml: Path) -> list[list[str]]:
     """Every job's overrides, in the order the basic sweeper runs them (from the sweep's saved config)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from runner.listing import sweep_jobs
 
-    saved = OmegaConf.load(multirun_yaml)
-    params = [f"{k}={v}" for k, v in (saved.hydra.sweeper.get("params") or {}).items()]
-    overrides = OverridesParser.create().parse_overrides([*params, *saved.hydra.overrides.task])
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    jobs = sweep_jobs(multirun_yaml.parent)
+    if jobs is None:
+        raise ValueError(f"cannot expand the sweep saved in {multirun_yaml}")
+    return jobs
 
 
 def config_error(error: Exception) -> str:

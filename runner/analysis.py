@@ -11,6 +11,8 @@ calls or jobs the grouping does not name), NaN values dropped, so that each samp
   (exact over all 2^n sign patterns up to `EXACT_MAX` samples, else `n_perm` random flips) and Wilcoxon's
   signed-rank p-value (scipy; NaN where it is undefined, e.g. all differences zero).
 An interval of fewer than two samples is NaN: one value says nothing about its spread.
+Where `layer` is a grouping column, the result's `layer` is an ordered categorical in model order (runner/summary.py
+`with_layer_order`: by `layer_index`, or the input's own categorical order) and its rows follow that order.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from runner.errors import RunnerError
+from runner.summary import with_layer_order
 
 LEVEL = 0.95
 EXACT_MAX = 16  # up to 2^16 sign patterns enumerated exactly; beyond, Monte Carlo flips
@@ -40,14 +43,23 @@ def _per_sample(frame: pd.DataFrame, value: str, keys: Sequence[str], unit: Sequ
     data = frame[[*keys, *unit, value]].dropna(subset=[value])
     if not pd.api.types.is_numeric_dtype(data[value]):
         raise RunnerError(f"Column '{value}' is {data[value].dtype}, not numeric: pick a measured column.")
-    return data.groupby([*keys, *unit], sort=False, dropna=False)[value].mean().reset_index()
+    return data.groupby([*keys, *unit], sort=False, dropna=False, observed=True)[value].mean().reset_index()
 
 
 def _groups(data: pd.DataFrame, by: Sequence[str]):  # noqa: ANN202 - (key tuple, frame) pairs
     """(key tuple, rows) per group of `by`, in order of first appearance; one group () when `by` is empty."""
     if not by:
         return [((), data)]
-    return [(k if isinstance(k, tuple) else (k,), g) for k, g in data.groupby(list(by), sort=False, dropna=False)]
+    groups = data.groupby(list(by), sort=False, dropna=False, observed=True)
+    return [(k if isinstance(k, tuple) else (k,), g) for k, g in groups]
+
+
+def _in_layer_order(result: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
+    """`result` with `layer` the ordered categorical of `frame` (model order) and its rows stably in that order."""
+    if "layer" not in result.columns or "layer" not in frame.columns:
+        return result
+    layers = pd.Categorical(result["layer"], dtype=frame["layer"].dtype)
+    return result.assign(layer=layers).sort_values("layer", kind="stable").reset_index(drop=True)
 
 
 def bootstrap_interval(values: np.ndarray, n_boot: int, seed: int, level: float = LEVEL) -> tuple[float, float]:
@@ -108,7 +120,10 @@ def summarise(
     frame: pd.DataFrame, value: str, by: Sequence[str] = ("layer", "method"), n_boot: int = 2000, seed: int = 0,
     unit: Sequence[str] = ("sample",), level: float = LEVEL,
 ) -> pd.DataFrame:  # fmt: skip
-    """Per group of `by`: n samples, the mean of `value` over them and its percentile bootstrap interval."""
+    """Per group of `by`: n samples, the mean of `value` over them and its percentile bootstrap interval (groups in
+    order of first appearance, layers in model order)."""
+    if "layer" in by:
+        frame = with_layer_order(frame)
     data = _per_sample(frame, value, by, unit)
     rows = []
     for key, group in _groups(data, by):
@@ -116,7 +131,7 @@ def summarise(
         low, high = bootstrap_interval(values, n_boot, seed, level)
         mean = float(values.mean()) if len(values) else float("nan")
         rows.append((*key, len(values), mean, low, high))
-    return pd.DataFrame(rows, columns=[*by, *SUMMARY_COLUMNS])
+    return _in_layer_order(pd.DataFrame(rows, columns=[*by, *SUMMARY_COLUMNS]), frame)
 
 
 def paired_test(
@@ -133,6 +148,8 @@ def paired_test(
     absent = [v for v in (a, b) if v not in present]
     if absent:
         raise RunnerError(f"paired_test: {column}={absent} has no rows; the table has {sorted(map(str, present))}.")
+    if "layer" in by:
+        frame = with_layer_order(frame)
     data = _per_sample(frame[frame[column].isin([a, b])], value, [*by, column], unit)
     keys = [*by, *unit]
     left = data[data[column] == a].drop(columns=column)
@@ -146,4 +163,4 @@ def paired_test(
         low, high = bootstrap_interval(diffs, n_boot, seed, level)
         means = [float(v.mean()) if n else float("nan") for v in (va, vb, diffs)]
         rows.append((*key, a, b, n, *means, low, high, sign_flip_p(diffs, n_perm, seed), wilcoxon_p(diffs)))
-    return pd.DataFrame(rows, columns=[*by, f"{column}_a", f"{column}_b", *PAIRED_COLUMNS])
+    return _in_layer_order(pd.DataFrame(rows, columns=[*by, f"{column}_a", f"{column}_b", *PAIRED_COLUMNS]), frame)

@@ -160,7 +160,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     id_columns = run_columns(config, run_id)
     key, details = resume_key(config, shard_samples, len(dataset))
     writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details,
-                           layer_order=layer_order(model))  # fmt: skip
+                           layer_order=layer_order(model), main_table=method.table)  # fmt: skip
     done = writer.resume()  # complete shards whose files are intact; a damaged one runs again
     mine = [s for s in range(num_shards) if s % world == rank and s not in done]
     if done:

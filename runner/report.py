@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.listing import RunInfo, SweepInfo, find, is_run, read_manifest, read_yaml, run_info
+from runner.listing import RunInfo, SweepInfo, check_manifests, find, is_run, read_manifest, read_yaml, run_info
 from runner.schema import FigureFormat, FiguresConfig
 
 log = logging.getLogger(__name__)
@@ -570,10 +570,14 @@ def write_report(directory: str | Path, output: str | Path | None = None) -> Pat
         raise RunnerError(f"{directory} is not a directory: `runner report DIR` needs a run or sweep folder.")
     target = Path(output) if output is not None else directory / REPORT_NAME
     page_dir = target.resolve().parent
+    # A damaged manifest is one line: the page would report the run's shards as lost (`runner ls` says what to do).
     if (directory / "multirun.yaml").is_file():
         sweeps = [item for item in find(directory) if isinstance(item, SweepInfo) and item.path == directory]
+        for job in sweeps[0].jobs:
+            check_manifests(job.path)
         text = sweep_report(sweeps[0], page_dir)
     elif is_run(directory):
+        check_manifests(directory)
         text = run_report(directory, page_dir)
     else:
         raise RunnerError(

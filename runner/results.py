@@ -42,7 +42,8 @@ import torch
 from runner.analysis import paired_test as paired_test  # re-exported: tables and their analysis
 from runner.analysis import summarise as summarise
 from runner.errors import RunnerError
-from runner.listing import LOCK_NAME, read_manifest  # torch-free there, for `runner ls`
+from runner.listing import LOCK_NAME, RunInfo, read_manifest  # torch-free there, for `runner ls`
+from runner.summary import with_layer_order
 from runner.tables import SchemaError, conform
 
 try:
@@ -273,6 +274,7 @@ class ShardedWriter:
         queue_size: int = 4,
         details: dict[str, Any] | None = None,
         layer_order: dict[str, int] | None = None,
+        main_table: str | None = None,
     ) -> None:
         self.directory = directory
         # Module name -> position in model order (runner.layers.layer_order): the `layer_index` of rows with a `layer`.
@@ -289,6 +291,8 @@ class ShardedWriter:
         self._manifest = {**resume_key, "resume_details": self.details, "shards": {}, "complete": False}
         if self.manifest_path.exists():
             self._manifest = self._load(self.manifest_path)
+        if main_table is not None:  # the method's main table (`Method.table`): what `load(dir)` returns by default
+            self._manifest["main_table"] = main_table
         self._queue: queue.Queue[tuple[int, Callable[[], list[tuple[str, dict[str, Any]]]]] | None] = queue.Queue(
             maxsize=queue_size
         )
@@ -482,9 +486,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
 
 
-def _checked_parts(folder: Path, partial: bool) -> tuple[list[Path], str | None]:
+def _checked_parts(folder: Path) -> tuple[list[Path], str | None]:
     """A table folder's part files, each checked against its run's manifests; and why the table is not the
-    whole run (damaged or missing shards, or a run not finished), or None. Without `partial` that is an error."""
+    whole run (damaged or missing shards, or a run not finished), or None."""
     run_dir, table = folder.parent, folder.name.removesuffix(".parquet")
     manifests = sorted(run_dir.glob("manifest*.json"))
     if not manifests:
@@ -508,47 +512,129 @@ def _checked_parts(folder: Path, partial: bool) -> tuple[list[Path], str | None]
         if not bad:
             parts.append(part_path(run_dir, table, shard))
     finished = set(range(expected)) <= set(entries) if expected is not None else all(flags)
-    note = None
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        note = f"{run_dir}: {shown}. Run the same command with hydra.run.dir={run_dir} to re-run those shards"
-    elif not finished:
-        note = (
+        return parts, f"{run_dir}: {shown}. Run the same command with hydra.run.dir={run_dir} to re-run those shards"
+    if not finished:
+        return parts, (
             f"{run_dir} holds an unfinished run ({len(entries)} of {expected if expected is not None else '?'} shards"
             f" complete): it is still running, or it stopped. Run the same command with hydra.run.dir={run_dir}"
             " to finish it"
         )
-    if note and not partial:
-        raise RunnerError(f"{note}, or pass partial=True to read the complete shards only.")
-    return parts, note
+    return parts, None
+
+
+def main_table(run_dir: Path) -> str | None:
+    """The main table of the method that wrote the run in `run_dir` (its `Method.table`, kept in the manifest);
+    for a run written before the manifest kept it, found from the method named in the tables' config; else None."""
+    manifest_path = run_dir / "manifest.json"
+    if manifest_path.is_file():
+        named = read_manifest(manifest_path).get("main_table")
+        if isinstance(named, str):
+            return named
+    try:
+        import yaml  # PyYAML, Hydra's own dependency
+
+        config = yaml.safe_load(read_metadata(next(run_dir.glob("*.parquet"))).get("config") or "{}")
+        method = str(config["method"]["name"])
+        from runner.methods import METHODS  # here: every method module, imported only for such an older run
+
+        return METHODS[METHODS.key(method)].table
+    except Exception:  # no table, no config, or a method this installation does not have: not known
+        return None
+
+
+def _main_folders(path: Path, folders: list[Path]) -> list[Path]:
+    """Of the table folders under `path`, those of the runs' main table, when all runs have the same one."""
+    names = sorted({f.name.removesuffix(".parquet") for f in folders})
+    if len(names) <= 1:
+        return folders
+    mains = {main_table(run_dir) for run_dir in sorted({f.parent for f in folders})}
+    if len(mains) == 1 and None not in mains:
+        (main,) = mains
+        return [f for f in folders if f.name == f"{main}.parquet"]
+    known = sorted(m for m in mains if m is not None)
+    why = f"its runs' main tables differ ({', '.join(known)})" if len(known) > 1 else "its runs' method is not known"
+    raise RunnerError(f"{path} holds several tables ({', '.join(names)}) and {why}: pass table=NAME.")
+
+
+def _sweep_notes(path: Path, noted: set[Path]) -> list[str]:
+    """For every sweep at or under `path`, the jobs that are not complete: not started, failed, stopped or running
+    (`runner ls`'s status of the job's folder), named by the overrides that set them apart; those in `noted` (whose
+    tables' notes say it already) are named only."""
+    from runner.listing import SweepInfo, find, job_names, job_number, sweep_jobs
+
+    notes = []
+    sweeps = [path] if (path / "multirun.yaml").is_file() else sorted(p.parent for p in path.rglob("multirun.yaml"))
+    for sweep in sweeps:
+        jobs = sweep_jobs(sweep)
+        if jobs is None:
+            continue  # a sweeper that is not the basic one: its jobs cannot be listed, only those present are checked
+        names = job_names(jobs)
+        found = {job_number(job.path): job for item in find(sweep) if isinstance(item, SweepInfo) for job in item.jobs}
+        missing = []
+        for number, name in enumerate(names):
+            job = found.get(number)
+            if job is None:
+                missing.append(f"job {name} has not started")
+            elif job.status != "complete":
+                missing.append(f"job {name} {_job_state(job) if job.path not in noted else '(above)'}")
+        if missing:
+            complete = len(names) - len(missing)
+            notes.append(
+                f"sweep {sweep}: {complete} of {len(names)} jobs complete; {'; '.join(missing)}. Run the sweep's command"
+                f" again with hydra.sweep.dir={sweep} to finish it (complete jobs are skipped)"
+            )
+    return notes
+
+
+def _job_state(job: RunInfo) -> str:
+    """How a sweep job that is not complete stands, in a few words (its error's first sentence)."""
+    if job.status == "running":
+        return "is still running"
+    if job.status == "partial":
+        total = "?" if job.shards_total is None else job.shards_total
+        return f"stopped after {job.shards_done} of {total} shards" if job.shards_done else "has no complete shard yet"
+    # The error without the sweep's own note on the failure (the jobs it left unrun: named here anyway).
+    error = (job.manifest_error or job.error).split(" [sweep:")[0].rstrip(".")
+    return f"{job.status}: {error if len(error) <= 160 else error[:157] + '...'}"
 
 
 def load(path: str | Path, table: str | None = None, partial: bool = False) -> pd.DataFrame:
     """One table as one DataFrame, from a run, a sweep, or a folder of sweeps.
 
     `path` may be a part file, a table folder (`cam.parquet/`), a run directory or any folder
-    above runs; `table` picks the table (needed when the runs hold more than one kind). Parts are
-    read one by one and concatenated by column name, so jobs whose swept columns differ still form
-    one table (missing values are null). Every part is checked against its run's manifest: a run
-    that is unfinished or has a missing or damaged shard raises RunnerError, unless `partial=True`,
-    which reads the intact shards and warns.
+    above runs; `table` picks the table, by default the runs' main table (their method's: `cam` for the CAM
+    family, `patching`, `mprt`, ...). Parts are read one by one and concatenated by column name, so jobs whose
+    swept columns differ still form one table (missing values are null). Every part is checked against its run's
+    manifest, and a sweep's jobs against the jobs the sweep has: a run that is unfinished or has a missing or
+    damaged shard, or a sweep job that failed, has not started or is still running, raises RunnerError naming
+    them, unless `partial=True`, which reads what is complete and warns naming the rest.
+    `layer` is an ordered categorical in model order (runner/summary.py `with_layer_order`).
     """
     path = Path(path)
     if path.is_file():
-        return pd.read_parquet(path)
+        return with_layer_order(pd.read_parquet(path))
     if path.name.endswith(".parquet") and path.is_dir():
         folders = [path]
     else:
         folders = sorted(p for p in path.rglob(f"{table or '*'}.parquet") if p.is_dir())
-        names = {f.name for f in folders}
-        if len(names) > 1:
-            raise ValueError(f"{path} holds several tables ({', '.join(sorted(names))}): pass table=NAME.")
+        if table is None:
+            folders = _main_folders(path, folders)
     parts: list[Path] = []
+    notes, noted = [], set()
     for folder in folders:
-        found, note = _checked_parts(folder, partial)
+        found, note = _checked_parts(folder)
         if note:
-            warnings.warn(f"{note}; reading the complete shards only.", stacklevel=2)
+            notes.append(note)
+            noted.add(folder.parent)
         parts += found
+    if path.is_dir() and not path.name.endswith(".parquet"):
+        notes += _sweep_notes(path, noted)
+    if notes and not partial:
+        raise RunnerError(f"{'; '.join(notes)}; or pass partial=True to read what is complete.")
+    if notes:
+        warnings.warn(f"{'; '.join(notes)}; reading the complete shards only.", stacklevel=2)
     if not parts:
         raise FileNotFoundError(f"No {table or ''} results under {path}")
-    return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)
+    return with_layer_order(pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True))

@@ -29,8 +29,7 @@ def summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
             continue
         ordered = "layer_index" in present
         frame = pd.read_parquet(path, columns=keys + values + (["layer_index"] if ordered else []))
-        frame = in_model_order(frame, keys)
-        summary = frame.groupby(keys, sort=False)[values].mean()
+        summary = with_layer_order(frame).groupby(keys, observed=True)[values].mean()  # layers in model order
         with pd.option_context(
             "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
         ):
@@ -46,8 +45,26 @@ def in_model_order(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def layers_in_model_order(frame: pd.DataFrame) -> list[str]:
-    """The frame's distinct layers in model order (by `layer_index`; as they come in a table without one)."""
+    """The frame's distinct layers in model order: an ordered categorical's order (`with_layer_order`), else by
+    `layer_index`. Across runs whose layer sets differ, the union by position in the model; where models differ
+    (a sweep over models), a name's smallest position, equal positions in order of first appearance. Layers
+    without a position come last, and a table without `layer_index` (older runs) keeps its order of appearance."""
+    layers = frame["layer"]
+    if isinstance(layers.dtype, pd.CategoricalDtype) and layers.cat.ordered:
+        present = set(layers.dropna().unique())
+        return [name for name in layers.cat.categories if name in present]
+    names = list(pd.unique(layers.dropna()))  # in order of first appearance
     if "layer_index" not in frame.columns:
-        return list(dict.fromkeys(frame["layer"]))
-    firsts = frame.drop_duplicates("layer").sort_values("layer_index", kind="stable", na_position="last")
-    return firsts["layer"].tolist()
+        return names
+    position = frame.groupby("layer", sort=False, observed=True)["layer_index"].min()  # NaN: not a module
+    first = {name: i for i, name in enumerate(names)}
+    return sorted(names, key=lambda n: (pd.isna(position[n]), 0 if pd.isna(position[n]) else position[n], first[n]))
+
+
+def with_layer_order(frame: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
+    """`frame` with `layer` an ordered categorical in model order (`layers_in_model_order`, or `order`), so that
+    groupby, sort_values and pivot list features.2 before features.10; as it is when it has no `layer`."""
+    if "layer" not in frame.columns:
+        return frame
+    order = layers_in_model_order(frame) if order is None else order
+    return frame.assign(layer=pd.Categorical(frame["layer"], categories=order, ordered=True))

@@ -120,6 +120,24 @@ def test_paired_test_between_layers() -> None:
     assert out["method"].tolist() == ["a", "b"] and out.columns[1:3].tolist() == ["layer_a", "layer_b"]
 
 
+def test_summaries_list_layers_in_model_order_as_an_ordered_categorical() -> None:
+    """By `layer_index` (features.2 before features.10), not by name and not by first appearance."""
+    frame = table(n=4)
+    frame["layer"] = frame["layer"].map({"l1": "features.10", "l2": "features.2"})  # features.10 comes first
+    frame["layer_index"] = frame["layer"].map({"features.10": 11, "features.2": 3})
+    for out in (
+        summarise(frame, "score", by=["layer", "method"], n_boot=50),
+        paired_test(frame, "score", ("method", "a", "b"), by=["layer"], n_boot=50, n_perm=50),
+    ):
+        assert isinstance(out["layer"].dtype, pd.CategoricalDtype) and out["layer"].cat.ordered
+        assert list(out["layer"].cat.categories) == ["features.2", "features.10"]
+        assert list(dict.fromkeys(out["layer"])) == ["features.2", "features.10"]
+        assert out.groupby("layer").size().index.tolist() == ["features.2", "features.10"]
+    # Without a position (a frame built by hand): as the layers come.
+    plain = summarise(frame.drop(columns="layer_index"), "score", by=["layer"], n_boot=50)
+    assert plain["layer"].tolist() == ["features.10", "features.2"]
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -173,6 +173,27 @@ def test_tables_carry_layer_index_in_model_order(tmp_path: Path) -> None:
     assert order["features.2"] == 3 and order["features.10"] == 11  # named_modules order, `features` itself is 0
 
 
+def test_load_gives_layer_as_an_ordered_categorical_in_model_order_across_runs(tmp_path: Path) -> None:
+    """Two runs (as two sweep jobs) with different layer sets: one table, the union of layers in model order."""
+    import pandas as pd
+
+    from runner.results import load
+
+    app.run(make_config(*DEEP, "layers.include=[features.10,features.2]"), tmp_path / "0")
+    app.run(make_config(*DEEP, "layers.include=[features.4,features.0]"), tmp_path / "1")
+    order = ["features.0", "features.2", "features.4", "features.10"]
+    frame = load(tmp_path)  # the cam table: the runs' main table
+    assert isinstance(frame["layer"].dtype, pd.CategoricalDtype) and frame["layer"].cat.ordered
+    assert list(frame["layer"].cat.categories) == order
+    assert frame.groupby("layer")["cam_max"].mean().index.tolist() == order
+    assert list(frame.sort_values("layer")["layer"].unique()) == order  # sorting is model order too
+    assert list(load(tmp_path / "0")["layer"].cat.categories) == ["features.2", "features.10"]
+    assert list(load(tmp_path / "1" / "cam.parquet" / "part-000000.parquet")["layer"].cat.categories) == [
+        "features.0",
+        "features.4",
+    ]
+
+
 def test_console_summary_and_scripts_order_layers_by_layer_index(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

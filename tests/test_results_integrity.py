@@ -195,6 +195,51 @@ def test_load_refuses_an_unfinished_run_unless_partial(tmp_path: Path) -> None:
         assert len(load(tmp_path, "cam", partial=True)) == 5 * 2 * 2
 
 
+def test_load_returns_the_methods_main_table_beside_the_hooks_table(tmp_path: Path) -> None:
+    import json
+
+    app.run(make_config(*TINY), tmp_path / "cam")  # a CAM run that also records hooks: cam and hooks tables
+    app.run(make_config(*TINY, "method=record"), tmp_path / "record")  # hooks only
+    pd.testing.assert_frame_equal(load(tmp_path / "cam"), load(tmp_path / "cam", "cam"))
+    assert set(load(tmp_path / "record")["hook"]) == {"forward"}
+    manifest = json.loads((tmp_path / "cam" / "manifest.json").read_text())
+    assert manifest["main_table"] == "cam"
+    del manifest["main_table"]  # a run written before the manifest named it: the method in the tables' config says
+    (tmp_path / "cam" / "manifest.json").write_text(json.dumps(manifest))
+    assert "cam_max" in load(tmp_path / "cam").columns
+    with pytest.raises(
+        RunnerError, match=r"several tables \(cam, hooks\).*main tables differ \(cam, hooks\).*table=NAME"
+    ):
+        load(tmp_path)
+
+
+def test_load_of_a_sweep_with_a_failed_and_an_unstarted_job_raises_naming_them(tmp_path: Path) -> None:
+    import shutil
+
+    from tests.conftest import run_cli
+
+    sweep = tmp_path / "sweep"
+    # Job 1 fails on its layer; the basic launcher then stops, so job 2 never starts.
+    done = run_cli("-m", *TINY, "data.count=2", "layers.include=[features.0],[nowhere],[features.2]",
+                   f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert done.returncode == 2 and not (sweep / "2").exists()
+    with pytest.raises(RunnerError, match="1 of 3 jobs complete") as raised:
+        load(sweep)
+    message = str(raised.value)
+    assert "job #1 (layers.include=[nowhere]) failed: Layer 'nowhere' does not exist" in message
+    assert "job #2 (layers.include=[features.2]) has not started" in message
+    assert f"hydra.sweep.dir={sweep}" in message and "partial=True" in message
+    with pytest.raises(RunnerError, match="job #2"):
+        load(tmp_path, "cam")  # from a folder above the sweep too
+    with pytest.warns(UserWarning, match="job #1 .*job #2"):
+        assert len(load(sweep, partial=True)) == 2  # job 0's 2 samples at 1 layer
+    # A job that has started but has no manifest yet (its first shard in progress, or killed in it).
+    shutil.copytree(sweep / "1" / ".hydra", sweep / "2" / ".hydra")
+    (sweep / "1" / "__main__.log").unlink()
+    with pytest.raises(RunnerError, match="job #1 .* has no complete shard yet.*job #2 .* has no complete shard yet"):
+        load(sweep)
+
+
 def test_parts_no_manifest_lists_are_not_read_and_are_replaced_on_resume(tmp_path: Path) -> None:
     """A kill between a shard's renames and the manifest's replacement: its parts are visible but unlisted."""
     import json
@@ -225,6 +270,83 @@ def test_a_manifest_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
     done = cli(*TINY, "progress=false", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 2
     one_line_error(done.stderr, "not a readable runner manifest")
+
+
+# Manifests that are not one, as a disk, an editor or another tool leaves them: (name, bytes).
+MALFORMED_MANIFESTS = [
+    ("truncated", b'{"config_hash": "ab", "shards": {"0": {"cam": 4'),
+    ("binary", bytes(range(256))),
+    ("empty", b""),
+    ("list", b"[1, 2]"),
+    ("null", b"null"),
+    ("empty_object", b"{}"),
+    ("foreign", b'{"name": "my-package", "version": "1.0", "files": ["a.js"]}'),
+    ("shard_entry_a_string", b'{"shards": {"0": "x"}}'),
+    ("rows_a_string", b'{"config_hash": "ab", "complete": true, "shards": {"0": {"cam": "4"}}}'),
+    ("table_outside", b'{"config_hash": "ab", "complete": true, "shards": {"0": {"../../x": 4}}}'),
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    app.run(make_config(*TINY), run)
+    return run
+
+
+@pytest.mark.parametrize("content", [c for _, c in MALFORMED_MANIFESTS], ids=[n for n, _ in MALFORMED_MANIFESTS])
+def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
+    content: bytes, finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from runner import cli, listing
+
+    damaged, intact = tmp_path / "damaged", tmp_path / "intact"
+    shutil.copytree(finished_run, damaged)
+    shutil.copytree(finished_run, intact)
+    (damaged / "manifest.json").write_bytes(content)
+    before = {p: p.read_bytes() for p in damaged.rglob("part-*.parquet")}
+    with pytest.raises(RunnerError, match="manifest.json is not a readable runner manifest.*move it away"):
+        app.run(make_config(*TINY), damaged)
+    with pytest.raises(RunnerError, match="not a readable runner manifest"):
+        load(damaged, "cam", partial=True)
+    assert {p: p.read_bytes() for p in damaged.rglob("part-*.parquet")} == before  # nothing removed or replaced
+
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1 and str(damaged / "manifest.json") in err
+    assert f"{intact}  [complete]" in out  # the other runs are listed
+    # The part files beside it, as what they are: 12 samples x 2 layers of cam rows, 12 of hooks.
+    assert f"{damaged}  [damaged manifest]  ?: cam 24 rows, hooks 12 rows in its part files" in out  # ?: no .hydra/
+    assert "not a readable runner manifest" in out and "resume:" not in out  # the run would refuse a resume
+    (info,) = [i for i in listing.find(tmp_path) if i.path == damaged]
+    assert info.redo_command in out
+
+    assert cli.main(["report", str(damaged)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and err.count("\n") == 1 and "not a readable runner manifest" in err
+
+
+def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run: Path, tmp_path: Path) -> None:
+    import shlex
+    import shutil
+
+    from runner import listing
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    whole = comparable(load(run, "cam"))
+    (run / "manifest.json").write_text('{"shards": {"0": "x"}}')
+    (info,) = listing.find(tmp_path)
+    move, _, command = info.redo_command.partition(" && ")
+    argv = shlex.split(move)
+    Path(argv[1]).rename(argv[2])
+    assert shlex.split(command) == ["runner", f"hydra.run.dir={run}"]  # a run from Python: no saved overrides
+    app.run(make_config(*TINY), run)  # the same command, in the same directory
+    pd.testing.assert_frame_equal(comparable(load(run, "cam")), whole)
+    assert listing.find(tmp_path)[0].status == "complete"
 
 
 # ---- live runs, SIGTERM, a second Ctrl-C ------------------------------------------------------------------------

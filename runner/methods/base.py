@@ -42,6 +42,8 @@ class Method:
     needs_layers: bool = True  # False: runs without `layers.include` (the hooks alone say what is recorded)
     # Columns of the method's table that the console summary averages per layer (where present).
     summary_values: tuple[str, ...] = ()
+    # The method's main table: what `runner.results.load(dir)` returns when no table is named (kept in the manifest).
+    table: str
 
     def prepare(self, dataset: Dataset) -> None:
         """Called once before `setup` with the whole data set (patching pairs a sample with another one)."""

@@ -146,6 +146,7 @@ def agreement(mass: torch.Tensor, effect: torch.Tensor, pair_reason: str) -> tup
 @register(CamVsPatchingConfig)
 class CamVsPatching(Method):
     name = "cam_vs_patching"
+    table = "cam_vs_patching"
     summary_values = ("spearman",)
 
     def __init__(self, cfg: CamVsPatchingConfig, layers: list[Layer], runtime: Runtime) -> None:
@@ -213,7 +214,7 @@ class CamVsPatching(Method):
                     mass = cell_mass(units, maps[name][:, i])  # (M, cells)
                     rho, why = agreement(mass.double(), effect.double(), reasons[i])
                     parts.append(self._columns(i, direction, name, units, rho, why, target[i], corrupted_ids[i]))
-        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.name: concat_columns(parts)})
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: concat_columns(parts)})
 
     def _maps(
         self, model: nn.Module, batch: Batch, names: list[str], acts: dict[str, torch.Tensor], logits: torch.Tensor,

@@ -43,6 +43,7 @@ class HookCheckConfig(MethodConfig):
 @register(HookCheckConfig)
 class HookCheck(Method):
     name = "hook_check"
+    table = "hook_check"
     summary_values = ("max_abs_diff",)
 
     def __init__(self, cfg: HookCheckConfig, layers: list[Layer], runtime: Runtime) -> None:
@@ -79,7 +80,7 @@ class HookCheck(Method):
             "max_abs_diff": max_abs_diff,
             "passed": max_abs_diff <= self.cfg.tolerance,
         }
-        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.name: columns})
+        return BatchOutput(predicted=logits.argmax(dim=1), tables={self.table: columns})
 
     def finish(self, out: Path) -> None:
         """The run fails (after its table is written) when a layer's capture differs beyond the tolerance."""

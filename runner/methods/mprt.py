@@ -266,6 +266,7 @@ def parameterised_modules(model: nn.Module, selectors: list[str]) -> list[Layer]
 @register(MprtConfig)
 class Mprt(Method):
     name = "mprt"
+    table = "mprt"
 
     def __init__(self, cfg: MprtConfig, layers: list[Layer], runtime: Runtime) -> None:
         from runner.methods import CAM_METHODS, method_config
@@ -389,4 +390,4 @@ class Mprt(Method):
             "value": torch.stack(values).reshape(-1).float(),  # (S, L, K, B) flattened
             "inner_method": [self.cfg.inner] * (n_steps * per_step),
         }
-        return BatchOutput(predicted=predicted, tables={self.name: columns})
+        return BatchOutput(predicted=predicted, tables={self.table: columns})

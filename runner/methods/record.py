@@ -33,6 +33,7 @@ class RecordConfig(MethodConfig):
 @register(RecordConfig)
 class Record(Method):
     name = "record"
+    table = "hooks"  # what the record hooks saw: the method writes no table of its own
     needs_layers = False  # the hooks name their own layers
 
     def __init__(self, cfg: MethodConfig, layers: list[Layer], runtime: Runtime) -> None:

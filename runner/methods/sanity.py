@@ -65,6 +65,7 @@ class SanityConfig(CamConfig):
 @register(SanityConfig)
 class Sanity(Method):
     name = "sanity"
+    table = "sanity"
     summary_values = ("spearman",)
 
     def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
@@ -131,7 +132,7 @@ class Sanity(Method):
         columns["degenerate"] = torch.isnan(rho)
         columns["inner_method"] = [self.cfg.inner] * len(rho)
         columns["randomized"] = [",".join(self.cfg.randomize)] * len(rho)
-        return BatchOutput(predicted=trained_output.predicted, tables={self.name: columns})
+        return BatchOutput(predicted=trained_output.predicted, tables={self.table: columns})
 
 
 def _with_fixed_targets(cfg: MethodConfig, targets: torch.Tensor, batch: Batch) -> MethodConfig:

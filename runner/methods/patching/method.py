@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 @register(PatchingMethodConfig)
 class Patching(Method):
     name = "patching"
+    table = "patching"
     summary_values = ("restoration", "rank_correlation")
 
     def __init__(self, cfg: PatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
@@ -111,7 +112,7 @@ class Patching(Method):
                 self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max, self.runtime.class_names,
                 self.runtime.figures,
             )
-        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.name: columns})
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: columns})
 
     def metric(self, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:
         """(n,) metric of logits (n, K) for the class `target` (and `contrast` for logit_diff), per row."""
