@@ -39,7 +39,7 @@ def summarize(path: Path, table: str) -> pd.DataFrame:
     """Mean of each value column per layer (and per hook/role/call for hooks), over samples and runs."""
     keys = ["experiment", *KEYS[table]]
     frame = in_model_order(load(path, table), keys)  # layers in model order: features.2 before features.10
-    return frame.groupby(keys, sort=False)[VALUES[table]].mean()
+    return frame.groupby(keys, sort=False, observed=True)[VALUES[table]].mean()
 
 
 def summarize_intervals(path: Path, table: str, n_boot: int, seed: int) -> pd.DataFrame:
