@@ -275,11 +275,7 @@ def validate(config: RunConfig) -> RunConfig:
     bad = config.method.check() + config.data.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
-    bad += [
-        f"figures.{key}={getattr(config.figures, key)}"
-        for key in ("dpi", "columns")
-        if getattr(config.figures, key) < 1
-    ]
+    bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:
@@ -334,7 +330,8 @@ def check_hook_spec(spec: HookSpec, where: str) -> None:
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The typed config for library code; a DictConfig is validated against the schema on the way."""
+    """The typed config for library code; a DictConfig is validated against the schema on the way. Its
+    `layers.include` and `hooks` are the run's own model's (runner.layers.own_selection)."""
     from runner.layers import own_selection  # imported here: it imports this module
 
     if isinstance(cfg, RunConfig):

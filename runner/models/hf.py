@@ -123,8 +123,8 @@ def _size_text(size: Any) -> Any:
 
 
 def _square_side(size: Any) -> int | None:
-    """The side of the square images an image processor's size makes (height = width, or a shortest edge that a
-    centre crop of the same size follows), or None when they are not square."""
+    """The square side an image processor's size says (height = width, or a shortest edge: ConvNeXt's processor
+    crops to it), the size the runner's own geometry (data.resize=pad, none) then makes; None: not square."""
     if isinstance(size, int):
         return size
     if isinstance(size, dict) or hasattr(size, "get"):
