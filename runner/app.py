@@ -10,6 +10,7 @@ handling is runner/loop.py; the id columns on every row, runner/ids.py; the cons
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import uuid
@@ -22,11 +23,11 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from runner import distributed
-from runner.data import build_dataset, skipped_files
+from runner.data import build_dataset, sized_for_model, skipped_files
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
-from runner.layer_table import check_selection, probe_input
+from runner.layer_table import check_selection, expand_auto, probe_input
 from runner.layers import Layer, layer_order, resolve_layers
 from runner.loop import ShardLoop, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
@@ -79,9 +80,9 @@ def _default_output_dir() -> Path:
 
 def _bind_hooks(model: torch.nn.Module, config: RunConfig, target_layers: list[Layer] | None) -> list[BoundHook]:
     bound = []
-    for i, spec in enumerate(config.hooks):
+    for i, spec in enumerate(config.hooks or []):
         if spec.layers:
-            layers = resolve_layers(model, spec.layers)
+            layers = resolve_layers(model, spec.layers, where=f"hooks[{i}].layers")
         elif target_layers is not None:
             layers = target_layers
         else:
@@ -136,15 +137,21 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     model = bundle.model.to(device)
     if config.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    # The model's own input size where it has one (an image processor's, timm's data config): every source's.
+    config = dataclasses.replace(config, data=sized_for_model(config.data, bundle.preprocess))
+    probe = probe_input(config.data, bundle.preprocess)  # one input of the run's size, no data loaded
+    config = expand_auto(config, model, probe)  # layers.include=auto: chosen for this model, logged
     target_layers = (
         resolve_layers(model, config.layers.include, config.layers.exclude) if config.layers.include else None
     )
     if target_layers is None and method_class(config.method).needs_layers:
-        raise RunnerError(f"method={config.method.name} needs target layers: set layers.include=[...].")
+        raise RunnerError(f"method={config.method.name} needs target layers: set layers.include=[...] or auto.")
     hooks = _bind_hooks(model, config, target_layers)
-    # One dry forward of one input of the configured size: a selected module the forward never calls fails now.
+    # One dry forward: a selected module the forward never calls fails now, named with the entry that chose it.
+    sources = {name: f"hooks[{i}].layers" for i, bound in enumerate(hooks) for name, _ in bound.layers}
+    sources.update({name: "layers.include" for name, _ in target_layers or []})
     hooked = [*(target_layers or []), *(layer for bound in hooks for layer in bound.layers)]
-    check_selection(model, hooked, probe_input(config.data, bundle.preprocess))
+    check_selection(model, hooked, probe, sources)
     # Targets by name (method.class_names) become class ids here, before any data loads.
     method = build_method(config.method, target_layers or [], runtime, bundle.categories)
 

@@ -6,6 +6,7 @@ builder registered under that type with `@data_source(ItsConfig)`; a new source 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -181,21 +182,52 @@ def describe_resize(size: int, resize: ResizeMode) -> str:
     }[resize]
 
 
+def model_input_size(preprocess: Callable | None) -> int | None:
+    """The square input side a model's own preprocessing makes (a Hugging Face image processor's, timm's data
+    config's, torchvision weights' crop), or None when the model says none (random init, `_target_`, embedded)."""
+    size = getattr(preprocess, "input_size", None)  # runner.models.base.Preprocess (timm, Hugging Face)
+    if size is None:
+        crop = getattr(preprocess, "crop_size", None)  # torchvision weights' transforms: [224]
+        if isinstance(crop, (list, tuple)) and crop and all(c == crop[0] for c in crop):
+            size = crop[0]
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def sized_for_model(cfg: DataConfig, preprocess: Callable | None) -> DataConfig:
+    """`cfg` with the model's own input size, where the model has one: every source's inputs are then the size
+    the model takes (photos: `image_size`; synthetic tensors: the height and width of `shape`), said in the log."""
+    size = model_input_size(preprocess)
+    if size is None:
+        return cfg
+    shape = getattr(cfg, "shape", None)
+    if shape is not None:  # a source that says its samples' shape: channels kept, height and width the model's
+        if len(shape) != 3 or list(shape[1:]) == [size, size]:
+            return cfg
+        log.info("inputs: %dx%d, the model's own size (its preprocessing); data.shape=%s becomes %s", size, size,
+                 list(shape), [shape[0], size, size])  # fmt: skip
+        return dataclasses.replace(cfg, shape=[shape[0], size, size])  # type: ignore[call-arg]
+    if cfg.image_size != size:
+        log.info("inputs: %dx%d, the model's own size (its preprocessing); data.image_size=%d is not used",
+                 size, size, cfg.image_size)  # fmt: skip
+    return dataclasses.replace(cfg, image_size=size)
+
+
 def image_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> tuple[Callable, str]:
     """The transform for photos and its description for the log.
 
-    A model's own preprocessing (torchvision weights) wins for `square` and `crop`; for `pad` and `none`
-    the geometry is the runner's and only the weights' mean and std are used, so nothing is cut.
+    A model's own preprocessing (torchvision weights, timm's data config, a Hugging Face image processor) is
+    used whole for `square` and `crop`; for `pad` and `none` the geometry is the runner's, at the model's own
+    input size (`sized_for_model`), with the model's mean and std, so nothing is cut.
     """
     if preprocess is None:
         return standard_transform(cfg.image_size, cfg.resize), describe_resize(cfg.image_size, cfg.resize)
     if cfg.resize in (ResizeMode.pad, ResizeMode.none):
         mean, std = getattr(preprocess, "mean", IMAGENET_MEAN), getattr(preprocess, "std", IMAGENET_STD)
         transform = standard_transform(cfg.image_size, cfg.resize, mean, std)
-        return transform, describe_resize(cfg.image_size, cfg.resize) + ", the weights' mean and std"
+        return transform, describe_resize(cfg.image_size, cfg.resize) + ", the model's mean and std"
     resize_size, crop_size = getattr(preprocess, "resize_size", "?"), getattr(preprocess, "crop_size", "?")
     return preprocess, (
-        f"the weights' own preprocessing (short side to {resize_size}, centre crop {crop_size}); data.resize and"
+        f"the model's own preprocessing (short side to {resize_size}, centre crop {crop_size}); data.resize and"
         " data.image_size are not used (data.resize=pad or none keeps the whole photo)"
     )
 
@@ -278,8 +310,10 @@ class SyntheticDataset(Dataset):
 
 
 def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    """The configured data set; `preprocess` (from the model's weights) wins over the standard transform.
-    Unreadable image files are left out and listed by `skipped_files` (or fail the run when data.strict)."""
+    """The configured data set; `preprocess` (from the model's weights) wins over the standard transform, and
+    the model's own input size over the configured one (`sized_for_model`). Unreadable image files are left
+    out and listed by `skipped_files` (or fail the run when data.strict)."""
+    cfg = sized_for_model(cfg, preprocess)
     build = DATA_SOURCES.for_config(cfg, "data")
     dataset = build(cfg, preprocess, seed)
     if cfg.limit is not None:

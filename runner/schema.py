@@ -127,10 +127,17 @@ class DataConfig:
         return bad
 
 
+# The layer selector (and `layers.include` value) that lets the runner choose a few layers of the run's model itself.
+AUTO = "auto"
+
+
 @dataclass
 class LayersConfig:
-    # Selectors: exact dotted names (features.28), globs (features.*), types (Conv2d), or both (features.*:Conv2d).
-    include: list[str] = field(default_factory=list)
+    # Selectors: exact dotted names (features.28), globs (features.*), types (Conv2d), or both (features.*:Conv2d);
+    # `auto` (alone or as one selector): a few evenly spaced blocks with spatial outputs, chosen per model.
+    # null: the experiment's `for_model.include` when the run's model is the one it names, else auto.
+    # (Typed Any so that `layers.include=auto` works as well as a list; `own_selection` checks the value.)
+    include: Any = None
     exclude: list[str] = field(default_factory=list)
 
 
@@ -146,6 +153,16 @@ class HookSpec:
     max: Optional[float] = None  # clamp
     seed: int = 0  # add_noise
     save_tensors: bool = False  # record: also write the full tensors to a safetensors sidecar
+
+
+@dataclass
+class ForModelConfig:
+    """An experiment's layers and hooks with the model they name modules of: a run of another model inherits
+    neither (it gets `layers.include=auto` and no hooks, logged); `layers.include` / `hooks` set by the user win."""
+
+    model: Optional[str] = None  # as the tables' `model` column says it: embedded:efficientnet_lite0, torchvision:vgg16
+    include: list[str] = field(default_factory=list)
+    hooks: list[HookSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -211,7 +228,9 @@ class RunConfig:
     # conf/method/*.yaml name it first in their defaults), so a key of another option fails at composition.
     data: DataConfig = MISSING
     layers: LayersConfig = field(default_factory=LayersConfig)
-    hooks: list[HookSpec] = field(default_factory=list)
+    # null: the experiment's `for_model.hooks` when the run's model is the one it names, else none.
+    hooks: Optional[list[HookSpec]] = None
+    for_model: ForModelConfig = field(default_factory=ForModelConfig)
     method: MethodConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
     figures: FiguresConfig = field(default_factory=FiguresConfig)
@@ -311,9 +330,12 @@ def check_hook_spec(spec: HookSpec, where: str) -> None:
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The typed config for library code; a DictConfig is validated against the schema on the way."""
+    """The typed config for library code; a DictConfig is validated against the schema on the way. Its
+    `layers.include` and `hooks` are the run's own model's (runner.layers.own_selection)."""
+    from runner.layers import own_selection  # imported here: it imports this module
+
     if isinstance(cfg, RunConfig):
-        return validate(cfg)
+        return validate(own_selection(cfg))
     # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
     # to_object would silently drop it; merging plain values into the schema refuses it instead. The
     # schema's method and data are the named options' own, so a key of another option is refused too.
@@ -328,7 +350,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise RunnerError(config_error_line(e)) from None
-    return validate(config)
+    return validate(own_selection(config))
 
 
 def config_error_line(error: BaseException) -> str:

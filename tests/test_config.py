@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from runner.errors import RunnerError
+from runner.models import model_label
 from runner.schema import HookAction, HookKind, Precision, RunConfig
 from tests.conftest import CONF, make_config, run_cli
 
@@ -27,6 +28,9 @@ def test_every_experiment_composes(experiment: str) -> None:
     cfg = make_config(f"experiment={experiment}")
     assert cfg.name == experiment
     assert cfg.layers.include, "every experiment selects target layers"
+    # for_model names the experiment's own model: with no override the experiment's selection is the run's.
+    assert cfg.for_model.model == model_label(cfg.model), "for_model.model: the experiment's model's label"
+    assert cfg.layers.include == cfg.for_model.include and cfg.hooks == cfg.for_model.hooks
 
 
 @pytest.mark.parametrize(

@@ -234,3 +234,47 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
     assert "Empty DataFrame" not in text
     assert "random_value" in text and "morf" in text and "sparseness" in text  # per metric and variant
     assert "other: 2 rows" in text  # nothing to average: its row count only
+
+
+# ---- layers.include=auto: a few evenly spaced blocks with spatial outputs, per model ---------------------------------
+@pytest.mark.parametrize(
+    ("build", "size", "chosen"),
+    [
+        ("resnet18", 224, ["layer1.1", "layer2.1", "layer3.1", "layer4.1"]),  # BasicBlocks: each stage's last
+        ("resnet18", 32, ["layer1.1", "layer2.0", "layer3.0", "layer3.1"]),  # layer4 is 1x1 at 32 px: left out
+        ("vgg16", 64, ["features.7", "features.14", "features.21", "features.28"]),  # no blocks: its Conv2d layers
+    ],
+)
+def test_auto_picks_evenly_spaced_blocks_with_spatial_outputs(build: str, size: int, chosen: list[str]) -> None:
+    import torchvision
+
+    from runner.layer_table import auto_layers
+
+    model = getattr(torchvision.models, build)(weights=None).eval()
+    assert auto_layers(model, torch.zeros(3, size, size)) == chosen
+    assert no_hooks(model)
+
+
+def test_auto_on_tokens_and_a_model_without_blocks(tiny: nn.Module) -> None:
+    from runner.layer_table import auto_layers
+
+    vit = tiny_vit().eval()  # two EncoderBlocks of 17 tokens: a class token and a 4x4 grid
+    assert auto_layers(vit, torch.zeros(3, 32, 32)) == [
+        "encoder.layers.encoder_layer_0",
+        "encoder.layers.encoder_layer_1",
+    ]
+    assert auto_layers(vit, torch.zeros(3, 32, 32), token_prefix=0) != auto_layers(vit, torch.zeros(3, 32, 32))
+    assert auto_layers(tiny, torch.zeros(3, 8, 8)) == ["features.0", "features.2"]  # its Conv2d layers
+
+
+def test_auto_in_runner_layers_and_in_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`auto` alone or beside other selectors, in layers.include and in a hook's layers; the choice is logged."""
+    assert main([*TINY, "layers.include=auto"]) == 0
+    captured = capsys.readouterr()
+    assert "2 selected (*)" in captured.out and "layers.include=auto: features.0, features.2" in captured.err
+    config = make_config(*TINY, "layers.include=[features.2,auto]", "hooks=[{kind: forward, layers: [auto]}]")
+    result = app.run(config, tmp_path)
+    import pandas as pd
+
+    assert set(pd.read_parquet(result.tables["cam"])["layer"]) == {"features.0", "features.2"}
+    assert set(pd.read_parquet(result.tables["hooks"])["layer"]) == {"features.0", "features.2"}

@@ -278,3 +278,146 @@ def test_model_class_names_from_the_command_line() -> None:
     from tests.conftest import make_config
 
     assert make_config("model.class_names=[tabby,tiger]").model.class_names == ["tabby", "tiger"]
+
+
+# ---- 5. each "Your own model" command of the README in one command: no hooks=[], the model's own input size --------
+NET = """import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                                  nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+"""
+
+
+@pytest.fixture
+def photos(tmp_path: Path) -> Path:
+    """Two class folders of one photo each, neither square (as a user's photos are)."""
+    from PIL import Image
+
+    root = tmp_path / "photos"
+    for label, size in (("cats", (80, 50)), ("dogs", (40, 60))):
+        (root / label).mkdir(parents=True)
+        Image.new("RGB", size, (200, 120, 40)).save(root / label / "a.png")
+    return root
+
+
+@pytest.fixture
+def hf_vit64(tmp_path: Path) -> Path:
+    """A tiny random ViT classifier whose image processor makes 64 px inputs (the model refuses any other size)."""
+    folder = tmp_path / "my-finetuned-vit"
+    config = transformers.ViTConfig(
+        image_size=64, patch_size=16, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        num_labels=3, id2label=ANIMALS, label2id={v: k for k, v in ANIMALS.items()},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(config).save_pretrained(folder)
+    transformers.ViTImageProcessor(size={"height": 64, "width": 64}).save_pretrained(folder)
+    return folder
+
+
+def cam_of(out: Path, done: object) -> pd.DataFrame:
+    assert done.returncode == 0, done.stderr[-3000:]  # type: ignore[attr-defined]
+    return pd.read_parquet(out / "cam.parquet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", [["data=image_folder"], [], ["data=synthetic"]])
+@pytest.mark.parametrize("layers", [[], ["layers.include=[ViTLayer]"]])
+def test_hf_model_takes_its_processors_size_from_every_data_source(
+    hf_vit64: Path, photos: Path, hub_cache: Path, tmp_path: Path, data: list[str], layers: list[str]
+) -> None:
+    """debug=tiny says 32 px, the processor 64: the photos (any resize mode), composites and synthetic tensors are
+    made at 64; the ViT's two layers are the auto choice too; the default experiment's hooks are not inherited."""
+    out = tmp_path / "run"
+    root = [f"data.root={photos}"] if data == ["data=image_folder"] else []
+    done = run_cli("model=hf", f"model.name={hf_vit64}", *data, *root, *layers, "debug=tiny", f"hydra.run.dir={out}")
+    cam = cam_of(out, done)
+    assert set(cam["layer"]) == {"vit.layers.0", "vit.layers.1"}
+    assert set(cam["map_height"]) == {4} and set(cam["map_width"]) == {4}  # 64 px / 16 px patches
+    assert not (out / "hooks.parquet").exists()
+    assert "inputs: 64x64, the model's own size" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_a_size_the_model_refuses_is_one_message_before_the_run(hf_vit64: Path, photos: Path, tmp_path: Path) -> None:
+    """data.resize=none keeps each photo's aspect ratio: the 64 px ViT refuses it; timm's ViT at 32 px too."""
+    for args in (
+        ["model=hf", f"model.name={hf_vit64}", "data=image_folder", f"data.root={photos}", "data.resize=none"],
+        ["model=timm", "model.name=vit_tiny_patch16_224", "model.weights=null"],
+    ):
+        done = run_cli(*args, "debug=tiny", f"hydra.run.dir={tmp_path / args[1][-8:]}")
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "The model cannot take inputs of shape [3, " in done.stderr and "Traceback" not in done.stderr
+        assert not (tmp_path / args[1][-8:] / "cam.parquet").exists()
+
+
+@pytest.mark.slow
+def test_readme_timm_layers_listing_marks_the_auto_choice() -> None:
+    done = run_cli("layers", "model=timm", "model.name=vit_tiny_patch16_224", "model.weights=null", "--grep",
+                   r"blocks\.[0-9]+$")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[1:-1]]
+    assert len(rows) == 12 and [r[2] for r in rows if r[1] == "*"] == ["blocks.2", "blocks.5", "blocks.8", "blocks.11"]
+    assert "4 selected (*)" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [[], ["layers.include=[ConvNeXtStage]"]])
+def test_readme_timm_model_runs_in_one_command(tmp_path: Path, layers: list[str]) -> None:
+    out = tmp_path / "run"
+    done = run_cli("experiment=gradcam_effnet", "model=timm", "model.name=convnext_tiny", "model.weights=null",
+                   *layers, "debug=tiny", "data.image_size=64", "method.faithfulness.enabled=false",
+                   f"hydra.run.dir={out}")  # fmt: skip
+    assert set(cam_of(out, done)["layer"]) == {"stages.0", "stages.1", "stages.2", "stages.3"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["model=timm", "model.name=convnext_tiny", "model.weights=fb_in1k"],
+        ["model=hf", "model.name=facebook/convnext-tiny-224", "layers.include=[ConvNextStage]"],
+    ],
+)
+def test_readme_hub_models_offline_are_one_line(hub_cache: Path, tmp_path: Path, args: list[str]) -> None:
+    done = run_cli(*args, "debug=tiny", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "Hugging Face cache" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr
+
+
+@pytest.mark.slow
+def test_readme_target_with_checkpoint_runs_in_one_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model._target_=my_net.Net` from the working directory, with its checkpoint: the layers are auto's."""
+    (tmp_path / "my_net.py").write_text(NET)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_net", raising=False)
+    import my_net  # type: ignore[import-not-found]
+
+    torch.save(my_net.Net(classes=4).state_dict(), tmp_path / "net.pt")
+    out = tmp_path / "run"
+    done = run_cli("model._target_=my_net.Net", "+model.kwargs.classes=4", "model.checkpoint=net.pt", "debug=tiny",
+                   f"hydra.run.dir={out}")  # fmt: skip
+    cam = cam_of(out, done)
+    assert set(cam["layer"]) == {"body.0", "body.2", "body.4"} and set(cam["model"]) == {"target:my_net.Net"}
+
+
+@pytest.mark.slow
+def test_readme_torchvision_checkpoint_runs_in_one_command(tmp_path: Path) -> None:
+    import torchvision
+
+    torch.save(torchvision.models.resnet18(num_classes=4).state_dict(), tmp_path / "x.pt")
+    out = tmp_path / "run"
+    done = run_cli("model=resnet18", "+model.kwargs.num_classes=4", f"model.checkpoint={tmp_path / 'x.pt'}",
+                   "model.class_names=[a,b,c,d]", "debug=tiny", f"hydra.run.dir={out}")  # fmt: skip
+    cam = cam_of(out, done)
+    assert set(cam["layer"]) == {"layer1.1", "layer2.0", "layer3.0", "layer3.1"}  # layer4 is 1x1 at 32 px
+    assert set(cam["predicted_name"]) <= {"a", "b", "c", "d"}

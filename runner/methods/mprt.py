@@ -251,7 +251,7 @@ def parameterised_modules(model: nn.Module, selectors: list[str]) -> list[Layer]
     root excluded, narrowed to `selectors` (layer selectors, as layers.include) when given."""
     found = [(name, m) for name, m in model.named_modules() if name and hasattr(m, "reset_parameters")]
     if selectors:
-        chosen = {name for name, _ in resolve_layers(model, selectors)}
+        chosen = {name for name, _ in resolve_layers(model, selectors, where="method.randomize")}
         found = [(name, m) for name, m in found if name in chosen]
         if not found:
             raise RunnerError(

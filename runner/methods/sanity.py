@@ -97,7 +97,7 @@ class Sanity(Method):
             module._forward_pre_hooks.clear()
             module._backward_hooks.clear()
         torch.manual_seed(self.cfg.faithfulness.seed)
-        for _, module in resolve_layers(clone, self.cfg.randomize):
+        for _, module in resolve_layers(clone, self.cfg.randomize, where="method.randomize"):
             for sub in module.modules():
                 if hasattr(sub, "reset_parameters"):
                     sub.reset_parameters()

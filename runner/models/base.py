@@ -38,15 +38,23 @@ class ModelBundle:
 
 
 class Preprocess:
-    """A model's own photo preprocessing with what runner.data.image_transform reads from it: the mean and std
-    (data.resize=pad or none keep the runner's geometry and use only these) and the sizes it says in the log."""
+    """A model's own photo preprocessing with what runner.data reads from it: the square input side it makes
+    (`input_size`: every data source's inputs take it), the mean and std (data.resize=pad or none keep the
+    runner's geometry and use only these) and the sizes it says in the log."""
 
     def __init__(
-        self, transform: Callable[[Any], torch.Tensor], mean: Any, std: Any, resize_size: Any, crop_size: Any
+        self,
+        transform: Callable[[Any], torch.Tensor],
+        mean: Any,
+        std: Any,
+        resize_size: Any,
+        crop_size: Any,
+        input_size: int | None = None,
     ) -> None:
         self.transform = transform
         self.mean, self.std = list(mean), list(std)
         self.resize_size, self.crop_size = resize_size, crop_size
+        self.input_size = input_size  # None: the model's inputs are not square (the configured size is used)
 
     def __call__(self, image: Any) -> torch.Tensor:
         return self.transform(image)  # (C, H, W)

@@ -41,21 +41,33 @@ def check_input(model: nn.Module, sample: torch.Tensor, batch_size: int, device:
     try:
         with torch.no_grad():
             model(sample.unsqueeze(0).to(device))  # (1, *sample.shape)
-    except RuntimeError as e:
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except Exception as e:  # torch's RuntimeError, a model's own size check (ValueError, AssertionError), ...
+        text = str(e).splitlines()[0] if str(e) else ""
         if "out of memory" in text.lower():
             raise RunnerError(
                 f"One sample of shape {list(sample.shape)} does not fit on {device} ({text}): use a smaller input"
                 " (data.image_size, data.shape)."
             ) from e
-        if "too small" in text:
-            hint = "The input is too small for the model's downsampling: use a larger data.image_size (ImageNet models: 224)."
-        elif "channel" in text:
-            hint = (
-                "The first number of a sample's shape is its channel count: image models take 3 (data.shape=[3,H,W])."
-            )
-        else:
-            hint = "Check data.image_size / data.shape against the input the model expects."
-        raise RunnerError(f"The model cannot take inputs of shape {list(sample.shape)} (torch: {text}). {hint}") from e
+        raise input_refused(e, list(sample.shape)) from e
     finally:
         model.train(was_training)
+
+
+def input_refused(error: Exception, shape: list[int]) -> RunnerError:
+    """One message for a forward that fails on one input of `shape`: what the model said, and what to change."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    said = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if "too small" in text:
+        hint = (
+            "The input is too small for the model's downsampling: use a larger data.image_size (ImageNet models: 224)."
+        )
+    elif "channel" in text:
+        hint = "The first number of a sample's shape is its channel count: image models take 3 (data.shape=[3,H,W])."
+    else:
+        hint = (
+            "Give the size the model takes: data.image_size=N for photos, data.shape=[3,N,N] for synthetic data"
+            " (a fixed-size model built from a config or a `_target_` often takes its own size as an argument, e.g."
+            " timm's +model.kwargs.img_size=N); with data.resize=none photos keep their aspect ratio, which"
+            " fixed-size models refuse: use data.resize=pad."
+        )
+    return RunnerError(f"The model cannot take inputs of shape {shape} ({said}). {hint}")

@@ -101,11 +101,16 @@ def _preprocess(transformers: Any, name: str) -> Preprocess | None:
     except (OSError, ValueError) as e:  # no preprocessor_config.json: the runner's standard transform
         log.info("no image processor saved with %s (%s): data.image_size and ImageNet's mean and std apply", name, e)
         return None
-    mean = getattr(processor, "image_mean", None) or [0.485, 0.456, 0.406]
-    std = getattr(processor, "image_std", None) or [0.229, 0.224, 0.225]
+    if getattr(processor, "do_normalize", True):
+        mean = getattr(processor, "image_mean", None) or [0.485, 0.456, 0.406]
+        std = getattr(processor, "image_std", None) or [0.229, 0.224, 0.225]
+    else:  # the processor only rescales to [0, 1]: so do data.resize=pad and none
+        mean, std = [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]
+    cropped = getattr(processor, "do_center_crop", False)
     size = _size_text(getattr(processor, "size", None))
-    crop = _size_text(getattr(processor, "crop_size", None)) if getattr(processor, "do_center_crop", False) else size
-    return Preprocess(_ProcessorTransform(processor), mean, std, size, crop)
+    crop = _size_text(getattr(processor, "crop_size", None)) if cropped else size
+    side = _square_side(getattr(processor, "crop_size", None) if cropped else getattr(processor, "size", None))
+    return Preprocess(_ProcessorTransform(processor), mean, std, size, crop, side)
 
 
 def _size_text(size: Any) -> Any:
@@ -115,6 +120,20 @@ def _size_text(size: Any) -> Any:
             return f"{size['height']}x{size['width']}"
         return size.get("shortest_edge") or size.get("longest_edge") or size
     return size
+
+
+def _square_side(size: Any) -> int | None:
+    """The square side an image processor's size says (height = width, or a shortest edge: ConvNeXt's processor
+    crops to it), the size the runner's own geometry (data.resize=pad, none) then makes; None: not square."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, dict) or hasattr(size, "get"):
+        height, width = size.get("height"), size.get("width")
+        if height and height == width:
+            return int(height)
+        if size.get("shortest_edge") and not height and not width:
+            return int(size["shortest_edge"])
+    return None
 
 
 class _ProcessorTransform:

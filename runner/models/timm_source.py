@@ -125,7 +125,8 @@ def _preprocess(timm: Any, model: Any) -> Preprocess:
     transform = timm.data.create_transform(**config)
     size = config["input_size"][-1]
     resize = int(size / config.get("crop_pct", 1.0)) if config.get("crop_mode", "center") == "center" else size
-    return Preprocess(transform, config["mean"], config["std"], resize, size)
+    height, width = config["input_size"][-2:]
+    return Preprocess(transform, config["mean"], config["std"], resize, size, height if height == width else None)
 
 
 def _class_names(timm: Any, model: Any) -> list[str] | None:
