@@ -265,6 +265,13 @@ def exif_orientation(im: Image.Image) -> int:
     return value if isinstance(value, int) and 2 <= value <= 8 else 1
 
 
+def upright(image: Any) -> Any:
+    """A PIL image as a viewer shows it (its EXIF orientation applied); anything else (a tensor, an array) as is."""
+    if isinstance(image, Image.Image) and exif_orientation(image) != 1:
+        return ImageOps.exif_transpose(image)
+    return image
+
+
 def oriented(im: Image.Image, orientation: int) -> Image.Image:
     """`im` (stored pixels) turned as EXIF `orientation` says: by PIL's own exif_transpose, so that a mask turned
     here lands on the pixels its photo's turned copy shows."""
@@ -297,8 +304,7 @@ def read_photo(path: Path, need: int | None = None) -> Image.Image:
     decoded no larger than it must be for a side of `need` px (`draft`)."""
     with Image.open(path) as im:
         draft(im, need)
-        orientation = exif_orientation(im)
-        return pil_to_rgb(im if orientation == 1 else ImageOps.exif_transpose(im))
+        return pil_to_rgb(upright(im))
 
 
 def _skimage_photo(name: str) -> np.ndarray:
@@ -392,7 +398,8 @@ def _synthetic_source(cfg: SyntheticConfig, preprocess: Callable | None, seed: i
 
 @data_source(TorchvisionDataConfig)
 def _torchvision_source(cfg: TorchvisionDataConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    return _torchvision_dataset(cfg, _logged_transform(cfg, preprocess))
+    # Files a data set reads with PIL keep their EXIF orientation tag: turned upright as in an image folder.
+    return _torchvision_dataset(cfg, T.Compose([upright, _logged_transform(cfg, preprocess)]))
 
 
 def skipped_files(dataset: Dataset) -> list[str]:

@@ -262,3 +262,32 @@ def test_an_8000_px_jpeg_is_never_decoded_or_made_float_at_full_size(tmp_path: P
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[-1]) < 100, done.stdout  # MB above the small photo's peak
+
+
+def test_torchvision_data_sets_read_photos_upright(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchvision data set whose loader keeps the EXIF tag (PIL's open + convert, as torchvision's own) feeds the
+    photo upright too."""
+    import torchvision.datasets
+    from torchvision.datasets.folder import default_loader
+
+    from runner.data import TorchvisionDataConfig, standard_transform
+    from runner.schema import ResizeMode
+
+    save_oriented(upright_picture(), tmp_path / "a.jpg", 6, quality=95)
+
+    class Photos(torch.utils.data.Dataset):  # the shape of torchvision's file-based data sets
+        def __init__(self, root: str, download: bool, transform: object) -> None:
+            self.root, self.transform = Path(root), transform
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> tuple:
+            return self.transform(default_loader(str(self.root / "a.jpg"))), 0
+
+    monkeypatch.setattr(torchvision.datasets, "Photos", Photos, raising=False)
+    cfg = TorchvisionDataConfig(dataset="Photos", root=str(tmp_path), image_size=20, resize=ResizeMode.none)
+    x = build_dataset(cfg, None, 0)[0][0]
+    expected = standard_transform(20, ResizeMode.none)(upright_picture())
+    assert x.shape == expected.shape == (3, 20, 30)  # sideways it would be 30 x 20
+    assert float((x - expected).abs().mean()) < 0.05  # JPEG only
