@@ -224,6 +224,10 @@ class RunConfig:
     distributed_timeout_minutes: float = 120.0
     seed: int = 0
     progress: bool = True
+    # torch's intra-op CPU threads for the whole run, in every process that runs a job (a plain run, a joblib worker,
+    # a torchrun rank): float sums split by thread count round differently, so a fixed number, not the machine's
+    # cores, keeps tables identical under every launcher. Part of the resume key.
+    threads: int = 4
 
 
 def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
@@ -256,7 +260,13 @@ def validate(config: RunConfig) -> RunConfig:
     bad = config.method.check() + config.data.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
-    bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
+    if config.threads < 1:
+        bad.append(f"threads={config.threads}")
+    bad += [
+        f"figures.{key}={getattr(config.figures, key)}"
+        for key in ("dpi", "columns")
+        if getattr(config.figures, key) < 1
+    ]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:
