@@ -262,11 +262,7 @@ def validate(config: RunConfig) -> RunConfig:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
     if config.threads < 1:
         bad.append(f"threads={config.threads}")
-    bad += [
-        f"figures.{key}={getattr(config.figures, key)}"
-        for key in ("dpi", "columns")
-        if getattr(config.figures, key) < 1
-    ]
+    bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:
