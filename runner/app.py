@@ -14,6 +14,8 @@ import dataclasses
 import logging
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -93,11 +95,30 @@ def _bind_hooks(model: torch.nn.Module, config: RunConfig, target_layers: list[L
     return bound
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads at `count` inside, the caller's count restored after (a notebook, a test session)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> RunResult:
     """Run one experiment into `output_dir` (default: Hydra's run dir); resume it if that holds an unfinished
     run of the same config and inputs. Bad input raises RunnerError before anything is written; a failure
     later keeps only complete shards. One run writes a directory at a time: a second one is refused."""
     config = to_run_config(cfg)
+    # The configured thread count, whoever started this process: joblib's workers and torchrun's ranks are given
+    # one thread by their launchers, and sums split another way round differently (results would then depend on it).
+    with torch_threads(config.threads):
+        return _run(config, output_dir)
+
+
+def _run(config: RunConfig, output_dir: str | Path | None) -> RunResult:
+    """`run` with the config typed and its thread count set."""
     out = Path(output_dir or config.output.dir or _default_output_dir())
     _check_writable(out)
     torch.manual_seed(config.seed)

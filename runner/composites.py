@@ -9,6 +9,9 @@ values are NaN):
   pixels (x right, y down from the top-left corner; x1, y1 exclusive): the union of the boxes.
 - `<name>.mask.png` beside `<name>.<ext>`: the same size as the photo; non-zero pixels are the region. Files
   ending in `.mask.png` are never read as images.
+Both are in the stored pixels (what an image library reads, before any EXIF orientation): a photo with an EXIF
+orientation is turned upright when read (runner/data.py `read_photo`), and its mask is turned the same way, so it
+stays on the same pixels of the scene. A JPEG decoded at a reduced scale takes its mask scaled to that size first.
 
 The built-in benchmark `data=composites`: real scikit-image photos whose class the embedded EfficientNet-Lite0
 names at top-1, each pasted into one cell of a 2x2 grid (the other cells the mean colour, or the other photos
@@ -41,6 +44,9 @@ from runner.data import (
     _skimage_photo,
     _to_rgb,
     data_source,
+    draft,
+    exif_orientation,
+    oriented,
 )
 from runner.errors import RunnerError, suggest
 from runner.schema import ResizeMode
@@ -108,13 +114,17 @@ class FolderMasks:
     """The masks of an image folder's samples, by sample id (relative path), at the input's resolution."""
 
     def __init__(self, folder: Path, boxes: dict[str, list[list[float]]], pngs: dict[str, Path],
-                 geometry: Callable[[torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
+                 geometry: Callable[[torch.Tensor], torch.Tensor], need: int | None = None) -> None:  # fmt: skip
         self.folder, self.boxes, self.pngs, self.geometry = folder, boxes, pngs, geometry
+        self.need = need  # the side the photos are decoded for (runner/data.py `read_photo`)
 
     def __call__(self, sample_id: str) -> torch.Tensor:
         """(h, w) bool mask of `sample_id`; empty when the side files give it no region."""
-        with Image.open(self.folder / sample_id) as im:
-            width, height = im.size  # the header only
+        with Image.open(self.folder / sample_id) as im:  # the header only
+            width, height = im.size  # the stored pixels, which the side files are in
+            orientation = exif_orientation(im)
+            draft(im, self.need)
+            decoded = im.size  # the size read_photo decodes it at (a JPEG may decode at a reduced scale)
         mask = box_mask(self.boxes.get(sample_id, []), height, width)  # (height, width)
         png = self.pngs.get(sample_id)
         if png is not None:
@@ -128,11 +138,25 @@ class FolderMasks:
                     f" {width}x{height}: a .mask.png must have the image's size."
                 )
             mask |= torch.from_numpy(array > 0)
-        return self.geometry(mask)
+        return self.geometry(_as_read(mask, decoded, orientation))
+
+
+def _as_read(mask: torch.Tensor, decoded: tuple[int, int], orientation: int) -> torch.Tensor:
+    """A stored-pixel mask (H, W) on the pixels of its photo as read_photo returns it: scaled to the decoded
+    (width, height) (a fraction per pixel: the geometry thresholds it once, at the input's size), then turned by its
+    EXIF orientation with the photo's own transpose. Unchanged for an upright photo decoded in full."""
+    if decoded == (mask.shape[1], mask.shape[0]) and orientation == 1:
+        return mask
+    m = mask.float()  # (H, W)
+    if decoded != (m.shape[1], m.shape[0]):
+        m = TF.resize(m[None], [decoded[1], decoded[0]], antialias=True)[0]  # (decoded h, decoded w)
+    if orientation != 1:
+        m = torch.from_numpy(np.array(oriented(Image.fromarray(m.numpy()), orientation)))
+    return m
 
 
 def folder_masks(
-    folder: Path, sample_ids: list[str], geometry: Callable[[torch.Tensor], torch.Tensor]
+    folder: Path, sample_ids: list[str], geometry: Callable[[torch.Tensor], torch.Tensor], need: int | None = None
 ) -> FolderMasks | None:
     """The folder's masks from its side files (see the module's docstring); None when it has none."""
     boxes: dict[str, list[list[float]]] = {}
@@ -147,7 +171,7 @@ def folder_masks(
             pngs[sample_id] = png
     if not boxes and not pngs:
         return None
-    return FolderMasks(folder, boxes, pngs, geometry)
+    return FolderMasks(folder, boxes, pngs, geometry, need)
 
 
 def _read_boxes(side: Path, sample_ids: list[str]) -> dict[str, list[list[float]]]:

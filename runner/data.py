@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms as T
 
@@ -139,6 +139,24 @@ class Batch:
         return Batch(self.x[lo:hi], self.labels[lo:hi], self.sample_ids[lo:hi], self.first_index + lo, masks)
 
 
+def letterbox_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """(height, width) with the long side scaled to `size`, the aspect ratio kept."""
+    scale = size / max(height, width)
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+class LongSide:
+    """A PIL image with its long side scaled to `size` (aspect kept): a photo is resized before it becomes a float
+    tensor, so a big one never is one at full size (an 8000 px square would be 768 MB)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, im: Image.Image) -> Image.Image:
+        new_h, new_w = letterbox_size(im.height, im.width, self.size)
+        return im if (new_h, new_w) == (im.height, im.width) else im.resize((new_w, new_h), Image.Resampling.BILINEAR)
+
+
 class Letterbox:
     """Scale the long side to `size` (aspect ratio kept), then pad to size x size around the centre with 0:
     the mean colour once normalised, as the occlusion corruption uses."""
@@ -148,9 +166,9 @@ class Letterbox:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (C, H, W) normalised
         h, w = x.shape[-2:]
-        scale = self.size / max(h, w)
-        new_h, new_w = max(1, round(h * scale)), max(1, round(w * scale))
-        x = T.functional.resize(x, [new_h, new_w], antialias=True)  # (C, new_h, new_w)
+        new_h, new_w = letterbox_size(h, w, self.size)
+        if (new_h, new_w) != (h, w):  # a photo comes scaled already (LongSide)
+            x = T.functional.resize(x, [new_h, new_w], antialias=True)  # (C, new_h, new_w)
         top, left = (self.size - new_h) // 2, (self.size - new_w) // 2
         return torch.nn.functional.pad(x, (left, self.size - new_w - left, top, self.size - new_h - top))
 
@@ -164,8 +182,8 @@ def standard_transform(
         return T.Compose([T.Resize((size, size)), *normalise])
     if resize is ResizeMode.crop:
         return T.Compose([T.Resize(size), T.CenterCrop(size), *normalise])
-    if resize is ResizeMode.pad:
-        return T.Compose([*normalise, Letterbox(size)])  # resized after normalising: the bands are exactly 0
+    if resize is ResizeMode.pad:  # resized before normalising, padded after: the bands are exactly 0
+        return T.Compose([LongSide(size), *normalise, Letterbox(size)])
     return T.Compose([T.Resize(size), *normalise])  # none: short side to size, aspect kept, nothing cut
 
 
@@ -263,6 +281,64 @@ def pil_to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+EXIF_ORIENTATION = 0x0112  # the EXIF tag that says how a viewer turns the stored pixels upright
+# A JPEG is decoded at the smallest 1/2, 1/4 or 1/8 scale that keeps both sides at least this many times the size
+# its transform needs: Pillow's `reducing_gap` (3: "indistinguishable from fair resampling"), so a big photo is never
+# decoded at full size and the result stays within an 8-bit level or two of a full decode.
+DRAFT_GAP = 3
+
+
+def exif_orientation(im: Image.Image) -> int:
+    """An opened image's EXIF orientation: 1 stored upright (or no tag), 2-8 flipped and/or turned."""
+    try:
+        value = im.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # a damaged EXIF block: the pixels as stored
+        return 1
+    return value if isinstance(value, int) and 2 <= value <= 8 else 1
+
+
+def upright(image: Any) -> Any:
+    """A PIL image as a viewer shows it (its EXIF orientation applied); anything else (a tensor, an array) as is."""
+    if isinstance(image, Image.Image) and exif_orientation(image) != 1:
+        return ImageOps.exif_transpose(image)
+    return image
+
+
+def oriented(im: Image.Image, orientation: int) -> Image.Image:
+    """`im` (stored pixels) turned as EXIF `orientation` says: by PIL's own exif_transpose, so that a mask turned
+    here lands on the pixels its photo's turned copy shows."""
+    if orientation == 1:
+        return im
+    im = im.copy()
+    im.getexif()[EXIF_ORIENTATION] = orientation
+    return ImageOps.exif_transpose(im)
+
+
+def draft(im: Image.Image, need: int | None) -> None:
+    """Decode a JPEG at a reduced scale (in place, before it is loaded) when both sides stay >= DRAFT_GAP * need;
+    other formats, and need=None (the size is unknown), decode in full."""
+    if need is not None:
+        im.draft(None, (DRAFT_GAP * need, DRAFT_GAP * need))
+
+
+def decode_size(cfg: ImageDataConfig, preprocess: Callable | None) -> int | None:
+    """The side a photo needs before its transform: data.image_size, or the model's preprocessing resize size
+    where that applies (None where it does not say: decoded in full)."""
+    if preprocess is None or cfg.resize in (ResizeMode.pad, ResizeMode.none):
+        return cfg.image_size
+    size = getattr(preprocess, "resize_size", None)
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size]
+    return max(sizes) if all(isinstance(v, int) and v > 0 for v in sizes) else None
+
+
+def read_photo(path: Path, need: int | None = None) -> Image.Image:
+    """An image file as the RGB photo a viewer shows: EXIF orientation applied, 16-bit scaled to 8-bit, a JPEG
+    decoded no larger than it must be for a side of `need` px (`draft`)."""
+    with Image.open(path) as im:
+        draft(im, need)
+        return pil_to_rgb(upright(im))
+
+
 def _skimage_photo(name: str) -> np.ndarray:
     import skimage.data
 
@@ -342,9 +418,10 @@ def _skimage_source(cfg: SkimagePhotosConfig, preprocess: Callable | None, seed:
 def _folder_source(cfg: ImageFolderConfig, preprocess: Callable | None, seed: int) -> Dataset:
     from runner.composites import folder_masks, mask_transform
 
-    dataset = _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict)
+    need = decode_size(cfg, preprocess)
+    dataset = _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict, need)
     ids = [sample_id for sample_id, _, _ in dataset.items]
-    dataset.masks = folder_masks(Path(str(cfg.root)).expanduser(), ids, mask_transform(cfg, preprocess))
+    dataset.masks = folder_masks(Path(str(cfg.root)).expanduser(), ids, mask_transform(cfg, preprocess), need)
     return dataset
 
 
@@ -355,7 +432,8 @@ def _synthetic_source(cfg: SyntheticConfig, preprocess: Callable | None, seed: i
 
 @data_source(TorchvisionDataConfig)
 def _torchvision_source(cfg: TorchvisionDataConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    return _torchvision_dataset(cfg, _logged_transform(cfg, preprocess))
+    # Files a data set reads with PIL keep their EXIF orientation tag: turned upright as in an image folder.
+    return _torchvision_dataset(cfg, T.Compose([upright, _logged_transform(cfg, preprocess)]))
 
 
 def skipped_files(dataset: Dataset) -> list[str]:
@@ -413,17 +491,19 @@ def _check_other_photo(name: str, valid: str) -> None:
         raise RunnerError(f"scikit-image's '{name}' is not a 2-D photo (shape {array.shape}). {valid}")
 
 
-def _readable(path: Path) -> bool:
-    """Whether PIL can decode the whole file (a truncated or corrupt image fails here, before the run)."""
+def _orientation_if_readable(path: Path, need: int | None) -> int | None:
+    """The file's EXIF orientation (1: upright) if PIL can decode the whole file, else None (a truncated or corrupt
+    image fails here, before the run; a JPEG's reduced-scale decode still reads every byte of it)."""
     try:
         with Image.open(path) as im:
+            draft(im, need)
             im.load()
-        return True
+            return exif_orientation(im)
     except Exception:
-        return False
+        return None
 
 
-def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> ImageListDataset:
+def _folder_dataset(root: str | None, transform: Callable, strict: bool, need: int | None = None) -> ImageListDataset:
     if not root:
         raise RunnerError("data.name=image_folder needs data.root=/path/to/images.")
     folder = Path(root).expanduser()
@@ -435,7 +515,8 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
         raise RunnerError(
             f"Image folder {folder} contains no images ({', '.join(sorted(IMAGE_SUFFIXES))}). Check `data.root`."
         )
-    unreadable = [p for p in files if not _readable(p)]
+    orientations = {p: _orientation_if_readable(p, need) for p in files}
+    unreadable = [p for p in files if orientations[p] is None]
     if unreadable:
         names = ", ".join(str(p.relative_to(folder)) for p in unreadable[:20])
         if strict:
@@ -457,11 +538,15 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool) -> Imag
     def label(p: Path) -> int:
         return classes.index(p.relative_to(folder).parts[0]) if has_classes else NO_LABEL
 
+    turned = sum(orientations[p] not in (None, 1) for p in files)
+    if turned:  # said once: a phone photo stored sideways is shown (and fed) upright, as every viewer shows it
+        log.info("images: %d of %d carry an EXIF orientation and are turned upright as a viewer shows them (their"
+                 " masks with them)", turned, len(files))  # fmt: skip
+
     def opener(p: Path) -> Callable[[], Image.Image]:
         def load() -> Image.Image:
             try:
-                with Image.open(p) as im:
-                    return pil_to_rgb(im)
+                return read_photo(p, need)
             except Exception as e:
                 raise RunnerError(
                     f"Cannot read image {p} ({type(e).__name__}: {e}). Remove or replace the file."

@@ -7,7 +7,8 @@ Library code receives these objects (via `to_run_config`), never a DictConfig.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Optional
 
@@ -243,6 +244,11 @@ class RunConfig:
     distributed_timeout_minutes: float = 120.0
     seed: int = 0
     progress: bool = True
+    # torch's intra-op CPU threads for the whole run, in every process that runs a job (a plain run, a joblib worker,
+    # a torchrun rank): float sums split by thread count round differently, so one number per run keeps tables
+    # identical under every launcher. null: the CPUs this process may use, resolved by to_run_config (so the
+    # resume key holds the number, and a resume on a machine with another count names both). Part of the resume key.
+    threads: Optional[int] = None
 
 
 def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
@@ -275,6 +281,8 @@ def validate(config: RunConfig) -> RunConfig:
     bad = config.method.check() + config.data.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
+    if config.threads < 1:
+        bad.append(f"threads={config.threads}")
     bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
@@ -335,7 +343,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     from runner.layers import own_selection  # imported here: it imports this module
 
     if isinstance(cfg, RunConfig):
-        return validate(own_selection(cfg))
+        return validate(with_threads(own_selection(cfg)))
     # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
     # to_object would silently drop it; merging plain values into the schema refuses it instead. The
     # schema's method and data are the named options' own, so a key of another option is refused too.
@@ -350,7 +358,21 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise RunnerError(config_error_line(e)) from None
-    return validate(own_selection(config))
+    return validate(with_threads(own_selection(config)))
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the platform has one: a SLURM job's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def with_threads(config: RunConfig) -> RunConfig:
+    """The config with `threads: null` resolved to this process's CPUs: the same in a plain run, a joblib worker
+    and a torchrun rank on one machine (their launchers' one-thread settings are overridden by the run)."""
+    return config if config.threads is not None else replace(config, threads=available_cpus())
 
 
 def config_error_line(error: BaseException) -> str:

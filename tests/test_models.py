@@ -104,14 +104,121 @@ def test_truncated_checkpoint(tmp_path: Path) -> None:
         load_checkpoint(TinyNet(), tmp_path / "cut.pt")
 
 
+class WritesMarker:
+    """Unpickled, it writes `marker`: what a malicious checkpoint does, harmless and observable."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
 def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     class Evil:
         def __reduce__(self) -> tuple:
             return (print, ("pwned",))
 
     torch.save({"x": Evil()}, tmp_path / "evil.pt")
-    with pytest.raises(RunnerError, match="Cannot read checkpoint"):
+    with pytest.raises(RunnerError, match="evil.pt is refused: it holds more than tensors"):
         load_checkpoint(TinyNet(), tmp_path / "evil.pt")
+
+
+@pytest.mark.parametrize("save", ["torch.save", "pickle.dump"])
+def test_malicious_checkpoint_is_one_line_without_warnings_or_advice(tmp_path: Path, save: str) -> None:
+    """A refused checkpoint never runs its code, warns nothing, and never advises weights_only=False."""
+    import pickle
+    import warnings
+
+    marker, path = tmp_path / "marker", tmp_path / "evil.pt"
+    if save == "torch.save":
+        torch.save({"x": WritesMarker(marker)}, path)
+    else:  # a plain protocol-4 pickle: torch's weights-only reader warns about the protocol before refusing
+        path.write_bytes(pickle.dumps({"x": WritesMarker(marker)}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RunnerError) as info:
+        warnings.simplefilter("always")
+        load_checkpoint(TinyNet(), path)
+    message = str(info.value)
+    assert "is refused" in message and "\n" not in message
+    assert "weights_only=False" not in message and "will likely succeed" not in message
+    assert [str(w.message) for w in caught] == []
+    assert not marker.exists()
+
+
+def test_malicious_checkpoint_exits_2_with_one_line(tmp_path: Path) -> None:
+    import pickle
+
+    from tests.conftest import run_cli
+
+    marker, path = tmp_path / "marker", tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps({"x": WritesMarker(marker)}, protocol=4))
+    done = run_cli("debug=tiny", "model._target_=tests.conftest.TinyNet", f"model.checkpoint={path}", "hooks=[]",
+                   "layers.include=[features.0]", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    problems = [line for line in done.stderr.splitlines() if "Warning" in line or "Traceback" in line]
+    assert problems == [] and "weights_only=False" not in done.stderr
+    assert not marker.exists()
+
+
+def _pickle_files(tmp_path: Path) -> dict[str, Path]:
+    """The same marker-writing object as each loader's file: torch.save, pickle, joblib, pandas, numpy."""
+    import pickle
+
+    import joblib
+    import numpy as np
+
+    evil = WritesMarker(tmp_path / "marker")
+    files = {name: tmp_path / name for name in ("evil.pt", "evil.pkl", "evil.joblib", "evil.npy")}
+    torch.save({"x": evil}, files["evil.pt"])
+    files["evil.pkl"].write_bytes(pickle.dumps(evil))
+    joblib.dump(evil, files["evil.joblib"])
+    np.save(files["evil.npy"], np.array([evil], dtype=object), allow_pickle=True)
+    assert not (tmp_path / "marker").exists()
+    return files
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs"),
+    [
+        ("torch.load", {"f": "evil.pt", "weights_only": False}),
+        ("torch.serialization.load", {"f": "evil.pt", "weights_only": True}),  # any torch.load: checkpoint's job
+        ("tests.conftest.torch.load", {"f": "evil.pt", "weights_only": False}),  # re-exported by a user module
+        ("pickle.load", {"file": {"_target_": "builtins.open", "file": "evil.pkl", "mode": "rb"}}),
+        ("pandas.read_pickle", {"filepath_or_buffer": "evil.pkl"}),
+        ("joblib.load", {"filename": "evil.joblib"}),
+        ("numpy.load", {"file": "evil.npy", "allow_pickle": True}),
+        ("numpy.load", {"_args_": ["evil.npy", None, True]}),  # allow_pickle given by position
+        ("torch.jit.load", {"f": "evil.pt"}),
+        ("torch.hub.load_state_dict_from_url", {"url": "file:///nowhere"}),
+        # nested: Hydra builds a kwarg's own `_target_` before the model
+        ("torch.nn.Sequential", {"_args_": [{"_target_": "torch.load", "f": "evil.pt", "weights_only": False}]}),
+    ],
+)
+def test_target_that_loads_pickles_is_refused_like_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, kwargs: dict
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the files by their relative names
+    _pickle_files(tmp_path)
+    with pytest.raises(RunnerError, match="loads a pickle .* refused, as a checkpoint with code is"):
+        build_model(ModelConfig(_target_=target, weights=None, kwargs=kwargs))
+    assert not (tmp_path / "marker").exists()
+
+
+def test_nested_pickle_loader_is_named_by_its_config_entry(tmp_path: Path) -> None:
+    cfg = ModelConfig(_target_="tests.conftest.TinyNet", weights=None,
+                      kwargs={"inner": {"_target_": "pandas.read_pickle", "filepath_or_buffer": "x.pkl"}})  # fmt: skip
+    with pytest.raises(RunnerError, match=r"^model\.kwargs\.inner\._target_=pandas\.read_pickle loads a pickle"):
+        build_model(cfg)
+
+
+def test_numpy_load_without_pickles_is_not_refused(tmp_path: Path) -> None:
+    import numpy as np
+
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    with pytest.raises(
+        RunnerError, match="built a ndarray, not a torch.nn.Module"
+    ):  # refused as no model, not as a pickle
+        build_model(ModelConfig(_target_="numpy.load", weights=None, kwargs={"file": str(tmp_path / "a.npy")}))
 
 
 # ---- model sources: one registry, the source inferred when model.source is null ------------------------------------

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import runner.app as app
 from runner.errors import RunnerError
 from runner.hooks import count_hooks
 from runner.results import read_metadata
-from tests.conftest import make_config
+from runner.schema import available_cpus
+from tests.conftest import TinyNet, make_config
 
 VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
 
@@ -152,3 +154,52 @@ def test_saved_tensors_sidecar(tmp_path: Path) -> None:
     tensor = load_file(str(tmp_path / "tensors" / row["tensor_file"]))[row["tensor_key"]]
     assert tensor.shape == (2, 512, 2, 2)
     assert float(tensor[0].min()) == pytest.approx(row["min"])
+
+
+# ---- threads: one count per run, whoever launched it ----------------------------------------------------------------
+class ThreadsSeen(TinyNet):
+    """TinyNet that appends torch's intra-op thread count at each forward to the file `log` (a file: the class may be
+    imported twice, by pytest and by the run's `_target_`, and a sweep's jobs run in other processes)."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with open(self.log, "a") as f:
+            f.write(f"{torch.get_num_threads()}\n")
+        return super().forward(x)
+
+
+def threads_seen(log: Path) -> set[int]:
+    return {int(line) for line in log.read_text().split()}
+
+
+TINY_TARGET = ["model._target_=tests.test_run.ThreadsSeen", "model.weights=null", "data=synthetic",
+               "data.shape=[3,8,8]", "data.count=2", "data.num_classes=5", "layers.include=[features.0]", "hooks=[]"]  # fmt: skip
+
+
+def test_a_run_computes_with_its_configured_threads_and_restores_the_callers(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    assert make_config().threads == available_cpus()  # the default: the CPUs this process may use, resolved
+    log = tmp_path / "threads.log"
+    app.run(make_config(*TINY_TARGET, f"+model.kwargs.log={log}", "threads=3"), tmp_path / "run")
+    assert threads_seen(log) == {3}  # every forward of the run (the dry ones before the data too)
+    assert torch.get_num_threads() == before
+
+
+def test_threads_are_part_of_the_resume_key(tmp_path: Path) -> None:
+    from runner.provenance import resume_key
+
+    tiny = [*TINY_TARGET, f"+model.kwargs.log={tmp_path / 'threads.log'}"]
+    key3, details3 = resume_key(make_config(*tiny, "threads=3"), 8, 2)
+    key4, details4 = resume_key(make_config(*tiny, "threads=4"), 8, 2)
+    assert (details3["threads"], details4["threads"]) == (3, 4) and key3 != key4
+    app.run(make_config(*tiny, "threads=3"), tmp_path / "run")
+    with pytest.raises(RunnerError, match="what differs: threads: 3 -> 4"):
+        app.run(make_config(*tiny, "threads=4"), tmp_path / "run")
+
+
+def test_threads_must_be_positive() -> None:
+    with pytest.raises(RunnerError, match="Out of range: threads=0"):
+        make_config("threads=0")

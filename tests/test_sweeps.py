@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from runner.results import load, read_metadata
-from tests.conftest import committed_shards
+from runner.schema import available_cpus
+from tests.conftest import TinyNet, committed_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -70,6 +72,38 @@ def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("part-*.parquet")} == before
     assert "0 to run here" in again.stderr
+
+
+class SumNet(TinyNet):
+    """TinyNet whose logits all carry one long float32 sum of the input (3.8 million terms): torch splits such a sum
+    by its thread count, so its rounding shows which count computed it (in `score`). Each forward appends that count
+    to the file `log`."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with open(self.log, "a") as f:
+            f.write(f"{torch.get_num_threads()}\n")
+        total = torch.stack([sample.flatten().repeat(20_000).sum() for sample in x])  # (B,)
+        return super().forward(x) + total[:, None]  # the same for every class: predictions and maps unchanged
+
+
+def test_a_joblib_worker_computes_what_a_plain_run_does(tmp_path: Path) -> None:
+    """joblib's workers get one thread from their launcher; the run sets its own count (the CPUs it may use), so a sweep's job
+    and a plain run of the same config write equal tables, and a resume under either launcher is consistent."""
+    args = [*TINY, "model._target_=tests.test_sweeps.SumNet", "data.count=6"]
+    plain = cli(*args, f"+model.kwargs.log={tmp_path / 'plain.log'}", f"hydra.run.dir={tmp_path / 'plain'}")
+    assert plain.returncode == 0, plain.stderr
+    swept = cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *args, "method=gradcam,layercam",
+                f"+model.kwargs.log={tmp_path / 'joblib.log'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    assert swept.returncode == 0, swept.stderr
+    threads = {int(n) for log in ("plain.log", "joblib.log") for n in (tmp_path / log).read_text().split()}
+    assert threads == {available_cpus()}  # 2 or more on the machines this runs on: a one-thread worker differs
+    job, single = load(tmp_path / "sweep").query("`sweep.method` == 'gradcam'"), load(tmp_path / "plain")
+    job, single = (frame.drop(columns=[c for c in frame.columns if c.startswith("sweep.")]) for frame in (job, single))
+    pd.testing.assert_frame_equal(comparable(job), comparable(single), check_exact=True)  # overrides aside
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:

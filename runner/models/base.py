@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import pickle
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,12 +123,17 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
             state: Any = load_file(str(file))
         else:
-            # weights_only: a checkpoint is data; a pickle that would run code is refused, not executed.
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            # weights_only: a checkpoint is data; a pickle that would run code is refused, not executed. The
+            # weights-only unpickler's warnings (e.g. on a protocol-4 pickle) would only precede the refusal.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", module=r"torch\._weights_only_unpickler")
+                state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RunnerError(_refused_pickle(file, e)) from None
     except Exception as e:
         raise RunnerError(
             f"Cannot read checkpoint {file} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})."
-            " It must be a state dict saved with torch.save (tensors only) or a .safetensors file."
+            f" {CHECKPOINT_FORMATS}"
         ) from e
     for wrapper in ("state_dict", "model"):  # common training-checkpoint wrappers
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
@@ -158,6 +167,92 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:
         )
     model.load_state_dict(state)
     log.info("loaded checkpoint %s", file)
+
+
+CHECKPOINT_FORMATS = (
+    "A checkpoint must be a state dict saved with torch.save(model.state_dict(), path) (tensors only) or a"
+    " .safetensors file."
+)
+
+
+def _refused_pickle(file: Path, error: pickle.UnpicklingError) -> str:
+    """One line for a checkpoint the weights-only unpickler refused: what it holds, never torch's advice to load it
+    with weights_only=False (that runs the file's code)."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))  # the callable or class the pickle would import
+    operand = re.search(r"Unsupported operand \d+", str(error))
+    detail = f"it names {named.group(1)}" if named else operand.group(0) if operand else "not a tensors-only pickle"
+    return (
+        f"Checkpoint {file} is refused: it holds more than tensors ({detail}), and reading it as a full pickle could"
+        f" run code named in the file. {CHECKPOINT_FORMATS} If you trust the file, load it in Python and save its"
+        " state dict."
+    )
+
+
+# Callables that turn a file into Python objects by running what the file names (pickle and the libraries built
+# on it) or that load code (TorchScript, torch.hub, torch.package), by the module that defines them: as a model's
+# `_target_` they would make a data file code, which checkpoints refuse.
+PICKLE_LOADER_MODULES = (
+    "pickle", "_pickle", "cPickle", "shelve", "dill", "cloudpickle", "joblib", "multiprocessing.reduction",
+    "torch.serialization", "torch.jit._serialization", "torch.package", "torch.hub", "pandas.io.pickle",
+)  # fmt: skip
+# Arguments that open the pickle door of a loader outside those modules (numpy.load's allow_pickle=True, a
+# wrapper forwarding weights_only=False to torch.load): refused at these values.
+PICKLE_ARGUMENTS = {"allow_pickle": True, "weights_only": False}
+
+
+def _resolved(target: str) -> Any:
+    """The object a `_target_` names, or None when it cannot be imported (the model source says so itself)."""
+    try:
+        from hydra.utils import get_object
+
+        return inspect.unwrap(get_object(target))
+    except Exception:
+        return None
+
+
+def _defining_modules(target: str, found: Any) -> set[str]:
+    """The modules a `_target_` belongs to: its dotted path's own, and where the object it names is defined
+    (numpy and pandas re-export their loaders under the package's name)."""
+    modules = {target.rpartition(".")[0]}
+    for obj in (found, getattr(found, "__func__", None)):
+        modules.add(str(getattr(obj, "__module__", "") or ""))
+        modules.add(str(getattr(obj, "__globals__", {}).get("__name__", "")))
+    return modules - {""}
+
+
+def _pickle_arguments(found: Any, arguments: dict[str, Any]) -> list[str]:
+    """The `name=value` arguments of a call (positional ones bound to their names) that make a loader read pickles."""
+    named = {k: v for k, v in arguments.items() if k != "_args_"}
+    try:
+        named = dict(inspect.signature(found).bind_partial(*arguments.get("_args_", []), **named).arguments)
+    except (TypeError, ValueError):  # no signature, or the call does not fit it: Hydra's call will say
+        pass
+    return [f"{name}={value}" for name, value in named.items()
+            if name in PICKLE_ARGUMENTS and bool(value) is PICKLE_ARGUMENTS[name]]  # fmt: skip
+
+
+def refuse_pickle_loaders(target: str, kwargs: dict[str, Any], where: str = "model._target_",
+                          kwargs_at: str = "model.kwargs") -> None:  # fmt: skip
+    """RunnerError when `target` (the config entry `where`, called with `kwargs`, the entry `kwargs_at`), or a
+    `_target_` nested in its arguments (Hydra builds those too), loads a pickle or TorchScript: such a callable
+    runs code stored in a file, which checkpoints refuse."""
+    found = _resolved(target)
+    modules = _defining_modules(target, found)
+    loader = any(m == p or m.startswith(p + ".") for m in modules for p in PICKLE_LOADER_MODULES)
+    opened = _pickle_arguments(found, kwargs)
+    if loader or opened:
+        how = f" with {', '.join(opened)}" if opened and not loader else ""
+        raise RunnerError(
+            f"{where}={target}{how} loads a pickle (or TorchScript), which runs code stored in the file: refused,"
+            " as a checkpoint with code is. Name the model's class as `_target_` and give its weights with"
+            " model.checkpoint=PATH (a state dict, read with weights_only=True, or a .safetensors file)."
+        )
+    for key, value in kwargs.items():
+        for index, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, dict) and isinstance(item.get("_target_"), str):
+                place = f"{kwargs_at}.{key}" + (f"[{index}]" if isinstance(value, list) else "")
+                nested = {k: v for k, v in item.items() if k != "_target_"}
+                refuse_pickle_loaders(item["_target_"], nested, f"{place}._target_", place)
 
 
 def _last_linear(state: dict[str, Any]) -> tuple[str, int] | None:

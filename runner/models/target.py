@@ -9,7 +9,7 @@ import sys
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, model_source
+from runner.models.base import ModelBundle, ModelSource, model_source, refuse_pickle_loaders
 from runner.schema import ModelConfig
 
 # The model YAMLs' own `weights` values: a `_target_` has no weights of its own, so these say nothing about it.
@@ -39,6 +39,7 @@ class TargetSource(ModelSource):
                 " use model.checkpoint=PATH, or pass the factory's own argument in model.kwargs."
             )
         _import_target(cfg._target_)
+        refuse_pickle_loaders(cfg._target_, dict(cfg.kwargs))  # a file read as a pickle would be code
         try:
             model = instantiate({"_target_": cfg._target_, **cfg.kwargs})
         except Exception as e:  # hydra wraps the call's errors (a wrong kwarg, a failing __init__)
