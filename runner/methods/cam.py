@@ -249,7 +249,7 @@ class CamMethod(Method):
         self._warn_once(
             "degenerate", torch.stack(degenerate).any(dim=0), batch,
             "a map is constant (all zero, say) or not finite at some layer; rows flagged degenerate,"
-            " their faithfulness NaN",
+            " their faithfulness and evaluation metrics NaN",
         )  # fmt: skip
         columns: Columns = {
             "layer": [name for name, _, _ in entries for _ in range(b)],
