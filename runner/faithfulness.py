@@ -82,16 +82,24 @@ def forward_chunk(chunk: int | None, device: torch.device, image_size: tuple[int
         return ACCELERATOR_CHUNK
     return max(1, CPU_CHUNK_PIXELS // (int(image_size[0]) * int(image_size[1])))
 
+
 METRICS = ("deletion_auc", "insertion_auc", "avg_drop", "increase")
 COLUMNS = [*METRICS, *(f"random_{m}" for m in METRICS)]
 
 
 def upsample(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
-    """(B, h, w) maps -> (B, H, W) at the input's size, bilinear, each scaled to [0, 1]."""
+    """(B, h, w) maps -> (B, H, W) at the input's size, bilinear, each scaled to [0, 1]; a map constant at its own
+    resolution becomes all 0 (a non-finite one keeps its NaN).
+
+    Decided before upsampling: float32 bilinear weights leave 1-ulp ripples on a constant map, which min-max
+    scaling would stretch into a full-range map of noise."""
+    lo_small, hi_small = torch.aminmax(maps.detach().flatten(1), dim=1)  # (B,) each
+    constant = (lo_small == hi_small)[:, None, None]  # NaN compares unequal: a non-finite map is not zeroed
     up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
     lo = up.flatten(1).amin(dim=1)[:, None, None]
     hi = up.flatten(1).amax(dim=1)[:, None, None]
-    return (up - lo) / (hi - lo).clamp_min(1e-12)
+    scaled = (up - lo) / (hi - lo).clamp_min(1e-12)  # (B, H, W)
+    return torch.where(constant, torch.zeros_like(scaled), scaled)
 
 
 def degenerate_maps(maps: torch.Tensor) -> torch.Tensor:
@@ -136,10 +144,18 @@ def blurred(x: torch.Tensor, cfg: BlurConfig) -> torch.Tensor:
 
 
 def tie_keys(seed: int, sample_indices: Sequence[int], pixels: int, device: torch.device) -> torch.Tensor:
-    """(B, P) a random permutation per sample, keyed by (seed, sample index): the order of equal-saliency pixels."""
-    keys = [torch.randperm(pixels, generator=sample_generator(seed, int(i), f"faithfulness_ties_{pixels}"))
-            for i in sample_indices]  # fmt: skip
-    return torch.stack(keys).to(device)
+    """(B, P) a random permutation per sample, keyed by (seed, sample index): the order of equal-saliency pixels.
+
+    The one tie rule of every pixel (or patch) order: faithfulness, ROAD and region perturbation use it, so with
+    the same seed a map's pixels come in the same order in deletion and in ROAD. A sample listed several times
+    (every layer's map of it) draws once."""
+    drawn: dict[int, torch.Tensor] = {}
+    for i in map(int, sample_indices):
+        if i not in drawn:
+            drawn[i] = torch.randperm(pixels, generator=sample_generator(seed, i, f"faithfulness_ties_{pixels}"))
+    if not drawn:
+        return torch.empty(0, pixels, dtype=torch.long, device=device)
+    return torch.stack([drawn[int(i)] for i in sample_indices]).to(device)
 
 
 def pixel_rank(saliency: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -235,18 +251,23 @@ def evaluate(
     sample_indices: Sequence[int],
     degenerate: list[torch.Tensor],
     undefined: torch.Tensor,
+    random_degenerate: list[torch.Tensor] | None = None,
 ) -> Block:
     """All metrics for each layer's maps and for the random maps, as a (L*B, 8) block in row order.
 
-    NaN where undefined: a `degenerate` (B,) map's own four metrics; all eight for samples whose
-    target is `undefined` (B,) (all logits equal: the class explained is arbitrary).
+    NaN where undefined: a `degenerate` (B,) map's own four metrics; the four `random_*` where the random map is
+    constant too (`random_degenerate` (B,): a 1x1 layer's); all eight for samples whose target is `undefined` (B,)
+    (all logits equal: the class explained is arbitrary).
     """
+    if random_degenerate is None:
+        random_degenerate = [torch.zeros_like(flat) for flat in degenerate]
     cfg = replace(cfg, chunk=forward_chunk(cfg.chunk, x.device, x.shape[-2:]))
     clean = probs.gather(1, target[:, None]).squeeze(1)  # (B,)
     keys = tie_keys(cfg.seed, sample_indices, x.shape[-2] * x.shape[-1], x.device)  # (B, H*W)
     nan = torch.tensor(float("nan"), device=x.device)
     rows = []
-    for maps, random_maps, flat in zip(saliency, random_saliency, degenerate, strict=True):
+    for maps, random_maps, flat, random_flat in zip(saliency, random_saliency, degenerate, random_degenerate,
+                                                    strict=True):  # fmt: skip
         values = []
         for m in (maps, random_maps):
             deletion, insertion = curve_aucs(model, x, m, target, keys, cfg, runtime)
@@ -255,6 +276,7 @@ def evaluate(
         block = torch.stack(values, dim=1)  # (B, 8)
         own = torch.zeros_like(block, dtype=torch.bool)
         own[:, : len(METRICS)] = flat[:, None]
+        own[:, len(METRICS) :] = random_flat[:, None]
         block = torch.where(own | undefined[:, None], nan, block)
         rows.append(block)
     return Block(torch.cat(rows), COLUMNS)

@@ -263,3 +263,62 @@ def test_tensor_saver_writes_one_clone_file_per_batch(tmp_path) -> None:
     assert unsaved.keep("k", t) == "batch-000000.safetensors"
     unsaved.flush()  # no directory: named for the rows, never written
     assert len(list(tmp_path.rglob("*.safetensors"))) == 1
+
+
+def test_recording_paused_keeps_nothing_but_modifications_still_apply(tiny: nn.Module) -> None:
+    """The runner's own forwards (metrics, faithfulness, Score-CAM's masks, MPRT) run inside `recording_paused`:
+    `record` hooks keep nothing, call counts are as before, and a modifying hook still changes the model."""
+    specs = bind(
+        tiny,
+        (HookSpec(kind=HookKind.pre), ["features.0"]),
+        (HookSpec(kind=HookKind.forward, action=HookAction.zero), ["features.2"]),
+    )
+    x = torch.randn(2, 3, 8, 8)
+    with HookSession(tiny, specs) as session:
+        session.begin_batch(2, 0)
+        tiny(x)
+        with session.recording_paused():
+            paused = tiny(x)
+            tiny(x)
+        columns = session.end_batch()
+    assert rows(columns) and {r["call"] for r in rows(columns)} == {0} and len(rows(columns)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(paused, tiny.fc(torch.zeros(2, 8)))  # features.2 zeroed inside the pause too
+
+
+def test_metrics_and_score_cam_forwards_do_not_reach_record_hooks(tmp_path) -> None:
+    """A `record` pre-hook on the first conv: one row per sample and call 0, not one per perturbed forward of
+    Score-CAM's masks, faithfulness and the evaluation metrics (37 calls for 2 samples before)."""
+    import pandas as pd
+
+    from runner import app
+    from tests.conftest import make_config
+
+    config = make_config(
+        "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,16,16]",
+        "data.count=3", "data.batch_size=2", "data.num_classes=5", "layers.include=[features.2]", "method=scorecam",
+        "hooks=[{kind: pre, layers: [features.0]}]", "method.faithfulness.enabled=true", "method.faithfulness.steps=4",
+        "method.evaluation.metrics=[faithfulness_correlation]", "method.evaluation.faithfulness_correlation_runs=4",
+    )  # fmt: skip
+    result = app.run(config, tmp_path / "out")
+    hooks = pd.read_parquet(result.tables["hooks"])
+    assert len(hooks) == 3 and hooks["call"].tolist() == [0, 0, 0] and sorted(hooks["sample"]) == [0, 1, 2]
+    assert len(pd.read_parquet(result.tables["evaluation"])) == 3  # the metric ran
+
+
+def test_mprt_forwards_do_not_reach_record_hooks(tmp_path) -> None:
+    """MPRT with Score-CAM inside: the trained model's masked forwards and the copy's steps are the method's own."""
+    import pandas as pd
+
+    from runner import app
+    from tests.conftest import make_config
+
+    config = make_config(
+        "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,16,16]",
+        "data.count=2", "data.batch_size=2", "data.num_classes=5", "layers.include=[features.2]", "method=mprt",
+        "method.inner=scorecam", "method.max_steps=2", "method.similarities=[spearman]",
+        "hooks=[{kind: forward, layers: [features.0]}]",
+    )  # fmt: skip
+    result = app.run(config, tmp_path / "out")
+    hooks = pd.read_parquet(result.tables["hooks"])
+    assert len(hooks) == 2 and hooks["call"].tolist() == [0, 0]

@@ -270,3 +270,36 @@ def test_localisation_experiment_writes_the_evaluation_table(tmp_path: Path) -> 
 def test_batch_without_masks_keeps_its_default() -> None:
     batch = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([-1, -1]), ["a", "b"], 0)
     assert batch.masks is None and batch.part(0, 1).masks is None
+
+
+def test_a_constant_map_points_nowhere_and_ranks_nothing() -> None:
+    """An all-zero (or any constant) map: every pixel is its maximum and all are tied, so the pointing game
+    scored a hit and relevance rank |mask|/N, where relevance mass and energy were already NaN."""
+    _, masks = random_case(b=2)
+    maps = torch.zeros(2, 24, 24)
+    maps[1] = 0.5
+    for name in ("pointing_game", "energy_pointing_game", "relevance_rank"):
+        assert torch.isnan(compute(name, maps, masks)).all(), name
+    assert torch.isnan(compute("relevance_mass", maps, masks)[0])  # no mass to place
+
+
+def test_a_mask_that_vanishes_at_the_model_size_is_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 1-pixel box in a 100 x 60 photo is gone at 24 px: its localisation values are NaN, and the log says so once,
+    naming the sample."""
+    write_boxed_photo(tmp_path / "cats" / "a.png")
+    write_boxed_photo(tmp_path / "cats" / "b.png")
+    boxes = {"cats/a.png": {"boxes": [list(BOX)]}, "cats/b.png": {"boxes": [[50, 30, 51, 31]]}}
+    (tmp_path / "masks.json").write_text(json.dumps(boxes))
+    config = make_config(
+        "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=image_folder", f"data.root={tmp_path}",
+        "data.image_size=24", "data.batch_size=1", "layers.include=[features.2]", "hooks=[]",
+        "method.evaluation.metrics=[pointing_game,relevance_mass]",
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        result = app.run(config, tmp_path / "out")
+    frame = pd.read_parquet(result.tables["evaluation"])
+    assert frame.groupby("sample")["value"].apply(lambda v: v.isna().all()).tolist() == [False, True]
+    warned = [r.getMessage() for r in caplog.records if "mask is empty" in r.getMessage()]
+    assert len(warned) == 1 and "b.png" in warned[0] and "a.png" not in warned[0]

@@ -325,3 +325,15 @@ def test_scorecam_masked_inputs_go_through_in_small_batches_on_cpu_unless_a_chun
         assert max(sizes) == largest and sum(sizes) == 20
         sizes.clear()
     assert ScoreCamConfig(score_chunk=0).check() == ["method.score_chunk=0"]
+
+
+# ---- constant maps stay constant: upsampling cannot invent an order ------------------------------------------------
+def test_upsample_keeps_a_constant_map_constant_at_zero() -> None:
+    """Bilinear float32 weights leave 1-ulp ripples on a constant map; min-max scaling stretched them to a full-range
+    map (min 0, max 1, mean 0.49). A map constant at its own resolution is all 0 at the input's size."""
+    maps = torch.cat([torch.full((1, 1, 1), 0.37).expand(1, 3, 3), torch.rand(1, 3, 3)])  # (2, 3, 3)
+    up = faithfulness.upsample(maps, (32, 32))
+    assert (up[0] == 0).all()
+    assert up[1].min() == 0 and up[1].max() == 1  # an ordinary map is scaled as before
+    assert (faithfulness.upsample(torch.full((1, 1, 1), 0.37), (32, 32)) == 0).all()  # a 1x1 layer's map
+    assert torch.isnan(faithfulness.upsample(torch.tensor([[[float("nan"), 1.0]]]), (4, 4))).all()  # stays NaN

@@ -242,3 +242,81 @@ def test_region_perturbation_matches_quantus(effnet: torch.nn.Module, photos: to
     cfg = EvaluationConfig(region_size=8, region_steps=steps)
     ours = region_curves(inputs_for(effnet, x, target), maps, cfg)
     np.testing.assert_allclose(ours.numpy(), np.asarray(theirs), atol=1e-5, rtol=0)
+
+
+# ---- degenerate maps: NaN and flagged ------------------------------------------------------------------------------
+def test_a_constant_layer_map_is_nan_and_flagged_in_the_evaluation_table(tmp_path: Path) -> None:
+    """TinyNet's `pool` outputs 1x1: its map is constant at its own resolution. Every metric of it is NaN and its
+    rows are flagged as in the cam table; so is its 1x1 random map's; the conv's maps stay measurements."""
+    run = [*TINY_RUN[:-2], "layers.include=[features.2,pool]", "hooks=[]"]
+    metrics = "method.evaluation.metrics=[sparseness,complexity,region_perturbation]"
+    result = app.run(make_config(*run, metrics, "method.evaluation.region_size=4"), tmp_path / "out")
+    evaluation = pd.read_parquet(result.tables["evaluation"])
+    cam = pd.read_parquet(result.tables["cam"])
+    pool, conv = evaluation[evaluation.layer == "pool"], evaluation[evaluation.layer == "features.2"]
+    assert len(pool) == 6 * 3 and pool["degenerate"].all() and pool["value"].isna().all()
+    assert pool["random_value"].isna().all()  # its random map is 1x1 too: constant, no order either
+    assert not conv["degenerate"].any() and conv["value"].notna().all() and conv["random_value"].notna().all()
+    key = ["run_id", "sample", "layer", "call", "target_rank"]
+    joined = evaluation.merge(cam, on=key, suffixes=("", "_cam"), validate="many_to_one")
+    assert (joined["degenerate"] == joined["degenerate_cam"]).all()
+
+
+def test_road_orders_tied_pixels_by_the_seeded_tie_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map of one salient pixel and 255 tied zeros: ROAD removed the top rows first (pixel order). It follows
+    faithfulness's order: saliency, then `tie_keys` (seed, sample index), whatever the batch."""
+    import runner.metrics.faithfulness_family as ff
+
+    removed: list[torch.Tensor] = []
+    impute = ff.noisy_linear_imputation
+    monkeypatch.setattr(ff, "noisy_linear_imputation", lambda x, r, *a: removed.append(r.clone()) or impute(x, r, *a))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4)).eval()
+    maps = torch.zeros(2, 16, 16)
+    maps[:, 3, 5] = 1.0
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    cfg = EvaluationConfig(road_percentages=[50.0], road_noise=0.0, seed=3)
+    inputs = MetricInputs(model, x, torch.tensor([0, 1]), torch.tensor([7, 9]), None, CPU, cfg.seed, chunk=8)
+    road_curves(inputs, maps, cfg)
+    keys = faithfulness.tie_keys(3, [7, 9], 256, torch.device("cpu"))
+    rank = faithfulness.pixel_rank(maps.flatten(1).double(), keys).reshape(2, 16, 16)
+    morf, lerf = removed[0][[0, 2]], removed[0][[1, 3]]  # jobs: (sample, order) = (0, MoRF), (0, LeRF), (1, ...)
+    assert torch.equal(morf, rank < 128) and torch.equal(lerf, rank >= 128)
+    assert morf[:, 3, 5].all() and not lerf[:, 3, 5].any()
+    assert (morf[:, :8].sum(dim=(1, 2)) < 0.75 * 128).all()  # not the top half of the image (by position: all 128 there)
+    removed.clear()
+    alone = MetricInputs(model, x[1:], torch.tensor([1]), torch.tensor([9]), None, CPU, cfg.seed, chunk=8)
+    road_curves(alone, maps[1:], cfg)
+    assert torch.equal(removed[0][0], morf[1])  # keyed by the sample, not its place in the batch
+
+
+def test_region_perturbation_orders_patches_in_float64_and_ties_by_the_seeded_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Patch A holds 1 + 63 * 1e-8, patch B 1 + 5e-7: A is the larger, but float32 average pooling rounds A to 1.0
+    and put B first. Equal patches follow `tie_keys`, not their position."""
+    import runner.metrics.faithfulness_family as ff
+
+    seen: list[torch.Tensor] = []
+    logits = ff._logits
+    monkeypatch.setattr(ff, "_logits", lambda m, images, *a: seen.append(images.clone()) or logits(m, images, *a))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 16, 2)).eval()
+    a = torch.full((8, 8), 1e-8)
+    a[0, 0] = 1.0
+    b = torch.zeros(8, 8)
+    b[0, 0], b[0, 1] = 1.0, 5e-7
+    maps = torch.cat([b, a], dim=1)[None]  # (1, 8, 16): B left, A right
+    x = torch.rand(1, 3, 8, 16, generator=torch.Generator().manual_seed(1)) + 1  # the baseline (min) is below
+    cfg = EvaluationConfig(region_size=8, region_steps=1)
+    region_curves(MetricInputs(model, x, torch.tensor([0]), torch.tensor([0]), None, CPU, 0, chunk=8), maps, cfg)
+    gone = seen[1][0, 0] != x[0, 0]  # (8, 16) the pixels replaced at step 1
+    assert gone[:, 8:].all() and not gone[:, :8].any()  # A, the larger sum
+    # Ties: 4 equal patches (a constant map) come in each sample's own seeded order.
+    firsts = set()
+    for index in range(8):
+        seen.clear()
+        inputs = MetricInputs(model, x, torch.tensor([0]), torch.tensor([index]), None, CPU, 0, chunk=8)
+        region_curves(inputs, torch.ones(1, 8, 16), cfg)
+        firsts.add(int((seen[1][0, 0] != x[0, 0])[:, 8:].all()))
+        keys = faithfulness.tie_keys(0, [index], 2, torch.device("cpu"))
+        assert bool((seen[1][0, 0] != x[0, 0])[:, 8:].all()) == (int(keys[0].argmin()) == 1)
+    assert firsts == {0, 1}  # by position the left patch always went first

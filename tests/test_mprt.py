@@ -279,3 +279,33 @@ def test_agrees_with_quantus_mprt(effnet: nn.Module, photos: torch.Tensor, monke
             got = rows[(rows.step == step) & (rows.similarity == s)].sort_values("sample")["value"].to_numpy()
             np.testing.assert_allclose(got, seen[step][s], atol=1e-6, equal_nan=True, err_msg=f"{name} {s}")
     assert (rows.value[rows.similarity == "spearman"] < 0.99).any()  # the head's randomisation moved the maps
+
+
+def test_ssim_stays_in_its_range_on_near_constant_maps() -> None:
+    """Maps within 1e-7 of 1 (what upsampling leaves of a nearly flat map): SSIM's window (co)variances as
+    E[xy] - E[x]E[y] cancelled to rounding noise against a c2 of 1e-17 and SSIM reached -16 and +11. Centred on
+    each map's mean they are exact to far below c2: every value in [-1, 1], and ordinary maps agree with skimage."""
+    g = torch.Generator().manual_seed(0)
+    a = 1 - torch.rand(50, 32, 32, generator=g, dtype=torch.float64) * 1e-7
+    b = 1 - torch.rand(50, 32, 32, generator=g, dtype=torch.float64) * 1e-7
+    for flat in (False, True):
+        s = ssim_rows(a, b, flat=flat)
+        assert torch.isfinite(s).all() and (s.abs() <= 1).all(), (flat, s.min(), s.max())
+    # The same structure far from 0 or at 0: SSIM's structure term does not move, luminance is ~1 in both.
+    shifted = ssim_rows((a - 1) * 1e7 + 1e9, (b - 1) * 1e7 + 1e9)
+    torch.testing.assert_close(ssim_rows(a, b), shifted, atol=1e-6, rtol=0)
+
+
+def test_a_constant_layer_map_is_nan_and_flagged_in_the_mprt_table() -> None:
+    """TinyNet's `pool` is 1x1: its maps are constant at their own resolution. Upsampling left 1-ulp ripples that
+    gave it a Spearman and an SSIM; every similarity is NaN and the rows flagged, the conv's rows are not."""
+    torch.manual_seed(0)
+    model = frozen(TinyNet())
+    x = torch.randn(2, 3, 8, 8)
+    sims = ["spearman", "ssim", "topk_intersection"]
+    rows = mprt_pass(model, [x], ["features.2", "pool"], max_steps=2, similarities=sims)
+    pool, conv = rows[rows.layer == "pool"], rows[rows.layer == "features.2"]
+    assert len(pool) == 2 * 3 * 2 and pool["degenerate"].all() and pool["value"].isna().all()
+    assert not conv["degenerate"].any() and conv["value"].notna().all()
+    prepared = prepare(torch.full((1, 1, 1), 0.37), (8, 8))
+    assert (prepared == 1).all()  # exactly constant, so it orders nothing

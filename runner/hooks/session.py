@@ -154,6 +154,21 @@ class HookSession:
         self._calls.clear()
         self._spec_hooks.new_forward()
 
+    @contextmanager
+    def recording_paused(self) -> Iterator[None]:
+        """The runner's own forwards inside (metrics', faithfulness', Score-CAM's masked inputs, MPRT's steps):
+        `record` hooks keep nothing and call counts are restored on exit, also on an error, so the `hooks` table
+        holds the user's forward only. Modifying hooks stay on: the model evaluated is the model explained.
+        (zennit's `Composite.inactive()` is the model for this.)"""
+        was, calls = self._spec_hooks.recording, dict(self._calls)
+        self._spec_hooks.recording = False
+        try:
+            yield
+        finally:
+            self._spec_hooks.recording = was
+            self._calls.clear()
+            self._calls.update(calls)
+
     def explain(self, error: BaseException) -> RunnerError | None:
         """A clear message for a torch error the hooks caused (None when they did not cause it)."""
         return self._spec_hooks.explain(error, self.model)

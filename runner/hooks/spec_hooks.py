@@ -131,6 +131,7 @@ class SpecHooks:
         self.backward_seen: dict[str, int] = defaultdict(int)
         self.backward_ran: list[str] = []  # backward-hooked modules in the order their forward ran (diagnosis)
         self.records: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        self.recording = True  # off inside the runner's own forwards (HookSession.recording_paused)
 
     def begin_batch(self, batch_size: int, first_index: int) -> None:
         """Start a batch of `batch_size` samples from data set index `first_index`; drop the last one's rows."""
@@ -176,6 +177,8 @@ class SpecHooks:
         def handle(role_prefix: str, value: Any, call: int) -> Any:
             """Record or modify `value`; return the replacement, or None to leave it as it is."""
             if modify is None:
+                if not self.recording:
+                    return None
                 for role, tensor in _roles(role_prefix, value):
                     self.record(spec, name, module, role, call, tensor)
                 return None

@@ -65,7 +65,9 @@ class CamConfig(MethodConfig):
         bad = super().check()
         f = self.faithfulness
         bad += [
-            f"method.faithfulness.{key}={value}" for key, value in (("steps", f.steps), ("chunk", f.chunk)) if value is not None and value < 1
+            f"method.faithfulness.{key}={value}"
+            for key, value in (("steps", f.steps), ("chunk", f.chunk))
+            if value is not None and value < 1
         ]
         blur = f.insertion_blur
         if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
@@ -197,8 +199,11 @@ class CamMethod(Method):
             else:
                 grads = [None] * len(entries)
             ctx = CamContext(model, batch.x, target, self.runtime)
-            maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
-            parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
+            # Past the user's forward and backward: Score-CAM's masked inputs, faithfulness and the metrics run
+            # forwards of their own, which the user's `record` hooks and the capture must not see.
+            with session.recording_paused(), self._capture_paused():
+                maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
+                parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
         return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(concat_columns(parts)))
 
     def _tables(self, columns: Columns) -> dict[str, Columns]:
@@ -244,7 +249,7 @@ class CamMethod(Method):
         self._warn_once(
             "degenerate", torch.stack(degenerate).any(dim=0), batch,
             "a map is constant (all zero, say) or not finite at some layer; rows flagged degenerate,"
-            " their faithfulness NaN",
+            " their faithfulness and evaluation metrics NaN",
         )  # fmt: skip
         columns: Columns = {
             "layer": [name for name, _, _ in entries for _ in range(b)],
@@ -268,18 +273,22 @@ class CamMethod(Method):
         size = batch.x.shape[-2:]
         saliency: list[torch.Tensor] | None = None
         if self.cfg.faithfulness.enabled or self.metrics:
-            saliency, random_saliency = self._saliency(maps, batch)
+            saliency, random_saliency, random_flat = self._saliency(maps, batch)
         if self.cfg.faithfulness.enabled:
             metrics = faithfulness.evaluate(
                 ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime,
                 sample_indices=range(batch.first_index, batch.first_index + b), degenerate=degenerate,
-                undefined=flat_logits,
+                undefined=flat_logits, random_degenerate=random_flat,
             )  # fmt: skip
             columns["faithfulness"] = metrics
         if self.metrics:
             if target_rank == 0:  # a batch's first target: drop parts of an attempt that failed (OOM back-off)
                 self._evaluation = []
-            self._evaluation.append(self._evaluate(entries, saliency, random_saliency, target, target_rank, batch, ctx))
+            self._evaluation.append(
+                self._evaluate(
+                    entries, saliency, random_saliency, target, target_rank, batch, ctx, degenerate, random_flat
+                )
+            )
         # Pictures show the data set's first pictures_max samples, a batch's leading ones: only their maps are
         # upsampled for them, and a batch past the last picture does no picture work at all.
         drawn = 0
@@ -312,8 +321,11 @@ class CamMethod(Method):
                 )
         return columns
 
-    def _saliency(self, maps: list[torch.Tensor], batch: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each layer's map and its random baseline, upsampled to the input: each (B, H, W) in [0, 1].
+    def _saliency(
+        self, maps: list[torch.Tensor], batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's map and its random baseline, upsampled to the input: each (B, H, W) in [0, 1]; and whether
+        each random map is constant at its resolution (B,) (a 1x1 layer's: no more an order than its own map).
 
         One random map per sample and resolution, shared by the layers of that resolution, so that layers are
         compared with the same baseline (by faithfulness and by the evaluation metrics alike). Drawn from (seed,
@@ -330,7 +342,8 @@ class CamMethod(Method):
                 )  # (B, h, w)
         saliency = [faithfulness.upsample(m.detach(), size) for m in maps]
         random_saliency = [faithfulness.upsample(by_shape[tuple(m.shape[1:])], size) for m in maps]
-        return saliency, random_saliency
+        random_flat = [faithfulness.degenerate_maps(by_shape[tuple(m.shape[1:])]) for m in maps]
+        return saliency, random_saliency, random_flat
 
     def _evaluate(
         self,
@@ -341,16 +354,31 @@ class CamMethod(Method):
         target_rank: int,
         batch: Batch,
         ctx: CamContext,
+        degenerate: list[torch.Tensor],
+        random_degenerate: list[torch.Tensor],
     ) -> Columns:
-        """The `evaluation` rows of one target: each metric on each layer's map and on its random map (`_saliency`)."""
-        capture = getattr(self, "capture", None)  # captum's layer methods capture nothing
-        paused = capture.paused() if capture is not None else contextlib.nullcontext()
-        with paused, torch.no_grad():  # the metrics' perturbed forwards keep nothing
+        """The `evaluation` rows of one target: each metric on each layer's map and on its random map (`_saliency`);
+        a `degenerate` (B,) map's values NaN and flagged, a constant random map's random values NaN."""
+        if batch.masks is not None and any(m.needs_masks for m in self.metrics):
+            # A box smaller than a pixel at the model's input size vanishes when the mask is resized with the photo.
+            empty = ~batch.masks.flatten(1).any(dim=1)  # (B,)
+            self._warn_once(
+                "empty_mask", empty, batch,
+                f"a localisation mask is empty at the model's input size {tuple(batch.x.shape[-2:])} (a box smaller"
+                " than a pixel after resizing vanishes, or the side file gives none); their localisation values NaN",
+            )  # fmt: skip
+        with self._capture_paused(), torch.no_grad():  # the metrics' perturbed forwards keep nothing
             return evaluation_rows(
                 self.metrics, [(name, call) for name, call, _ in entries], saliency, random_saliency, ctx.model,
                 batch.x, target, target_rank, batch.first_index, self.runtime, self.cfg.evaluation.seed,
-                masks=batch.masks, chunk=self.cfg.evaluation.chunk,
+                masks=batch.masks, chunk=self.cfg.evaluation.chunk, degenerate=degenerate,
+                random_degenerate=random_degenerate,
             )  # fmt: skip
+
+    def _capture_paused(self) -> contextlib.AbstractContextManager[None]:
+        """The capture paused (keeps nothing, passes everything through); a no-op for captum, which captures nothing."""
+        capture = getattr(self, "capture", None)
+        return capture.paused() if capture is not None else contextlib.nullcontext()
 
     def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
         """One log line per run (the flag column marks every row) naming the first samples concerned."""

@@ -71,6 +71,7 @@ MPRT_SCHEMA = declare(
         pa.field("randomised_type", pa.string()),
         pa.field("similarity", pa.string()),
         pa.field("value", pa.float32()),  # NaN where the similarity is undefined (a constant map)
+        pa.field("degenerate", pa.bool_()),  # either map is constant at the layer's resolution or not finite: NaN
         pa.field("inner_method", pa.string()),
     ],
 )
@@ -158,8 +159,9 @@ class Reference:
     ranks: torch.Tensor | None = None  # (N, H*W) centred unit ranks (spearman)
     top: torch.Tensor | None = None  # (N, H*W) bool top pixels (topk_intersection)
     top_k: int = 0
-    window: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # window[flat]: (the map shaped for SSIM, its window means, its windows' mean squares)
+    window: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # window[flat]: (the map shaped for SSIM and centred on its mean, that mean, the centred map's window means,
+    # its windows' mean squares)
 
 
 def reference(maps: torch.Tensor, similarities: list[str], topk_fraction: float) -> Reference:
@@ -173,9 +175,18 @@ def reference(maps: torch.Tensor, similarities: list[str], topk_fraction: float)
         ref.top_k = max(1, round(topk_fraction * maps[0].numel()))
         ref.top = _top(descending, ref.top_k)
     for flat in {s == "ssim_flat" for s in similarities if s in ("ssim", "ssim_flat")}:
-        a = _ssim_shape(maps, flat)
-        ref.window[flat] = (a, _window_mean(a), _window_mean(a * a))
+        a, shift = _centred(_ssim_shape(maps, flat))
+        ref.window[flat] = (a, shift, _window_mean(a), _window_mean(a * a))
     return ref
+
+
+def _centred(shaped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the map (N, 1, ...) minus its mean, the mean (N, 1, 1...)): SSIM's (co)variances are E[xy] - E[x]E[y] per
+    window, which cancels catastrophically on a map far from 0 with little spread (a map near 1 everywhere:
+    errors of 1e-16 against a constant c2 of (0.03 * spread)^2), and took SSIM to -16 and +11. On the centred map
+    the rounding is relative to the spread, far below c2, and the luminance term adds the mean back."""
+    shift = shaped.flatten(1).mean(dim=1).view(-1, *([1] * (shaped.dim() - 1)))  # (N, 1, 1...)
+    return shaped - shift, shift
 
 
 def compare(ref: Reference, maps: torch.Tensor, similarities: list[str]) -> torch.Tensor:
@@ -204,8 +215,8 @@ def compare(ref: Reference, maps: torch.Tensor, similarities: list[str]) -> torc
 def _ssim(ref: Reference, maps: torch.Tensor, flat: bool) -> torch.Tensor:
     """(N,) skimage `structural_similarity` (sample covariance, K1, K2, the mean over the windows that fit, which is
     skimage's cropped mean of its uniform filter), data_range as Quantus's: max - min of both maps."""
-    a, ux, uxx = ref.window[flat]
-    b = _ssim_shape(maps, flat)
+    a, shift_a, ux, uxx = ref.window[flat]  # a centred, ux its window means
+    b, shift_b = _centred(_ssim_shape(maps, flat))
     both = torch.cat([ref.maps.flatten(1), maps.flatten(1)], dim=1)  # (N, 2D)
     data_range = (both.amax(dim=1) - both.amin(dim=1)).view(-1, *([1] * (a.dim() - 1)))
     c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
@@ -213,8 +224,12 @@ def _ssim(ref: Reference, maps: torch.Tensor, flat: bool) -> torch.Tensor:
     uy, uyy, uxy = pooled[:, :1], pooled[:, 1:2], pooled[:, 2:]
     points = SSIM_WINDOW if flat else SSIM_WINDOW**2
     cov_norm = points / (points - 1)  # skimage's use_sample_covariance=True
-    vx, vy, vxy = cov_norm * (uxx - ux * ux), cov_norm * (uyy - uy * uy), cov_norm * (uxy - ux * uy)
-    s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux * ux + uy * uy + c1) * (vx + vy + c2))
+    # Shift-free (co)variances from the centred maps; a variance is never negative (rounding could make it so).
+    vx = (cov_norm * (uxx - ux * ux)).clamp_min(0)
+    vy = (cov_norm * (uyy - uy * uy)).clamp_min(0)
+    vxy = cov_norm * (uxy - ux * uy)
+    mx, my = ux + shift_a, uy + shift_b  # the windows' means of the maps themselves, for the luminance term
+    s = ((2 * mx * my + c1) * (2 * vxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
     return s.flatten(1).mean(dim=1)
 
 
@@ -239,8 +254,13 @@ SIMILARITIES = ("spearman", "ssim", "ssim_flat", "topk_intersection")
 
 def prepare(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
     """(B, h, w) maps -> (B, H, W) float64 at the input size: bilinear, absolute, each divided by its maximum
-    (an all-zero map stays zero), as Quantus's abs=True, normalise=True (per sample)."""
+    (an all-zero map stays zero), as Quantus's abs=True, normalise=True (per sample). A map constant at its own
+    resolution stays exactly constant (float32 bilinear weights would leave 1-ulp ripples, which the ranks and
+    the normalisation turn into an order)."""
     up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0].double()
+    flat = maps.detach().flatten(1)  # (B, h*w)
+    constant = (flat.amin(dim=1) == flat.amax(dim=1))[:, None, None]  # (B, 1, 1); NaN compares unequal
+    up = torch.where(constant, flat[:, :1, None].double().expand_as(up), up)
     up = up.abs()  # (B, H, W)
     top = up.flatten(1).amax(dim=1)[:, None, None]
     return torch.where(top > 0, up / torch.where(top > 0, top, 1.0), up)
@@ -333,9 +353,9 @@ class Mprt(Method):
 
     def _maps(
         self, method: CamMethod, model: nn.Module, batch: Batch, session: HookSession, targets: torch.Tensor | None
-    ) -> tuple[list[tuple[str, int]], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(entries (layer, call), their maps each (B, H, W) prepared, the targets, the predicted classes) from one
-        forward and one backward."""
+    ) -> tuple[list[tuple[str, int]], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(entries (layer, call), their maps each (B, H, W) prepared, degenerate (E*B,) bool: a map constant or not
+        finite at the layer's resolution, the targets, the predicted classes) from one forward and one backward."""
         logits, x = forward(model, batch, session, self.runtime, with_grad=method.needs_gradients)
         if targets is None:
             targets = select_targets(self.cfg, logits, batch)  # (B,)
@@ -351,26 +371,34 @@ class Mprt(Method):
             grads = [None] * len(entries)
         ctx = CamContext(model, batch.x, targets, self.runtime)
         size = batch.x.shape[-2:]
-        maps = [prepare(method._map(n, a, g, ctx), size) for (n, _, a), g in zip(entries, grads, strict=True)]
+        with session.recording_paused(), method._capture_paused():  # Score-CAM's masked forwards: not the user's
+            small = [method._map(n, a, g, ctx) for (n, _, a), g in zip(entries, grads, strict=True)]  # each (B, h, w)
+        degenerate = torch.cat([constant_rows(m) for m in small])  # (E*B,) decided before upsampling
+        maps = [prepare(m, size) for m in small]
         capture.clear()  # the step's activations and graph go now, not at the next step
-        return [(n, c) for n, c, _ in entries], maps, targets, logits.argmax(dim=1)
+        return [(n, c) for n, c, _ in entries], maps, degenerate, targets, logits.argmax(dim=1)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         assert self.random is not None and self.copy is not None
-        entries, trained, targets, predicted = self._maps(self.trained, model, batch, session, None)
+        entries, trained, flat, targets, predicted = self._maps(self.trained, model, batch, session, None)
         b, sims = targets.shape[0], list(self.cfg.similarities)
         # All layers' maps as one (E*B, H, W) stack: each step compares them in one call, against a reference
         # computed once per batch (the trained maps' ranks, top pixels and SSIM windows).
         ref = reference(torch.cat(trained), sims, self.cfg.topk_fraction)
         values: list[torch.Tensor] = []  # per step: (E, K, B)
+        degenerate: list[torch.Tensor] = []  # per step: (E, K, B) bool
         try:
-            for step, (_, module) in enumerate(self.steps):
-                if step == 0 or self.order is MprtOrder.independent:
-                    self.copy.load_state_dict(self.trained_state)
-                self._reset(module)
-                _, randomised, _, _ = self._maps(self.random, self.copy, batch, session, targets)
-                scores = compare(ref, torch.cat(randomised), sims)  # (K, E*B)
-                values.append(scores.view(len(sims), len(entries), b).transpose(0, 1))
+            with session.recording_paused():  # the copy's forwards are the method's own, not the user's
+                for step, (_, module) in enumerate(self.steps):
+                    if step == 0 or self.order is MprtOrder.independent:
+                        self.copy.load_state_dict(self.trained_state)
+                    self._reset(module)
+                    _, randomised, flat_random, _, _ = self._maps(self.random, self.copy, batch, session, targets)
+                    # A constant map (either side) ranks nothing: every similarity NaN, the row flagged.
+                    undefined = (flat | flat_random)[None].expand(len(sims), -1)  # (K, E*B)
+                    scores = torch.where(undefined, torch.nan, compare(ref, torch.cat(randomised), sims))  # (K, E*B)
+                    values.append(scores.view(len(sims), len(entries), b).transpose(0, 1))
+                    degenerate.append(undefined.reshape(len(sims), len(entries), b).transpose(0, 1))
         finally:
             self.random.capture.clear()
         n_steps, n_layers, n_sims = len(self.steps), len(entries), len(self.cfg.similarities)
@@ -388,6 +416,7 @@ class Mprt(Method):
             "randomised_type": [type(m).__name__ for _, m in self.steps for _ in range(per_step)],
             "similarity": [s for _ in range(n_steps * n_layers) for s in self.cfg.similarities for _ in range(b)],
             "value": torch.stack(values).reshape(-1).float(),  # (S, L, K, B) flattened
+            "degenerate": torch.stack(degenerate).reshape(-1),
             "inner_method": [self.cfg.inner] * (n_steps * per_step),
         }
         return BatchOutput(predicted=predicted, tables={self.table: columns})

@@ -3,8 +3,10 @@ perturbation), each batched over all maps of a batch (every layer's and every ra
 
 Definitions follow Quantus 0.6.0 (the agreement tests in tests/test_metrics.py feed both the same maps), with
 two deliberate differences: draws come from per-sample generators (seed, sample index), so a value does not
-depend on the batch; and ties in a map are ordered by a stable sort (pixel order), where Quantus's
-`np.argsort` leaves them to its quicksort.
+depend on the batch; and ROAD's pixels and region perturbation's patches of equal value come in faithfulness's
+seeded random order (`runner.faithfulness.tie_keys`, keyed by (seed, sample index)), compared in float64, where
+Quantus's `np.argsort` leaves ties to its quicksort (in effect favouring positions) and orders patch sums as
+rounded in float32. On maps without ties the orders are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
+from runner.faithfulness import pixel_rank, tie_keys
 from runner.methods.base import Runtime
 from runner.metrics.base import METRICS, EvaluationConfig, Metric, MetricInputs
 from runner.randomness import sample_generator
@@ -227,12 +230,13 @@ def road_curves(
     inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfig
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(probability, correct, converged): (N, 2, P) float32 target probability and argmax == target after removing
-    the top (order 0, MoRF) or bottom (order 1, LeRF) p% of each map's pixels, p in cfg.road_percentages."""
+    the top (order 0, MoRF) or bottom (order 1, LeRF) p% of each map's pixels, p in cfg.road_percentages.
+    Pixels of equal value come in the seeded random order of `tie_keys` (seed, sample index), not by position."""
     n, c, h, w = inputs.x.shape
     d = h * w
     percentages = cfg.road_percentages
-    order = maps.flatten(1).float().argsort(dim=1, descending=True, stable=True)  # (N, D) most relevant first
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(d, device=order.device).expand(n, d))  # (N, D)
+    keys = tie_keys(inputs.seed, inputs.sample_index.tolist(), d, maps.device)  # (N, D)
+    rank = pixel_rank(maps.flatten(1).double(), keys)  # (N, D) 0 = most relevant
     jobs = [(i, o, j) for i in range(n) for o in range(2) for j in range(len(percentages))]
     sample = inputs.sample_index.tolist()  # one host copy, not one device sync per job
     prob = torch.empty(n, 2, len(percentages), device=inputs.x.device)
@@ -277,7 +281,8 @@ class Road(Metric):
     """ROAD (Rong et al. 2022): remove the most (MoRF) or least (LeRF) relevant p% of pixels, impute them by noisy
     linear imputation, and follow the target. Variants: `morf`, `lerf` (the curve's mean target probability; a
     faithful map: low MoRF, high LeRF), `morf_accuracy`, `lerf_accuracy` (mean of argmax == target: Quantus ROAD's
-    curve, which is MoRF only). Defined for every map (a constant map orders pixels by position)."""
+    curve, which is MoRF only). Pixels of equal value in a seeded random order (`road_curves`); a constant map's
+    value is set to NaN by the evaluation table (its rows flagged degenerate)."""
 
     def __init__(self, cfg: EvaluationConfig) -> None:
         super().__init__(cfg)
@@ -392,18 +397,19 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
     """(N, steps) the target's drop after replacing the 1..steps most relevant patches (MoRF, cumulative).
 
     Patches: a non-overlapping grid of region_size pixels on the image padded (as Quantus: half on each side,
-    the map with 0) to a multiple of region_size; ranked by the map's sum, ties by position (stable sort)."""
+    the map with 0) to a multiple of region_size; ranked by the map's sum in float64 (float32 rounding would
+    order near-equal sums at random), equal sums in the seeded random order of `tie_keys` (seed, sample index)."""
     n, c, h, w = inputs.x.shape
     size = cfg.region_size
     pad_h, pad_w = (-h) % size, (-w) % size
     top, left = pad_h // 2, pad_w // 2
-    padded = F.pad(maps.float(), (left, pad_w - left, top, pad_h - top))  # (N, Hp, Wp)
-    sums = F.avg_pool2d(padded[:, None], size)[:, 0] * size * size  # (N, gh, gw) the map's mass per patch
-    gh, gw = sums.shape[1:]
-    order = sums.flatten(1).argsort(dim=1, descending=True, stable=True)  # (N, G)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(gh * gw, device=order.device).expand(n, -1))
-    pixel_rank = rank.reshape(n, gh, gw).repeat_interleave(size, 1).repeat_interleave(size, 2)  # (N, Hp, Wp)
-    pixel_rank = pixel_rank[:, top : top + h, left : left + w]  # (N, H, W)
+    padded = F.pad(maps.double(), (left, pad_w - left, top, pad_h - top))  # (N, Hp, Wp)
+    gh, gw = padded.shape[1] // size, padded.shape[2] // size
+    sums = padded.reshape(n, gh, size, gw, size).sum(dim=(2, 4))  # (N, gh, gw) the map's mass per patch
+    keys = tie_keys(inputs.seed, inputs.sample_index.tolist(), gh * gw, maps.device)  # (N, G)
+    rank = pixel_rank(sums.flatten(1), keys)  # (N, G) 0 = the most relevant patch
+    patch_rank = rank.reshape(n, gh, gw).repeat_interleave(size, 1).repeat_interleave(size, 2)  # (N, Hp, Wp)
+    patch_rank = patch_rank[:, top : top + h, left : left + w]  # (N, H, W)
     steps = min(cfg.region_steps, gh * gw)
     base_value = _baseline(inputs.x, cfg.region_baseline, "region_baseline")  # (N,)
     base = _score(_logits(inputs.model, inputs.x, inputs.runtime, inputs.chunk), inputs.target, cfg.region_softmax)
@@ -413,7 +419,7 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
         part = jobs[start : start + inputs.chunk]
         i = torch.tensor([a for a, _ in part], device=inputs.x.device)
         k = torch.tensor([b for _, b in part], device=inputs.x.device)
-        gone = (pixel_rank[i] < k[:, None, None])[:, None]  # (J, 1, H, W)
+        gone = (patch_rank[i] < k[:, None, None])[:, None]  # (J, 1, H, W)
         images = torch.where(gone, base_value[i, None, None, None].to(inputs.x.dtype), inputs.x[i])
         logits = _logits(inputs.model, images, inputs.runtime, inputs.chunk)
         drops[i, k - 1] = base[i] - _score(logits, inputs.target[i], cfg.region_softmax)
@@ -424,7 +430,7 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
 class RegionPerturbation(Metric):
     """Region perturbation (Samek et al. 2016; Quantus RegionPerturbation, order MoRF): patches replaced by the
     baseline in order of the map's mass. Variant `aopc`: the mean drop of the target over the steps (the area over
-    the perturbation curve; high: faithful). Defined for every map (ties: patch order by position)."""
+    the perturbation curve; high: faithful). Equal patch sums in a seeded random order (`region_curves`)."""
 
     def __init__(self, cfg: EvaluationConfig) -> None:
         super().__init__(cfg)

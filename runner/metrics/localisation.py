@@ -2,7 +2,9 @@
 
 Each compares a map (B, H, W) at input resolution with the sample's localisation mask (B, H, W) bool (from an
 image_folder side file or the built-in `composites` benchmark, runner/composites.py). A sample whose mask is
-empty has no region to point at: its value is NaN (Quantus returns NaN too, with a warning).
+empty has no region to point at: its value is NaN (Quantus returns NaN too, with a warning; the CAM method logs
+one warning per run naming the samples). A constant map (all zero, say) points nowhere and ranks no pixel: its
+pointing game and relevance rank are NaN, where Quantus scores a hit and |mask|/N.
 
 - pointing_game (Zhang et al. 2018; Quantus PointingGame): 1.0 when a pixel of the map's maximum lies in the
   mask (every tied maximum counts, as Quantus), else 0.0; `pointing_tolerance` px dilates the mask by a disc
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 from runner.errors import RunnerError
 from runner.metrics.base import METRICS, Metric, MetricInputs
+from runner.stats import constant_rows
 
 
 def _masks(inputs: MetricInputs, maps: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,7 @@ def dilate(masks: torch.Tensor, radius: int) -> torch.Tensor:
 @METRICS.register("pointing_game")
 class PointingGame(Metric):
     """1.0 when the map's maximum (any tied one) lies in the mask grown by `pointing_tolerance` px, else 0.0;
-    NaN where the mask is empty or the map is not finite."""
+    NaN where the mask is empty or the map is constant (every pixel its maximum) or not finite."""
 
     needs_masks = True
 
@@ -69,7 +72,7 @@ class PointingGame(Metric):
         a, s, empty = _flat(maps, grown)
         peak = a == a.amax(dim=1, keepdim=True)  # (B, N) every pixel at the maximum
         hit = (peak & s).any(dim=1).float()  # (B,)
-        return {"": _nan_where(hit, empty | ~torch.isfinite(a).all(dim=1))}
+        return {"": _nan_where(hit, empty | constant_rows(a))}
 
 
 @METRICS.register("energy_pointing_game")
@@ -119,7 +122,8 @@ class RelevanceMass(Metric):
 @METRICS.register("relevance_rank")
 class RelevanceRank(Metric):
     """Share of the mask among the map's K = |mask| highest pixels (Quantus RelevanceRankAccuracy), ties at the
-    K-th value counted by their expected share; NaN where the mask is empty or the map is not finite."""
+    K-th value counted by their expected share; NaN where the mask is empty or the map is constant (no pixel ranks
+    above another) or not finite."""
 
     needs_masks = True
 
@@ -133,5 +137,4 @@ class RelevanceRank(Metric):
         n_above, n_tied = above.sum(dim=1), tied.sum(dim=1)  # (B,)
         share = (k - n_above).float() / n_tied.clamp_min(1).float()  # (B,) expected fraction of tied pixels taken
         hits = (above & s).sum(dim=1).float() + (tied & s).sum(dim=1).float() * share  # (B,)
-        undefined = empty | ~torch.isfinite(a).all(dim=1)
-        return {"": _nan_where(hits / k.clamp_min(1).float(), undefined)}
+        return {"": _nan_where(hits / k.clamp_min(1).float(), empty | constant_rows(a))}

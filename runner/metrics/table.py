@@ -27,8 +27,9 @@ EVALUATION_SCHEMA = declare(
         pa.field("target_rank", pa.int64()),
         pa.field("metric", pa.string()),  # a name from runner.metrics.METRICS
         pa.field("variant", pa.string()),  # "" for a metric with one value; e.g. "morf"/"lerf" for ROAD
-        pa.field("value", pa.float32()),  # NaN where the metric is undefined (its docstring says when)
+        pa.field("value", pa.float32()),  # NaN where the metric is undefined (its docstring says when) or degenerate
         pa.field("random_value", pa.float32()),  # the same metric on the layer's random map
+        pa.field("degenerate", pa.bool_()),  # the map is constant at the layer's resolution or not finite: value NaN
     ],
 )
 
@@ -49,13 +50,21 @@ def evaluation_rows(
     seed: int,
     masks: torch.Tensor | None = None,
     chunk: int | None = None,
+    degenerate: list[torch.Tensor] | None = None,
+    random_degenerate: list[torch.Tensor] | None = None,
 ) -> Columns:
     """Rows of the `evaluation` table for one batch and target: names[i] = (layer, call) of saliency[i] (B, H, W).
 
     The maps of all layers (and their random maps) go through each metric as one batch of L * B maps, so
-    the model's perturbed forwards are batched across layers too. `model`'s capture hooks must be paused.
+    the model's perturbed forwards are batched across layers too. `model`'s capture and record hooks must be
+    paused. `degenerate[i]` (B,) bool marks the maps of saliency[i] that are constant (or not finite) at the
+    layer's resolution: every metric of such a map is NaN and its rows are flagged (the random map's stay, unless
+    `random_degenerate[i]` (B,) says the random map is constant too: a 1x1 layer's).
     """
     b, n = target.shape[0], len(names)
+    none = torch.zeros(n * b, dtype=torch.bool, device=target.device)
+    flags = torch.cat(degenerate) if degenerate else none
+    random_flags = torch.cat(random_degenerate) if random_degenerate else none
     index = torch.arange(first_index, first_index + b, device=target.device)  # (B,) global sample indices
     maps = torch.cat([*saliency, *random_saliency])  # (2 * L * B, H, W): real maps, then random maps
     inputs = MetricInputs(
@@ -72,6 +81,7 @@ def evaluation_rows(
     values: list[torch.Tensor] = []
     randoms: list[torch.Tensor] = []
     local: list[torch.Tensor] = []
+    flagged: list[torch.Tensor] = []
     for metric in metrics:
         if metric.needs_masks and masks is None:
             if metric.name not in _skipped:
@@ -80,8 +90,9 @@ def evaluation_rows(
             continue
         for variant, value in metric.compute(inputs, maps.float()).items():
             value = value.float().reshape(2, n * b)  # (2, L*B): real, random
-            values.append(value[0])
-            randoms.append(value[1])
+            values.append(torch.where(flags, torch.nan, value[0]))  # a degenerate map ranks nothing: NaN
+            flagged.append(flags)
+            randoms.append(torch.where(random_flags, torch.nan, value[1]))
             local.append(torch.arange(b, device=target.device).repeat(n))
             columns["layer"] += [layer for layer, _ in names for _ in range(b)]
             columns["call"] += [call for _, call in names for _ in range(b)]
@@ -95,4 +106,5 @@ def evaluation_rows(
     out["target"] = torch.cat(columns["target"]) if local else empty.long()
     out["value"] = torch.cat(values) if values else empty
     out["random_value"] = torch.cat(randoms) if randoms else empty
+    out["degenerate"] = torch.cat(flagged) if flagged else empty.bool()
     return out
