@@ -286,9 +286,10 @@ def test_recording_paused_keeps_nothing_but_modifications_still_apply(tiny: nn.M
         torch.testing.assert_close(paused, tiny.fc(torch.zeros(2, 8)))  # features.2 zeroed inside the pause too
 
 
-def test_metrics_and_score_cam_forwards_do_not_reach_record_hooks(tmp_path) -> None:
+@pytest.mark.parametrize("method", ["method=scorecam", "method=captum", "method=gradcam"])
+def test_metrics_and_score_cam_forwards_do_not_reach_record_hooks(tmp_path, method: str) -> None:
     """A `record` pre-hook on the first conv: one row per sample and call 0, not one per perturbed forward of
-    Score-CAM's masks, faithfulness and the evaluation metrics (37 calls for 2 samples before)."""
+    Score-CAM's masks, captum's integrated-gradient steps, faithfulness and the evaluation metrics."""
     import pandas as pd
 
     from runner import app
@@ -296,7 +297,7 @@ def test_metrics_and_score_cam_forwards_do_not_reach_record_hooks(tmp_path) -> N
 
     config = make_config(
         "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,16,16]",
-        "data.count=3", "data.batch_size=2", "data.num_classes=5", "layers.include=[features.2]", "method=scorecam",
+        "data.count=3", "data.batch_size=2", "data.num_classes=5", "layers.include=[features.2]", method,
         "hooks=[{kind: pre, layers: [features.0]}]", "method.faithfulness.enabled=true", "method.faithfulness.steps=4",
         "method.evaluation.metrics=[faithfulness_correlation]", "method.evaluation.faithfulness_correlation_runs=4",
     )  # fmt: skip

@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
-from runner.methods.base import BatchOutput, check_targets, forward, register, select_target_sets
+from runner.methods.base import BatchOutput, Columns, check_targets, forward, register, select_target_sets
 from runner.methods.cam import CamConfig, CamContext, CamMethod, to_spatial
 
 SUPPORTED = (
@@ -58,22 +59,29 @@ class CaptumLayer(CamMethod):
         probs = logits.softmax(dim=1)
         entries = [(name, 0, None) for name, _ in self.layers]
         parts = []
-        for k in range(target_sets.shape[1]):
-            target = target_sets[:, k]  # (B,)
-            maps = []
-            for name, module in self.layers:
-                method = self.attribution(model, module)
-                # captum replaces layer outputs with leaf tensors; an in-place op after the layer would fail.
-                with self.runtime.autocast(), inplace_disabled(model):
-                    attr = method.attribute(batch.x, target=target, **self.cfg.captum_kwargs)
-                attr = attr[0] if isinstance(attr, tuple) else attr
-                spatial = to_spatial(
-                    attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix
-                )
-                maps.append(spatial.sum(dim=1))  # (B, h, w), signed
-            score = logits.gather(1, target[:, None]).squeeze(1)
-            ctx = CamContext(model, batch.x, target, self.runtime)
-            parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
+        # Past the user's forward: captum's own forwards (n_steps of them for integrated gradients), faithfulness
+        # and the metrics are the method's, which the user's `record` hooks must not see.
+        with session.recording_paused():
+            for k in range(target_sets.shape[1]):
+                parts.append(self._target_rows(model, batch, logits, probs, entries, target_sets[:, k], k))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
         return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(columns))
+
+    def _target_rows(
+        self, model: nn.Module, batch: Batch, logits: torch.Tensor, probs: torch.Tensor, entries: list,
+        target: torch.Tensor, k: int,
+    ) -> Columns:  # fmt: skip
+        """The rows of every layer for the k-th target of each sample (`target`, (B,)): one captum call per layer."""
+        maps = []
+        for name, module in self.layers:
+            method = self.attribution(model, module)
+            # captum replaces layer outputs with leaf tensors; an in-place op after the layer would fail.
+            with self.runtime.autocast(), inplace_disabled(model):
+                attr = method.attribute(batch.x, target=target, **self.cfg.captum_kwargs)
+            attr = attr[0] if isinstance(attr, tuple) else attr
+            spatial = to_spatial(attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix)
+            maps.append(spatial.sum(dim=1))  # (B, h, w), signed
+        score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+        ctx = CamContext(model, batch.x, target, self.runtime)
+        return self._rows(entries, maps, target, k, score, probs, batch, ctx)
