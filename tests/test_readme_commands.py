@@ -393,67 +393,62 @@ class Net(nn.Module):
 
 # The README's placeholders and what each becomes here: (text in the README, its value, built by
 # Workspace.build or the output of another README command). Applied in this order, longest first.
-PLACEHOLDERS: list[tuple[str, Callable[[Workspace], str], str]] = [
+PLACEHOLDERS: list[tuple[str, Callable[[Workspace], str]]] = [
     # a photo folder, one folder per class: three scikit-image photos as cat/, cup/ and rocket/
-    ("/path/to/photos", lambda ws: str(ws.root / "photos"), "photos"),
+    ("/path/to/photos", lambda ws: str(ws.root / "photos")),
     # my_net.Net's layers: its second conv
-    ("'layers.include=[...]'", lambda ws: "'layers.include=[features.2]'", "layers"),
+    ("'layers.include=[...]'", lambda ws: "'layers.include=[features.2]'"),
     # the README's ROAD example at 112 px: the tiny size
-    ("data.image_size=112", lambda ws: "data.image_size=32", "size"),
+    ("data.image_size=112", lambda ws: "data.image_size=32"),
     # the report sweep over 128 and 224 px: two tiny sizes
-    ("data.image_size=128,224", lambda ws: "data.image_size=32,40", "size"),
+    ("data.image_size=128,224", lambda ws: "data.image_size=32,40"),
     # a folder the README puts in /tmp: a folder of the workspace
-    ("/tmp/r6_road", lambda ws: str(ws.root / "r6_road"), "road"),
+    ("/tmp/r6_road", lambda ws: str(ws.root / "r6_road")),
     # torchrun over N processes with the run's overrides (...): two CPU ranks, the default experiment at tiny size
     (
         "torchrun --nproc_per_node=N -m runner hydra.run.dir=DIR ...",
         lambda ws: f"torchrun --nproc_per_node=2 -m runner hydra.run.dir={ws.root / 'torchrun'} debug=tiny",
-        "torchrun",
     ),
     # a sweep's folder in plot_sweep's example: the method sweep of "Sweeps" (it has deletion_auc)
-    ("SWEEP_DIR", lambda ws: str(ws.output_of(METHOD_SWEEP)), "sweep"),
+    ("SWEEP_DIR", lambda ws: str(ws.output_of(METHOD_SWEEP))),
     # a run or sweep for scripts/summarize.py: the same sweep
-    ("scripts/summarize.py PATH", lambda ws: f"python scripts/summarize.py {ws.output_of(METHOD_SWEEP)}", "sweep"),
+    ("scripts/summarize.py PATH", lambda ws: f"python scripts/summarize.py {ws.output_of(METHOD_SWEEP)}"),
     # the sweep read in "One table per sweep": the same sweep (its `sweep.method` column, `deletion_auc`)
-    ("outputs/multirun/2026-11-22/10-00-00", lambda ws: str(ws.output_of(METHOD_SWEEP)), "sweep"),
+    ("outputs/multirun/2026-11-22/10-00-00", lambda ws: str(ws.output_of(METHOD_SWEEP))),
     # the sweep `runner report` pages: the report sweep just above it in "Reports"
     (
         "outputs/multirun/2026-01-01/12-00-00",
-        lambda ws: str(ws.output_of("runner -m experiment=gradcam_effnet method=gradcam,layercam data.image_size=128,224")),
-        "report sweep",
+        lambda ws: str(
+            ws.output_of("runner -m experiment=gradcam_effnet method=gradcam,layercam data.image_size=128,224")
+        ),
     ),
     # the experiment file "Adding an experiment" creates: the README's YAML, in a config folder of the workspace
     # (--config-dir: the checkout's conf/ stays as it is)
     (
         "experiment=gradcam_resnet18_layer4",
         lambda ws: f"--config-dir {ws.root / 'conf'} experiment=gradcam_resnet18_layer4",
-        "experiment",
     ),
     # a run's folder in "Reports": the report=true run
-    ("runner report DIR", lambda ws: f"runner report {ws.output_of('runner experiment=gradcam_effnet report=true')}", "run"),
+    ("runner report DIR", lambda ws: f"runner report {ws.output_of('runner experiment=gradcam_effnet report=true')}"),
     # the runs the worked examples read: each made by the command their text names
-    ("outputs/.../mprt_effnet", lambda ws: str(ws.output_of("python -m runner experiment=mprt_effnet")), "run"),
+    ("outputs/.../mprt_effnet", lambda ws: str(ws.output_of("python -m runner experiment=mprt_effnet"))),
     (
         "outputs/2026-11-22/03-29-54_patching_effnet",
         lambda ws: str(ws.output_of("python -m runner experiment=patching_effnet")),
-        "run",
     ),
     (
         "outputs/2026-11-23/15-11-15_localisation_effnet",
         lambda ws: str(ws.output_of("python -m runner experiment=localisation_effnet")),
-        "run",
     ),
     (
         "outputs/2026-11-23/15-08-38_cam_vs_patching_effnet",
         lambda ws: str(ws.output_of("python -m runner experiment=cam_vs_patching_effnet")),
-        "run",
     ),
     (
         "outputs/2026-11-22/03-22-24_gradcam_effnet",
         lambda ws: str(ws.output_of("python -m runner experiment=gradcam_effnet")),
-        "run",
     ),
-]  # fmt: skip
+]
 METHOD_SWEEP = "python -m runner -m experiment=gradcam_effnet method=gradcam,layercam,hirescam"
 # Commands that read what another README command writes, beyond the paths above: that one runs first.
 PREREQUISITES = {"runner ls": ["python -m runner"]}  # ls lists the runs under outputs/
@@ -461,7 +456,7 @@ PREREQUISITES = {"runner ls": ["python -m runner"]}  # ls lists the runs under o
 
 def substitute(text: str, ws: Workspace) -> str:
     """A README command or snippet with its placeholders replaced by what they stand for here."""
-    for placeholder, value, _ in PLACEHOLDERS:
+    for placeholder, value in PLACEHOLDERS:
         if placeholder in text:
             text = text.replace(placeholder, value(ws))
     return text
@@ -487,6 +482,9 @@ def test_every_readme_command_is_run_or_listed_with_a_reason() -> None:
     assert not set(OFFLINE) & set(NOT_RUN)
     stale = [k for k in [*OFFLINE, *NOT_RUN] if k not in keys]
     assert not stale, f"listed but not in the README (any more): {stale}"
+    text = README.read_text()
+    unused = [p for p, _ in PLACEHOLDERS if p not in text] + [c for c in PREREQUISITES if c not in keys]
+    assert not unused, f"placeholders or prerequisites of text the README no longer has: {unused}"
     for lang, first, lines in fenced_blocks(README.read_text()):  # a command in an untagged block would be missed
         if lang not in ("bash", "sh", "shell", "python", "yaml"):
             assert not any(COMMAND_START.match(line) for line in lines), f"tag the block at line {first} ```bash"
