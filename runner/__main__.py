@@ -16,7 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from runner.cli import register_schemas
+from runner.cli import register_resolvers, register_schemas
 from runner.errors import RunnerError
 
 log = logging.getLogger("runner")
@@ -94,6 +94,19 @@ def config_error(error: Exception) -> str:
     return "Config error: " + " ".join(lines)
 
 
+def resolver_error(error: BaseException) -> str | None:
+    """The message of a RunnerError that one of our resolvers raised while Hydra resolved the config (OmegaConf
+    keeps only its text, as 'RunnerError raised while resolving interpolation: MESSAGE'), else None."""
+    marker = f"{RunnerError.__name__} raised while resolving interpolation: "
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen)
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _check_output_arguments(argv: list[str]) -> None:
     """runner.app's check of `hydra.run.dir=` / `hydra.sweep.dir=`, imported (with torch) only when one is given."""
     if any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
@@ -109,6 +122,7 @@ if __name__ == "__main__":
     if handled is not None:
         sys.exit(handled)
     register_schemas(sys.argv[1:])  # before Hydra composes: the options' schemas (without torch when it only prints)
+    register_resolvers()  # `${runner.folder:${name}}` in the run folder
     try:
         _check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
     except RunnerError as e:
@@ -123,7 +137,7 @@ if __name__ == "__main__":
     except Exception as error:
         if _started or full_error == "1":  # failed in the run itself (a bug), or the user asked for the traceback
             raise
-        print(f"[ERROR] {config_error(error)}", file=sys.stderr)
+        print(f"[ERROR] {resolver_error(error) or config_error(error)}", file=sys.stderr)
         sys.exit(2)
     finally:
         if full_error is None:
