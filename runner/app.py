@@ -10,7 +10,9 @@ handling is runner/loop.py; the id columns on every row, runner/ids.py; the cons
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -19,7 +21,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from runner import distributed
 from runner.data import build_dataset, skipped_files
@@ -31,6 +32,7 @@ from runner.layers import Layer, layer_order, resolve_layers
 from runner.loop import ShardLoop, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
+from runner.progress import run_progress
 from runner.provenance import provenance, resume_key
 from runner.results import DirectoryLock, ShardedWriter, write_failure
 from runner.schema import RunConfig, to_run_config
@@ -124,7 +126,20 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
             from runner.report import write_after_run
 
             write_after_run(out)  # a failure here only warns: the results are committed
+        if distributed.rank_and_world()[0] == 0:
+            _say_where(out, report_written=config.report)
         return result
+
+
+def _say_where(out: Path, report_written: bool) -> None:
+    """The run's last lines: where its results are, and how to open its report and load its tables (in a sweep's
+    job, the sweep's: one report and one table for every job)."""
+    sweep = out.parent if (out.parent / "multirun.yaml").is_file() else None
+    log.info("results: %s%s", out, f" (sweep {sweep})" if sweep else "")
+    where, whose = (sweep, " (every job's)") if sweep else (out, "")
+    if not report_written:  # report=true has just said where its page is
+        log.info("report%s: runner report %s", whose, shlex.quote(str(where)))
+    log.info("tables%s: from runner.results import load; load(%s)", whose, json.dumps(str(where)))
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
@@ -172,17 +187,15 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     try:
         with HookSession(model, hooks, out / "tensors") as session, stop_on_signals() as stop:
             method.setup(session, len(dataset))
-            progress = tqdm(total=sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine),
-                            desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
-            batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader for every shard
-            loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
-                             class_names, stop, batches)  # fmt: skip
-            for shard in mine:
-                writer.begin_shard(shard)
-                run_shard(shard, loop)
-                writer.commit_shard()
-                progress.update(shard_batches(shard, shard_samples, len(dataset), config))
-            progress.close()
+            total = sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine)
+            with run_progress(total, config.name, config.progress) as progress:  # a step per batch
+                batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader, every shard
+                loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
+                                 class_names, stop, batches, progress)  # fmt: skip
+                for shard in mine:
+                    writer.begin_shard(shard)
+                    run_shard(shard, loop)
+                    writer.commit_shard()
             writer.finish()
             writer.close()
     except BaseException as error:
@@ -209,7 +222,6 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     tables = writer.tables()
     if rank == 0:
         summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
-        log.info("results: %s", out)
     return RunResult(out, tables)
 
 

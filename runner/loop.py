@@ -23,6 +23,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.ids import ClassNames, rows_for
 from runner.methods import BatchOutput, Method
+from runner.progress import RunProgress
 from runner.results import ShardedWriter
 from runner.schema import RunConfig
 
@@ -78,6 +79,7 @@ class ShardLoop:
     categories: ClassNames  # the model's and the labels' class names (runner/ids.py)
     stop: threading.Event
     batches: Iterator[Any]  # the run's one loader (`run_loader`), consumed shard by shard
+    progress: RunProgress | None = None  # the run's bar: a step per batch
 
 
 def shard_range(shard: int, shard_samples: int, total: int) -> range:
@@ -108,6 +110,8 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
         batch = to_batch(raw, loop.device, first, loop.config.channels_last)
         for part in run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
             loop.writer.submit(rows_for(part, loop.id_columns, loop.categories))
+        if loop.progress is not None:
+            loop.progress.batch_done()
         if loop.stop.is_set():
             done = len(loop.writer.completed_shards())
             raise RunnerError(
