@@ -29,7 +29,7 @@ from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
 from runner.layer_table import check_selection, probe_input
 from runner.layers import Layer, layer_order, resolve_layers
-from runner.loop import ShardLoop, run_loader, run_shard, shard_batches, stop_on_signals
+from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
 from runner.progress import run_progress
@@ -212,10 +212,10 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
         if clear is not None:
             raise clear from None
         if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C or SIGTERM: stopped at once, one line
-            raise RunnerError(
-                f"Stopped at once. {len(kept)} complete shard(s) are kept in {out}; the shard in progress is"
-                f" discarded. Run the same command with hydra.run.dir={out} to resume."
-            ) from None
+            raise interrupted(
+                "Stopped at once.", f"{len(kept)} complete shard(s) are kept in {out}; the shard in progress is discarded.",
+                out,
+            ) from None  # fmt: skip
         raise
     method.finish(out)  # a method's final check (hook_check's tolerance) fails the run after its tables are written
     distributed.barrier()
