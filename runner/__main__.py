@@ -79,7 +79,7 @@ def _named_jobs() -> tuple[str, list[str]]:
     jobs = _sweep_jobs(Path(hc.sweep.dir) / "multirun.yaml")
     varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
     named = [f"#{i} ({' '.join(job[p] for p in varying)})" for i, job in enumerate(jobs)]
-    return (named[this] if this < len(named) else f"#{this}"), named[this + 1 :]
+    return (named[this] if this < len(named) else f"#{this} ({' '.join(hc.overrides.task)})"), named[this + 1 :]
 
 
 def _sweep_stop_note() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -153,21 +154,26 @@ def test_sigterm_stops_a_sweep_with_one_resume_command(tmp_path: Path, launcher:
     args = ["-m", *launcher, *SWEEP, f"hydra.sweep.dir={tmp_path}"]
     process = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    deadline = time.time() + 180
-    while time.time() < deadline and sum(committed_shards(job) for job in tmp_path.glob("[0-9]")) < 2:
-        time.sleep(0.05)
-    running = process_group(process.pid)  # the sweep's process, and its workers with the joblib launcher
-    assert len(running) > (1 if launcher else 0)
-    if to == "group":
-        os.killpg(process.pid, signal.SIGTERM)
-    else:
-        os.kill(process.pid, signal.SIGTERM)
-    _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 2, stderr
-    deadline = time.time() + 30  # the multiprocessing resource trackers end a moment after the last worker
-    while time.time() < deadline and process_group(process.pid) & running:
-        time.sleep(0.2)
-    assert not process_group(process.pid) & running, "a process of the sweep outlived it"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and sum(committed_shards(job) for job in tmp_path.glob("[0-9]")) < 2:
+            time.sleep(0.05)
+        running = process_group(process.pid)  # the sweep's process, and its workers with the joblib launcher
+        assert len(running) > (1 if launcher else 0)
+        if to == "group":
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            os.kill(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode == 2, stderr
+        deadline = time.time() + 30  # the multiprocessing resource trackers end a moment after the last worker
+        while time.time() < deadline and process_group(process.pid) & running:
+            time.sleep(0.2)
+        assert not process_group(process.pid) & running, "a process of the sweep outlived it"
+    finally:  # whatever failed above, leave no process of this test behind
+        for pid in process_group(process.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     lines = [line for line in stderr.splitlines() if "hydra.sweep.dir=" in line]
     assert len(lines) == 1 and lines[0].startswith("[ERROR] Interrupted (SIGTERM)"), stderr
