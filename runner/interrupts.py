@@ -12,7 +12,6 @@ Nothing here imports torch: the sweep's own process never needs it.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import shlex
@@ -31,8 +30,6 @@ from omegaconf import DictConfig
 
 from runner.errors import RunnerError
 
-log = logging.getLogger(__name__)
-
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SAME_SIGNAL_S = 1.0  # a second signal this soon after the first is the same stop (the group's and the forwarded)
 
@@ -43,13 +40,8 @@ class Interrupted(RunnerError):
     def __init__(
         self, head: str, detail: str, directory: str, signal_name: str, sweep: str | None = None
     ) -> None:  # fmt: skip
-        self.head, self.detail, self.directory, self.signal_name, self.sweep = (
-            head,
-            detail,
-            directory,
-            signal_name,
-            sweep,
-        )
+        self.head, self.detail, self.directory = head, detail, directory
+        self.signal_name, self.sweep = signal_name, sweep  # the sweep's folder, in a sweep's job
         super().__init__(f"{head} {detail} Run the same command with hydra.run.dir={directory} to resume.")
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str, str, str | None]]:  # a joblib worker sends it pickled
