@@ -11,13 +11,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.cli import register_schemas
+from runner import interrupts
+from runner.cli import register_resolvers, register_schemas
 from runner.errors import RunnerError
+from runner.interrupts import (
+    Interrupted,
+    end_workers,
+    guard_sweep,
+    interrupted_line,
+    parallel_sweep_job,
+    resume_command,
+    sweep_dir,
+)
 
 log = logging.getLogger("runner")
 
@@ -31,17 +43,48 @@ def main(cfg: DictConfig) -> None:
     from runner.app import run  # here, not at the top: `--cfg job` composes without importing torch
 
     try:
+        if parallel_sweep_job() and interrupts.received.name is not None:  # this worker got the sweep's stop signal
+            out = HydraConfig.get().runtime.output_dir
+            raise Interrupted("Not started.", "The sweep was stopping.", out, interrupts.received.name, sweep_dir())
         run(cfg)
+    except Interrupted as e:
+        log.debug("interrupted", exc_info=True)
+        if parallel_sweep_job():  # the sweep's own process prints one line for all its workers' jobs
+            raise  # to the launcher: the job ends as interrupted, and the other workers' jobs go on
+        log.error("%s", _sweep_interrupted_line(e) if sweep_dir() else e)
+        sys.exit(2)
     except RunnerError as e:
         log.debug("failure detail", exc_info=True)  # the full traceback goes to the run's log file only
         log.error("%s%s", e, _sweep_stop_note())
         sys.exit(2)
 
 
+def _sweep_interrupted_line(e: Interrupted) -> str:
+    """A sequential sweep's job stopped by a signal: what it keeps, the jobs not run, the one resume command."""
+    this, rest = f"#{HydraConfig.get().job.num}", []
+    with suppress(Exception):  # naming the jobs is a courtesy: the line and its command come regardless
+        this, rest = _named_jobs()
+    not_run = f" {len(rest)} job(s) not run: {', '.join(rest)}." if rest else ""
+    return (
+        f"Interrupted ({e.signal_name}) in job {this} of the sweep: {e.detail}{not_run} Resume the sweep with:"
+        f" {resume_command(e.sweep or str(HydraConfig.get().sweep.dir), sys.argv[1:])} (finished jobs and complete"
+        " shards are skipped)."
+    )
+
+
+def _named_jobs() -> tuple[str, list[str]]:
+    """This job and the jobs after it in a sequential sweep, each named by the overrides that set it apart."""
+    hc = HydraConfig.get()
+    this = int(hc.job.num)
+    jobs = _sweep_jobs(Path(hc.sweep.dir) / "multirun.yaml")
+    varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
+    named = [f"#{i} ({' '.join(job[p] for p in varying)})" for i, job in enumerate(jobs)]
+    return (named[this] if this < len(named) else f"#{this} ({' '.join(hc.overrides.task)})"), named[this + 1 :]
+
+
 def _sweep_stop_note() -> str:
     """In a sequential sweep, which jobs the failure leaves unrun (exit 2 ends the sweep at this job)."""
     try:
-        from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
@@ -52,13 +95,9 @@ def _sweep_stop_note() -> str:
         resume = f"; fix it and run the same command with hydra.sweep.dir={hc.sweep.dir} (finished jobs are skipped)]"
         if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
             return here + "; other jobs run by the launcher are not affected" + resume
-        jobs = _sweep_jobs(Path(hc.sweep.dir) / "multirun.yaml")
         # Name each job by the overrides that vary across the sweep (the others are the same for all).
-        varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
-        named = [f"#{i} ({' '.join(job[p] for p in varying)})" for i, job in enumerate(jobs)]
-        if this < len(named):
-            here = f" [sweep: job {named[this]} failed"
-        rest = named[this + 1 :]
+        name, rest = _named_jobs()
+        here = f" [sweep: job {name} failed"
         if not rest:
             return here + "; it was the last job" + resume
         return here + f"; the sweep stops here: {len(rest)} job(s) not run: {', '.join(rest)}" + resume
@@ -92,6 +131,19 @@ def config_error(error: Exception) -> str:
     return "Config error: " + " ".join(lines)
 
 
+def resolver_error(error: BaseException) -> str | None:
+    """The message of a RunnerError that one of our resolvers raised while Hydra resolved the config (OmegaConf
+    keeps only its text, as 'RunnerError raised while resolving interpolation: MESSAGE'), else None."""
+    marker = f"{RunnerError.__name__} raised while resolving interpolation: "
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen)
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _check_output_arguments(argv: list[str]) -> None:
     """runner.app's check of `hydra.run.dir=` / `hydra.sweep.dir=`, imported (with torch) only when one is given."""
     if any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
@@ -107,6 +159,7 @@ if __name__ == "__main__":
     if handled is not None:
         sys.exit(handled)
     register_schemas(sys.argv[1:])  # before Hydra composes: the options' schemas (without torch when it only prints)
+    register_resolvers()  # `${runner.folder:${name}}` in the run folder
     try:
         _check_output_arguments(sys.argv[1:])  # Hydra would fail on such a directory with a traceback
     except RunnerError as e:
@@ -116,12 +169,25 @@ if __name__ == "__main__":
     # lines and exits 1; with HYDRA_FULL_ERROR it raises instead, so that it becomes one line and exit 2.
     full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
     try:
-        main()
-    except Exception as error:
-        if _started or full_error == "1":  # failed in the run itself (a bug), or the user asked for the traceback
-            raise
-        print(f"[ERROR] {config_error(error)}", file=sys.stderr)
+        with guard_sweep(multirun):  # a stop signal stops the whole sweep, its workers included
+            main()
+    except BaseException as error:
+        if (
+            multirun
+            and not isinstance(error, SystemExit)
+            and (interrupts.received.name or isinstance(error, Interrupted))
+        ):
+            end_workers()  # none outlives the sweep
+            log.debug("sweep interrupted", exc_info=True)
+            print(f"[ERROR] {interrupted_line(error, sys.argv[1:])}", file=sys.stderr)
+            sys.exit(2)
+        if multirun and interrupts.received.name:
+            end_workers()
+        if not isinstance(error, Exception) or _started or full_error == "1":
+            raise  # failed in the run itself (a bug), exited, or the user asked for the traceback
+        print(f"[ERROR] {resolver_error(error) or config_error(error)}", file=sys.stderr)
         sys.exit(2)
     finally:
         if full_error is None:

@@ -11,7 +11,9 @@ handling is runner/loop.py; the id columns on every row, runner/ids.py; the cons
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shlex
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from runner import distributed
 from runner.data import build_dataset, sized_for_model, skipped_files
@@ -31,9 +32,10 @@ from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
 from runner.layer_table import check_selection, expand_auto, probe_input
 from runner.layers import Layer, layer_order, resolve_layers
-from runner.loop import ShardLoop, run_loader, run_shard, shard_batches, stop_on_signals
+from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
+from runner.progress import run_progress
 from runner.provenance import provenance, resume_key
 from runner.results import DirectoryLock, ShardedWriter, write_failure
 from runner.schema import RunConfig, to_run_config
@@ -146,7 +148,20 @@ def _run(config: RunConfig, output_dir: str | Path | None) -> RunResult:
             from runner.report import write_after_run
 
             write_after_run(out)  # a failure here only warns: the results are committed
+        if distributed.rank_and_world()[0] == 0:
+            _say_where(out, report_written=config.report)
         return result
+
+
+def _say_where(out: Path, report_written: bool) -> None:
+    """The run's last lines: where its results are, and how to open its report and load its tables (in a sweep's
+    job, the sweep's: one report and one table for every job)."""
+    sweep = out.parent if (out.parent / "multirun.yaml").is_file() else None
+    log.info("results: %s%s", out, f" (sweep {sweep})" if sweep else "")
+    where, whose = (sweep, " (every job's)") if sweep else (out, "")
+    if not report_written:  # report=true has just said where its page is
+        log.info("report%s: runner report %s", whose, shlex.quote(str(where)))
+    log.info("tables%s: from runner.results import load; load(%s)", whose, json.dumps(str(where)))
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
@@ -200,17 +215,15 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     try:
         with HookSession(model, hooks, out / "tensors") as session, stop_on_signals() as stop:
             method.setup(session, len(dataset))
-            progress = tqdm(total=sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine),
-                            desc=config.name, unit="batch", disable=not config.progress)  # fmt: skip
-            batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader for every shard
-            loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
-                             class_names, stop, batches)  # fmt: skip
-            for shard in mine:
-                writer.begin_shard(shard)
-                run_shard(shard, loop)
-                writer.commit_shard()
-                progress.update(shard_batches(shard, shard_samples, len(dataset), config))
-            progress.close()
+            total = sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine)
+            with run_progress(total, config.name, config.progress) as progress:  # a step per batch
+                batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader, every shard
+                loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
+                                 class_names, stop, batches, progress)  # fmt: skip
+                for shard in mine:
+                    writer.begin_shard(shard)
+                    run_shard(shard, loop)
+                    writer.commit_shard()
             writer.finish()
             writer.close()
     except BaseException as error:
@@ -227,17 +240,16 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
         if clear is not None:
             raise clear from None
         if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C or SIGTERM: stopped at once, one line
-            raise RunnerError(
-                f"Stopped at once. {len(kept)} complete shard(s) are kept in {out}; the shard in progress is"
-                f" discarded. Run the same command with hydra.run.dir={out} to resume."
-            ) from None
+            raise interrupted(
+                "Stopped at once.", f"{len(kept)} complete shard(s) are kept in {out}; the shard in progress is discarded.",
+                out,
+            ) from None  # fmt: skip
         raise
     method.finish(out)  # a method's final check (hook_check's tolerance) fails the run after its tables are written
     distributed.barrier()
     tables = writer.tables()
     if rank == 0:
         summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
-        log.info("results: %s", out)
     return RunResult(out, tables)
 
 

@@ -14,6 +14,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from runner.errors import RunnerError
+
 CONF = Path(__file__).resolve().parent.parent / "conf"  # the same folder as __main__'s config_path="../conf"
 
 # name -> (module, function taking the remaining argv and returning an exit code, one line of help).
@@ -65,8 +67,6 @@ def dispatch(args: list[str]) -> int | None:
 
 def run_subcommand(name: str, args: list[str]) -> int:
     """Import the subcommand's module and run it; a RunnerError is one line on stderr and exit 2."""
-    from runner.errors import RunnerError
-
     module_name, function_name, _ = SUBCOMMANDS[name]
     try:
         function: Callable[[list[str]], int | None] = getattr(importlib.import_module(module_name), function_name)
@@ -95,6 +95,28 @@ def register_schemas(args: Sequence[str]) -> None:
     options = option_schemas()
     register_configs(options)
     schema_cache.save(options)
+
+
+FOLDER_RESOLVER = "runner.folder"  # conf/hydra/default.yaml: `${runner.folder:${name}}` in the run folder's name
+
+
+def folder_name(value: object) -> str:
+    """`value` as one folder's name in an output path: a name that would leave the output root (`../x`, `a/b`)
+    is refused when Hydra resolves the run folder, before it makes any folder or log file."""
+    text = str(value)
+    if text in ("", ".", "..") or any(c in text for c in "/\\\0"):
+        raise RunnerError(
+            f"name={text!r} cannot name a run's folder under outputs/: a run name is one folder name, without '/',"
+            " '\\' or '..'. Choose another name=, or give the folder itself with hydra.run.dir=PATH."
+        )
+    return text
+
+
+def register_resolvers() -> None:
+    """The resolvers conf/hydra/default.yaml uses (before Hydra composes: it resolves the run folder first)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver(FOLDER_RESOLVER, folder_name, replace=True)
 
 
 # ---- help -------------------------------------------------------------------------------------------------------

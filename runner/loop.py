@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,38 +23,62 @@ from runner.data import Batch, RangesSampler, make_loader, to_batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.ids import ClassNames, rows_for
+from runner.interrupts import (
+    STOP_SIGNALS,
+    Interrupted,
+    keep_noting_signals,
+    note_signal,
+    parallel_sweep_job,
+    received,
+    sweep_dir,
+)
 from runner.methods import BatchOutput, Method
+from runner.progress import RunProgress
 from runner.results import ShardedWriter
 from runner.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
-# What `timeout`, SLURM and `docker stop` send, handled as Ctrl-C is: the run stops after the batch, resumable.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """Ctrl-C (SIGINT) or SIGTERM sets the event; the run stops after the current batch. A second one stops
-    at once (KeyboardInterrupt, which `run` turns into one line with the resume command)."""
+    at once (KeyboardInterrupt, which `run` turns into one line with the resume command); the same signal twice
+    within a second (the process group's and the one a parallel sweep passes on) counts once."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
+    quiet = parallel_sweep_job()  # the sweep's own process says it, once for all its workers
 
     def handle(signum: int, frame: object) -> None:
+        if not note_signal(signum):
+            return
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
         name = signal.Signals(signum).name
-        log.warning("%s: stopping after the current batch (Ctrl-C or the signal again to stop now)", name)
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "%s: stopping after the current batch (Ctrl-C or the signal again to stop now)",
+            name,
+        )
 
     previous = {number: signal.signal(number, handle) for number in STOP_SIGNALS}
+    if quiet and received.name is not None:  # the worker noted the sweep's signal while this job was starting
+        stop.set()
     try:
         yield stop
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        if quiet:  # a signal between this worker's jobs is noted, and no job starts after it
+            keep_noting_signals()
+
+
+def interrupted(head: str, detail: str, directory: Path) -> Interrupted:
+    """A run's `Interrupted` error: `detail` says what is kept; a sweep's job also names its sweep."""
+    return Interrupted(head, detail, str(directory), received.name or "a signal", sweep_dir())
 
 
 def shard_batches(shard: int, shard_samples: int, total: int, config: RunConfig) -> int:
@@ -78,6 +103,7 @@ class ShardLoop:
     categories: ClassNames  # the model's and the labels' class names (runner/ids.py)
     stop: threading.Event
     batches: Iterator[Any]  # the run's one loader (`run_loader`), consumed shard by shard
+    progress: RunProgress | None = None  # the run's bar: a step per batch
 
 
 def shard_range(shard: int, shard_samples: int, total: int) -> range:
@@ -108,12 +134,15 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
         batch = to_batch(raw, loop.device, first, loop.config.channels_last)
         for part in run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
             loop.writer.submit(rows_for(part, loop.id_columns, loop.categories))
+        if loop.progress is not None:
+            loop.progress.batch_done()
         if loop.stop.is_set():
             done = len(loop.writer.completed_shards())
-            raise RunnerError(
-                f"Interrupted. {done} complete shard(s) are kept in {loop.writer.directory}; the shard in progress"
-                f" (from sample {start}) is discarded. Run the same command with hydra.run.dir={loop.writer.directory}"
-                " to resume."
+            raise interrupted(
+                "Interrupted.",
+                f"{done} complete shard(s) are kept in {loop.writer.directory}; the shard in progress (from sample"
+                f" {start}) is discarded.",
+                loop.writer.directory,
             )
         first += batch.x.shape[0]
 

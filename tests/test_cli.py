@@ -92,6 +92,19 @@ def test_bad_input_exits_2_in_a_real_process(tmp_path: Path, override: str, mess
     assert_one_clear_error(process_cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}"), tmp_path, message)
 
 
+@pytest.mark.parametrize("name", ["../../../../escaped", "nested/run", ".."])
+def test_a_run_name_cannot_leave_the_output_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The run folder is outputs/<date>/<time>_<name>: a name with a path in it is refused before Hydra makes
+    any folder or log file, wherever it would have led."""
+    here = tmp_path / "a" / "b" / "c" / "d"  # deep enough that ../../../../ stays inside tmp_path
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    done = cli(*SMALL_VGG, f"name={name}")
+    assert done.returncode == 2
+    assert f"name={name!r} cannot name a run's folder" in done.stderr and "Traceback" not in done.stderr
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # nothing written, inside outputs/ or out of it
+
+
 def test_cfg_job_prints_the_composed_config() -> None:
     done = cli("--cfg", "job", "experiment=gradcam_vgg16")
     assert done.returncode == 0

@@ -66,10 +66,18 @@ def offline(name: str) -> list[str]:
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
 
 
+def test_debug_tiny_keeps_the_progress_bar() -> None:
+    """A tiny run can still take minutes (a timm model, patching): its bar stays (tests turn it off themselves)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        assert compose(config_name="config", overrides=["debug=tiny"]).progress is True
+
+
 def test_debug_tiny_wins_over_the_experiment_and_yields_to_the_command_line() -> None:
     config = make_config("experiment=gradcam_vgg16", "debug=tiny", "data.batch_size=3")
     assert (config.data.image_size, config.data.limit, config.data.batch_size) == (32, 2, 3)
-    assert config.method.pictures is False and config.progress is False
+    assert config.method.pictures is False
     assert config.layers.include == ["features.*:Conv2d"]  # the experiment's layers are kept
     assert make_config("experiment=patching_effnet", "debug=tiny").data.photos == ["chelsea"]
     assert make_config().data.image_size == 224  # off by default

@@ -4,6 +4,8 @@ either run or fail with the clear-error path."""
 
 from __future__ import annotations
 
+import pickle
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 import runner.app as app
 from runner.data import Batch
 from runner.errors import RunnerError
+from runner.interrupts import Interrupted, resume_command
 from runner.methods.patching import CorruptionConfig, CorruptionKind
 from runner.methods.patching.corruption import corrupt
 from runner.results import load, read_metadata
@@ -108,6 +111,18 @@ def test_ctrl_c_stops_after_the_batch_and_resumes(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     frame = load(tmp_path / "run", "cam")
     assert len(frame) == 12 * 2 and not frame.duplicated(["sample", "layer"]).any()
+
+
+def test_a_sweeps_resume_command_is_its_overrides_on_its_folder() -> None:
+    """What an interrupted sweep prints to resume it, and the error a joblib worker sends back (pickled)."""
+    argv = ["-m", "method=gradcam,layercam", "layers.include=[a,b]", "hydra.sweep.dir=/old"]
+    assert shlex.split(resume_command("/tmp/my sweep", argv)) == [
+        "python", "-m", "runner", "-m", "method=gradcam,layercam", "layers.include=[a,b]", "hydra.sweep.dir=/tmp/my sweep",
+    ]  # fmt: skip
+    error = pickle.loads(pickle.dumps(Interrupted("Interrupted.", "2 kept.", "/d", "SIGTERM", "/s")))
+    assert (error.signal_name, error.sweep, str(error)) == (
+        "SIGTERM", "/s", "Interrupted. 2 kept. Run the same command with hydra.run.dir=/d to resume.",
+    )  # fmt: skip
 
 
 def peak_rss_kib(count: int, out: Path) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -9,6 +13,7 @@ import pytest
 import torch
 
 import runner.app as app
+import runner.progress as progress
 from runner.errors import RunnerError
 from runner.hooks import count_hooks
 from runner.results import read_metadata
@@ -16,6 +21,9 @@ from runner.schema import available_cpus
 from tests.conftest import TinyNet, make_config
 
 VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
+ROOT = Path(__file__).resolve().parents[1]
+TINY_NET = ["model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,8,8]",
+            "data.num_classes=5", "layers.include=[features.0,features.2]", "hooks=[]"]  # fmt: skip
 
 
 @pytest.fixture
@@ -203,3 +211,91 @@ def test_threads_are_part_of_the_resume_key(tmp_path: Path) -> None:
 def test_threads_must_be_positive() -> None:
     with pytest.raises(RunnerError, match="Out of range: threads=0"):
         make_config("threads=0")
+
+
+def drawn(stderr: str) -> list[str]:
+    """Every state of the progress bar as drawn, in order (tqdm starts each redraw with a carriage return)."""
+    return [part.strip() for line in stderr.split("\n") for part in line.split("\r") if "%|" in part]
+
+
+def on_screen(stderr: str) -> list[str]:
+    """The lines as a terminal shows them: a carriage return goes back to the line's start and overwrites."""
+    lines = []
+    for line in stderr.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part) :]
+        lines.append(shown.rstrip())
+    return lines
+
+
+def test_progress_moves_batch_by_batch_within_a_shard(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress, "MININTERVAL", 0)  # every move drawn, however fast the batches
+    config = make_config(*TINY_NET, "data.count=6", "data.batch_size=2", "progress=true")
+    assert config.output.shard_batches >= 3  # the run's three batches are one shard
+    app.run(config, tmp_path)
+    counts = [int(m.group(1)) for state in drawn(capsys.readouterr().err) if (m := re.search(r"\b(\d+)/3\b", state))]
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2, 3}  # 0, then each batch as it ends
+
+
+def test_patching_moves_the_bar_chunk_by_chunk(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One long batch: the bar moves with each chunk of patched variants, naming the layer and the count."""
+    monkeypatch.setattr(progress, "MININTERVAL", 0)
+    app.run(make_config(*TINY_NET, "data.count=1", "data.batch_size=1", "method=patching",
+                        "method.patching.grid=[2,2]", "method.patching.chunk=1", "progress=true"), tmp_path)  # fmt: skip
+    states = drawn(capsys.readouterr().err)
+    inside = [s for s in states if "0/1 batches, batch 1: patching" in s]
+    assert [re.search(r"patching (\S+): (\d/4) variants", s).groups() for s in inside] == [
+        (layer, f"{i}/4") for layer in ("features.0", "features.2") for i in range(1, 5)
+    ]  # 4 cells per layer, one per chunk
+    shares = [int(re.search(r"(\d+)%\|", s).group(1)) for s in inside]
+    assert shares == sorted(shares) and 0 < shares[0] and shares[-1] == 100
+    assert "1/1 batches" in states[-1]
+
+
+class NoisyNet(TinyNet):
+    """TinyNet that logs a line in the run's second batch and warns in its third, each right after a redraw."""
+
+    calls = 0
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        import logging
+        import time
+
+        NoisyNet.calls += 1  # forwards: a probe, the input check, then one per batch
+        if NoisyNet.calls == 4:
+            logging.getLogger("runner").warning("a log line from inside the run")
+        if NoisyNet.calls == 5:
+            warnings.warn("a warning from inside the run", UserWarning, stacklevel=1)
+        time.sleep(0.15)  # longer than the bar's redraw interval: every batch is drawn
+        return super().forward(x)
+
+
+@pytest.mark.slow
+def test_bar_warnings_and_last_lines_in_a_real_process(tmp_path: Path) -> None:
+    """A real process's stderr: the bar moves per batch, a warning and a log line from mid-run each get a line of
+    their own (not glued to the bar's), and the last lines say how to open the report and load the tables."""
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", *TINY_NET, "model._target_=tests.test_run.NoisyNet", "data.count=8",
+         "data.batch_size=2", "output.shard_batches=8", "progress=true", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    counts = {int(m.group(1)) for state in drawn(done.stderr) if (m := re.search(r"\b(\d+)/4\b", state))}
+    assert counts == {0, 1, 2, 3, 4}
+    screen = on_screen(done.stderr)
+    warning = [line for line in screen if "UserWarning: a warning from inside the run" in line]
+    assert len(warning) == 1 and re.fullmatch(
+        r"/\S*test_run\.py:\d+: UserWarning: a warning from inside the run", warning[0]
+    )
+    assert "[WARNING] a log line from inside the run" in screen
+    last = [line for line in screen if line][-3:]
+    assert last == [
+        f"[INFO] results: {tmp_path}",
+        f"[INFO] report: runner report {tmp_path}",
+        f'[INFO] tables: from runner.results import load; load("{tmp_path}")',
+    ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -154,3 +156,68 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
     assert ranks.returncode == 0, ranks.stderr
     assert (tmp_path / "ranks" / "manifest.json").exists() and (tmp_path / "ranks" / "manifest-rank1.json").exists()
     pd.testing.assert_frame_equal(comparable(load(tmp_path / "ranks")), comparable(load(tmp_path / "single")))
+
+
+def process_group(pgid: int) -> set[int]:
+    """The live processes of process group `pgid` (Linux: the fifth field of /proc/PID/stat)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp; a zombie has ended
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+SWEEP = [*TINY, "model._target_=tests.conftest.SlowNet", "data.count=8", "data.batch_size=2", "output.shard_batches=1",
+         "method=gradcam,layercam", "seed=0,1"]  # fmt: skip
+JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "to"),
+    [([], "group"), (JOBLIB, "group"), (JOBLIB, "main")],
+    ids=["basic-group", "joblib-group", "joblib-main-only"],
+)
+def test_sigterm_stops_a_sweep_with_one_resume_command(tmp_path: Path, launcher: list[str], to: str) -> None:
+    """SIGTERM to the whole process group (timeout, SLURM) or to the sweep's process alone (docker stop): the
+    sweep stops with one line, which calls it interrupted and gives the one command that resumes it; no worker
+    outlives it; that command then finishes the sweep."""
+    args = ["-m", *launcher, *SWEEP, f"hydra.sweep.dir={tmp_path}"]
+    process = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and sum(committed_shards(job) for job in tmp_path.glob("[0-9]")) < 2:
+            time.sleep(0.05)
+        running = process_group(process.pid)  # the sweep's process, and its workers with the joblib launcher
+        assert len(running) > (1 if launcher else 0)
+        if to == "group":
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            os.kill(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode == 2, stderr
+        deadline = time.time() + 30  # the multiprocessing resource trackers end a moment after the last worker
+        while time.time() < deadline and process_group(process.pid) & running:
+            time.sleep(0.2)
+        assert not process_group(process.pid) & running, "a process of the sweep outlived it"
+    finally:  # whatever failed above, leave no process of this test behind
+        for pid in process_group(process.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    lines = [line for line in stderr.splitlines() if "hydra.sweep.dir=" in line]
+    assert len(lines) == 1 and lines[0].startswith("[ERROR] Interrupted (SIGTERM)"), stderr
+    assert "hydra.run.dir" not in stderr and "failed" not in stderr and "Traceback" not in stderr
+    command = lines[0].split("Resume", 1)[1].split("with: ", 1)[1].split(" (finished jobs", 1)[0]
+    assert shlex.split(command) == ["python", "-m", "runner", *args]  # the same overrides, this sweep's folder
+
+    if launcher and to == "group":  # the command finishes the sweep: every job's rows, none twice
+        resumed = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr
+        frame = load(tmp_path)
+        assert len(frame) == 4 * 8 * 2 and not frame.duplicated(["sweep.method", "sweep.seed", "sample", "layer"]).any()

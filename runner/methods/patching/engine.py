@@ -21,6 +21,7 @@ from runner.methods.patching.cone import Cone
 from runner.methods.patching.config import PatchingConfig, PatchUnit
 from runner.methods.patching.metric import metric
 from runner.methods.patching.units import Units
+from runner.progress import within_batch
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class ExactEngine:
     ) -> None:  # fmt: skip
         self.p, self.runtime, self.session, self.capture, self.replacements = p, runtime, session, capture, replacements
         self.prefix_ok: dict[str, bool] = {}
+        # (this call's index, calls in the batch) while a method reports its batch's progress chunk by chunk
+        self.site: tuple[int, int] | None = None
         self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
 
     def _chunk(self, base: torch.Tensor) -> int:
@@ -73,6 +76,9 @@ class ExactEngine:
                     logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
                 n = variants.shape[0]
                 out.append(metric(self.p.metric, logits, target.expand(n), contrast.expand(n)))
+                if self.site is not None:  # a long batch moves the run's bar chunk by chunk
+                    done, (site, sites) = start + len(picked), self.site
+                    within_batch((site + done / len(order)) / sites, f"patching {name}: {done}/{len(order)} variants")
         return torch.cat(out)
 
     def _cone(self, model: nn.Module, name: str) -> tuple[Cone, Replacement] | None:

@@ -3,6 +3,7 @@ target layer in each direction (exactly through engine.py, estimated through att
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -90,10 +91,12 @@ class Patching(Method):
         )
         self.capture.clear()
         parts: list[Columns] = []
+        sites = itertools.count()  # (direction, sample, layer) sites: the share of the batch for its progress bar
         for direction in self.p.directions:
             for i in range(b):
                 base_input = (corrupted if direction is PatchDirection.denoising else batch.x)[i : i + 1]
                 for name, _ in self.layers:
+                    self.engine.site = (next(sites), len(self.p.directions) * b * len(self.layers))
                     clean_act, corrupted_act = acts[name][i].detach(), acts[name][b + i].detach()
                     base, source = (
                         (corrupted_act, clean_act)
@@ -106,10 +109,15 @@ class Patching(Method):
                         metric_clean[i], metric_corrupted[i], corrupted_ids[i], reasons[i], undefined[i], small[i],
                     )  # fmt: skip
                     parts += self._unit_rows(model, base_input, base, source, site, estimates.get((direction, name)))
+        self.engine.site = None
         columns = concat_columns(parts)
         if self.runtime.pictures_dir is not None and self.p.units is PatchUnit.cell:
             pictures.write_patching_heatmaps(
-                self.runtime.pictures_dir, batch, columns, self.cfg.pictures_max, self.runtime.class_names,
+                self.runtime.pictures_dir,
+                batch,
+                columns,
+                self.cfg.pictures_max,
+                self.runtime.class_names,
                 self.runtime.figures,
             )
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: columns})
