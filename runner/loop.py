@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """Ctrl-C (SIGINT) or SIGTERM sets the event; the run stops after the current batch. A second one stops
-    at once (KeyboardInterrupt, which `run` turns into one line with the resume command); the same signal twice
-    within a second (the process group's and the one a parallel sweep passes on) counts once."""
+    at once (KeyboardInterrupt, which `run` turns into one line with the resume command). In a parallel sweep's
+    worker the same signal twice within a second (the process group's and the one the sweep passes on) counts
+    once; a plain run takes every signal as it comes (a quick second Ctrl-C is a user's "now")."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -52,7 +53,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
     quiet = parallel_sweep_job()  # the sweep's own process says it, once for all its workers
 
     def handle(signum: int, frame: object) -> None:
-        if not note_signal(signum):
+        if not note_signal(signum) and quiet:
             return
         if stop.is_set():
             raise KeyboardInterrupt

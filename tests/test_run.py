@@ -249,7 +249,9 @@ def test_patching_moves_the_bar_chunk_by_chunk(
                         "method.patching.grid=[2,2]", "method.patching.chunk=1", "progress=true"), tmp_path)  # fmt: skip
     states = drawn(capsys.readouterr().err)
     inside = [s for s in states if "0/1 batches, batch 1: patching" in s]
-    assert [re.search(r"patching (\S+): (\d/4) variants", s).groups() for s in inside] == [
+    moves = [re.search(r"patching (\S+): (\d/4) variants", s).groups() for s in inside]
+    # tqdm's monitor thread may redraw a state once more on a loaded machine: repeats of one state count once
+    assert [m for i, m in enumerate(moves) if i == 0 or m != moves[i - 1]] == [
         (layer, f"{i}/4") for layer in ("features.0", "features.2") for i in range(1, 5)
     ]  # 4 cells per layer, one per chunk
     shares = [int(re.search(r"(\d+)%\|", s).group(1)) for s in inside]
