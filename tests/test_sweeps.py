@@ -17,7 +17,8 @@ import torch
 
 from runner.results import load, read_metadata
 from runner.schema import available_cpus
-from tests.conftest import TinyNet, committed_shards
+from tests.conftest import committed_shards
+from tests.test_run import ThreadsSeen
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -76,18 +77,11 @@ def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
     assert "0 to run here" in again.stderr
 
 
-class SumNet(TinyNet):
-    """TinyNet whose logits all carry one long float32 sum of the input (3.8 million terms): torch splits such a sum
-    by its thread count, so its rounding shows which count computed it (in `score`). Each forward appends that count
-    to the file `log`."""
-
-    def __init__(self, log: str) -> None:
-        super().__init__()
-        self.log = log
+class SumNet(ThreadsSeen):
+    """ThreadsSeen whose logits all carry one long float32 sum of the input (3.8 million terms): torch splits such a
+    sum by its thread count, so its rounding shows which count computed it (in `score`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with open(self.log, "a") as f:
-            f.write(f"{torch.get_num_threads()}\n")
         total = torch.stack([sample.flatten().repeat(20_000).sum() for sample in x])  # (B,)
         return super().forward(x) + total[:, None]  # the same for every class: predictions and maps unchanged
 
