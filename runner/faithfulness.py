@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
+from runner.progress import within_batch
 from runner.randomness import sample_generator
 from runner.results import Block
 from runner.stats import constant_rows
@@ -266,8 +267,10 @@ def evaluate(
     keys = tie_keys(cfg.seed, sample_indices, x.shape[-2] * x.shape[-1], x.device)  # (B, H*W)
     nan = torch.tensor(float("nan"), device=x.device)
     rows = []
-    for maps, random_maps, flat, random_flat in zip(saliency, random_saliency, degenerate, random_degenerate,
-                                                    strict=True):  # fmt: skip
+    for layer, (maps, random_maps, flat, random_flat) in enumerate(
+        zip(saliency, random_saliency, degenerate, random_degenerate, strict=True)
+    ):
+        within_batch(layer / len(saliency), f"faithfulness: layer {layer + 1}/{len(saliency)}")
         values = []
         for m in (maps, random_maps):
             deletion, insertion = curve_aucs(model, x, m, target, keys, cfg, runtime)

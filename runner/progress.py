@@ -47,8 +47,10 @@ class RunProgress:
         self._move(self.done, "")
 
     def within_batch(self, fraction: float, note: str) -> None:
-        """`fraction` (0..1) of the current batch is done; `note` says of what ("patching x: 64/512 variants")."""
-        self._move(self.done + min(max(fraction, 0.0), 1.0), note)
+        """`fraction` (0..1) of the current batch is done; `note` says of what ("patching x: 64/512 variants").
+        The bar never moves back: a batch's stages (faithfulness, then the metrics) each count from 0, and a later
+        stage's note shows while its fraction catches up."""
+        self._move(max(self.bar.n, self.done + min(max(fraction, 0.0), 1.0)), note)
 
     def close(self) -> None:
         self.bar.close()

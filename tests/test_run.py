@@ -259,6 +259,24 @@ def test_patching_moves_the_bar_chunk_by_chunk(
     assert "1/1 batches" in states[-1]
 
 
+def test_a_cam_batch_shows_its_faithfulness_and_metric_stages_without_moving_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One batch whose time goes into faithfulness and the metrics: the bar names each stage as it runs, and its
+    position never goes back when a later stage counts from 0."""
+    monkeypatch.setattr(progress, "MININTERVAL", 0)
+    app.run(make_config(*TINY_NET, "data.count=2", "data.batch_size=2", "method.faithfulness.enabled=true",
+                        "method.faithfulness.steps=4", "method.evaluation.metrics=[sparseness,complexity]",
+                        "progress=true"), tmp_path)  # fmt: skip
+    inside = [s for s in drawn(capsys.readouterr().err) if "0/1 batches, batch 1: " in s]
+    notes = [re.search(r"batch 1: (.*?) +\d+%\|", s).group(1) for s in inside]
+    assert [n for i, n in enumerate(notes) if i == 0 or n != notes[i - 1]] == [
+        "faithfulness: layer 1/2", "faithfulness: layer 2/2", "metric sparseness (1/2)", "metric complexity (2/2)"
+    ]
+    shares = [int(re.search(r"(\d+)%\|", s).group(1)) for s in inside]
+    assert shares == sorted(shares) and shares[-1] == 50  # the metrics' stage starts at 0: the bar stays put
+
+
 class NoisyNet(TinyNet):
     """TinyNet that logs a line in the run's second batch and warns in its third, each right after a redraw."""
 

@@ -14,6 +14,7 @@ from torch import nn
 from runner.faithfulness import forward_chunk
 from runner.methods.base import Columns, Runtime
 from runner.metrics.base import Metric, MetricInputs
+from runner.progress import within_batch
 from runner.tables import declare
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ def evaluation_rows(
     randoms: list[torch.Tensor] = []
     local: list[torch.Tensor] = []
     flagged: list[torch.Tensor] = []
-    for metric in metrics:
+    for done, metric in enumerate(metrics):
+        within_batch(done / len(metrics), f"metric {metric.name} ({done + 1}/{len(metrics)})")
         if metric.needs_masks and masks is None:
             if metric.name not in _skipped:
                 _skipped.add(metric.name)
