@@ -146,8 +146,9 @@ class CamMethod(Method):
     name = "cam"
     table = "cam"  # every CAM method (and captum) writes the same table: a sweep over methods is one table
     needs_gradients = True
+    # the console summary: scale-free columns (a raw map's cam_max is the layer's own scale and compares no layers)
     summary_values = (
-        "score", "cam_mean", "cam_max", "deletion_auc", "random_deletion_auc", "insertion_auc",
+        "score", "cam_frac_zero", "deletion_auc", "random_deletion_auc", "insertion_auc",
         "random_insertion_auc", "avg_drop", "random_avg_drop",
     )  # fmt: skip
 
