@@ -68,6 +68,13 @@ def is_mask_file(path: Path) -> bool:
     return path.name.lower().endswith(MASK_SUFFIX)
 
 
+def _pixel_size(size: object) -> bool:
+    """Whether `size` is one torchvision's resize and centre crop take: an int, or a list of one or two ints."""
+    if isinstance(size, int):
+        return True
+    return isinstance(size, (list, tuple)) and 1 <= len(size) <= 2 and all(isinstance(v, int) for v in size)
+
+
 def mask_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """(H, W) bool at the photo's size -> (h, w) bool at the input's, with the photos' geometry (image_transform's
     choice): resized as a 0/1 image like the photo, then a pixel is in where at least half of it is."""
@@ -75,7 +82,7 @@ def mask_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> Callabl
     steps: list[Callable[[torch.Tensor], torch.Tensor]]
     if preprocess is not None and resize in (ResizeMode.square, ResizeMode.crop):
         resize_size, crop_size = getattr(preprocess, "resize_size", None), getattr(preprocess, "crop_size", None)
-        if resize_size is None or crop_size is None:
+        if not (_pixel_size(resize_size) and _pixel_size(crop_size)):  # None, or an image processor's "64x64"
             raise RunnerError(
                 "Localisation masks need the input geometry, and this model's own preprocessing does not say it:"
                 " set data.resize=pad or data.resize=none (the runner's geometry, the weights' mean and std)."

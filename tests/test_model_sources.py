@@ -421,3 +421,15 @@ def test_readme_torchvision_checkpoint_runs_in_one_command(tmp_path: Path) -> No
     cam = cam_of(out, done)
     assert set(cam["layer"]) == {"layer1.1", "layer2.0", "layer3.0", "layer3.1"}  # layer4 is 1x1 at 32 px
     assert set(cam["predicted_name"]) <= {"a", "b", "c", "d"}
+
+
+@pytest.mark.slow
+def test_composites_with_an_image_processor_ask_for_the_runners_geometry(hf_vit64: Path, tmp_path: Path) -> None:
+    """An image processor's size ("64x64") does not say how masks follow its resize: one line naming the fix, exit 2,
+    and the fix (data.resize=pad: the runner's geometry at the processor's size) runs with masks on the photos."""
+    base = ["model=hf", f"model.name={hf_vit64}", "data=composites", "debug=tiny"]
+    refused = run_cli(*base, f"hydra.run.dir={tmp_path / 'square'}")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "Localisation masks need the input geometry" in refused.stderr and "data.resize=pad" in refused.stderr
+    cam = cam_of(tmp_path / "pad", run_cli(*base, "data.resize=pad", f"hydra.run.dir={tmp_path / 'pad'}"))
+    assert set(cam["map_height"]) == {4}  # 64 px inputs, the processor's size
