@@ -74,11 +74,14 @@ def _sweep_interrupted_line(e: Interrupted) -> str:
 
 def _named_jobs() -> tuple[str, list[str]]:
     """This job and the jobs after it in a sequential sweep, each named by the overrides that set it apart."""
+    from runner.listing import job_names, sweep_jobs
+
     hc = HydraConfig.get()
     this = int(hc.job.num)
-    jobs = _sweep_jobs(Path(hc.sweep.dir) / "multirun.yaml")
-    varying = [p for p in range(len(jobs[0])) if len({job[p] for job in jobs}) > 1] if jobs else []
-    named = [f"#{i} ({' '.join(job[p] for p in varying)})" for i, job in enumerate(jobs)]
+    jobs = sweep_jobs(Path(hc.sweep.dir))
+    if jobs is None:
+        raise ValueError(f"cannot expand the sweep saved in {hc.sweep.dir}/multirun.yaml")
+    named = job_names(jobs)  # each by the overrides that vary across the sweep
     return (named[this] if this < len(named) else f"#{this} ({' '.join(hc.overrides.task)})"), named[this + 1 :]
 
 
@@ -95,7 +98,6 @@ def _sweep_stop_note() -> str:
         resume = f"; fix it and run the same command with hydra.sweep.dir={hc.sweep.dir} (finished jobs are skipped)]"
         if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
             return here + "; other jobs run by the launcher are not affected" + resume
-        # Name each job by the overrides that vary across the sweep (the others are the same for all).
         name, rest = _named_jobs()
         here = f" [sweep: job {name} failed"
         if not rest:
@@ -104,16 +106,6 @@ def _sweep_stop_note() -> str:
     except Exception:  # the note is a courtesy: never let it hide the error itself
         log.debug("could not list the sweep's remaining jobs", exc_info=True)
         return ""
-
-
-def _sweep_jobs(multirun_yaml: Path) -> list[list[str]]:
-    """Every job's overrides, in the order the basic sweeper runs them (from the sweep's saved config)."""
-    from runner.listing import sweep_jobs
-
-    jobs = sweep_jobs(multirun_yaml.parent)
-    if jobs is None:
-        raise ValueError(f"cannot expand the sweep saved in {multirun_yaml}")
-    return jobs
 
 
 def config_error(error: Exception) -> str:
