@@ -33,7 +33,7 @@ from runner.errors import RunnerError
 from runner.progress import within_batch
 from runner.randomness import sample_generator
 from runner.results import Block
-from runner.stats import constant_rows
+from runner.stats import constant_rows, uniform_rows
 
 
 class BlurPadding(str, Enum):
@@ -94,8 +94,7 @@ def upsample(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Te
 
     Decided before upsampling: float32 bilinear weights leave 1-ulp ripples on a constant map, which min-max
     scaling would stretch into a full-range map of noise."""
-    lo_small, hi_small = torch.aminmax(maps.detach().flatten(1), dim=1)  # (B,) each
-    constant = (lo_small == hi_small)[:, None, None]  # NaN compares unequal: a non-finite map is not zeroed
+    constant = uniform_rows(maps)[:, None, None]  # (B, 1, 1); a non-finite map is not zeroed
     up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
     lo = up.flatten(1).amin(dim=1)[:, None, None]
     hi = up.flatten(1).amax(dim=1)[:, None, None]

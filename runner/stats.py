@@ -70,11 +70,15 @@ def _chunk_stats(flat: torch.Tensor) -> torch.Tensor:
     return torch.stack([mean, var.sqrt(), lo64, hi64, l2, frac_zero, nonfinite.double()], dim=1)
 
 
+def uniform_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: row b of `tensor` (B, ...) has one value throughout (a NaN row compares unequal: False)."""
+    lo, hi = torch.aminmax(tensor.detach().flatten(1), dim=1)
+    return hi == lo
+
+
 def constant_rows(tensor: torch.Tensor) -> torch.Tensor:
     """(B,) bool: row b of `tensor` (B, ...) has one value throughout (all zero, say) or holds a NaN/inf.
 
     Such a row orders nothing: a map that ranks no pixel, logits that prefer no class.
     """
-    flat = tensor.detach().flatten(1)  # (B, D)
-    lo, hi = torch.aminmax(flat, dim=1)
-    return (hi == lo) | ~torch.isfinite(flat).all(dim=1)
+    return uniform_rows(tensor) | ~torch.isfinite(tensor.detach().flatten(1)).all(dim=1)

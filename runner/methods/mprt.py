@@ -49,7 +49,7 @@ from runner.methods.base import BatchOutput, Columns, Method, Runtime, forward, 
 from runner.methods.cam import CamConfig, CamContext, CamMethod
 from runner.ranking import ranks_of_sorted
 from runner.schema import TargetMode
-from runner.stats import constant_rows
+from runner.stats import constant_rows, uniform_rows
 from runner.tables import declare
 
 log = logging.getLogger(__name__)
@@ -258,9 +258,8 @@ def prepare(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Ten
     resolution stays exactly constant (float32 bilinear weights would leave 1-ulp ripples, which the ranks and
     the normalisation turn into an order)."""
     up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0].double()
-    flat = maps.detach().flatten(1)  # (B, h*w)
-    constant = (flat.amin(dim=1) == flat.amax(dim=1))[:, None, None]  # (B, 1, 1); NaN compares unequal
-    up = torch.where(constant, flat[:, :1, None].double().expand_as(up), up)
+    constant = uniform_rows(maps)[:, None, None]  # (B, 1, 1); a non-finite map keeps its NaN
+    up = torch.where(constant, maps.detach().flatten(1)[:, :1, None].double().expand_as(up), up)
     up = up.abs()  # (B, H, W)
     top = up.flatten(1).amax(dim=1)[:, None, None]
     return torch.where(top > 0, up / torch.where(top > 0, top, 1.0), up)
