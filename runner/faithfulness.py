@@ -32,7 +32,7 @@ from torch import nn
 from runner.errors import RunnerError
 from runner.progress import within_batch
 from runner.randomness import sample_generator
-from runner.results import Block
+from runner.rows import Block
 from runner.stats import constant_rows, uniform_rows
 
 

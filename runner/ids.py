@@ -20,7 +20,7 @@ from runner.errors import RunnerError
 from runner.methods import BatchOutput
 from runner.models import model_label
 from runner.provenance import swept_columns
-from runner.results import Block, to_host
+from runner.rows import Block, to_host
 from runner.schema import DataConfig, RunConfig
 from runner.stats import STAT_NAMES
 from runner.tables import TARGET_NAME

@@ -28,16 +28,13 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from runner.analysis import paired_test as paired_test  # re-exported: tables and their analysis
 from runner.analysis import summarise as summarise
@@ -156,43 +153,6 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-@dataclass
-class Block:
-    """A (rows, k) tensor that becomes k named columns."""
-
-    values: torch.Tensor
-    names: list[str]
-
-
-@dataclass
-class Ragged:
-    """A list column from one flat tensor: row i holds the next lengths[i] values."""
-
-    values: torch.Tensor
-    lengths: list[int]
-
-
-def to_host(columns: dict[str, Any]) -> dict[str, Any]:
-    """Move every tensor column to the host (numpy); expand blocks into named columns."""
-    out: dict[str, Any] = {}
-    for name, value in columns.items():
-        if isinstance(value, Block):
-            array = value.values.detach().cpu().numpy()
-            for i, sub in enumerate(value.names):
-                # flags travel as 0/1 with the other statistics; they are stored as booleans
-                out[sub] = array[:, i].astype(bool) if sub.endswith("nonfinite") else array[:, i]
-        elif isinstance(value, Ragged):
-            offsets = np.concatenate([[0], np.cumsum(value.lengths)]).astype(np.int32)
-            out[name] = pa.ListArray.from_arrays(
-                pa.array(offsets), pa.array(value.values.detach().float().cpu().numpy())
-            )
-        elif torch.is_tensor(value):
-            out[name] = value.detach().cpu().numpy()
-        else:
-            out[name] = value
-    return out
 
 
 class TableWriter:

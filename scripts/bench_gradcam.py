@@ -34,7 +34,7 @@ from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
 from runner.methods.gradcam import GradCamConfig
 from runner.models import build_model
-from runner.results import Ragged, to_host
+from runner.rows import Ragged, to_host
 from runner.schema import ModelConfig, Precision
 
 LAYERS = {

@@ -41,10 +41,10 @@ from runner.faithfulness import forward_chunk  # noqa: E402
 from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
 from runner.methods import build_method, method_config  # noqa: E402
-from runner.methods.base import Runtime  # noqa: E402
 from runner.metrics import EvaluationConfig, MetricInputs, load_metrics  # noqa: E402
 from runner.metrics.faithfulness_family import noisy_linear_imputation  # noqa: E402
 from runner.models import build_model  # noqa: E402
+from runner.runtime import Runtime
 from runner.schema import ModelConfig, Precision  # noqa: E402
 
 LAYERS = ["_blocks.1", "_blocks.3", "_blocks.5", "_blocks.8", "_blocks.11", "_blocks.15", "_conv_head"]

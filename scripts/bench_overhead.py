@@ -26,7 +26,7 @@ from runner.hooks import BoundHook, HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime
 from runner.models import build_model
-from runner.results import Block, to_host
+from runner.rows import Block, to_host
 from runner.schema import HookKind, HookSpec, ModelConfig, Precision
 from runner.stats import STAT_NAMES
 

@@ -428,10 +428,10 @@ def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
     solve on the CPU) agrees to 1e-3 absolute on [0, 1] images (the residual bound times the system's condition
     number at 32 px); solver="direct" on CUDA inputs solves on the host and returns to CUDA, equal to the CPU's;
     ROAD's probability curves on the embedded EfficientNet-Lite0 (noise drawn on the CPU, so the same) to 1e-3."""
-    from runner.methods.base import Runtime
     from runner.metrics import EvaluationConfig, MetricInputs
     from runner.metrics.faithfulness_family import noisy_linear_imputation, road_curves
     from runner.models import build_model
+    from runner.runtime import Runtime
     from runner.schema import ModelConfig, Precision
 
     g = torch.Generator().manual_seed(0)

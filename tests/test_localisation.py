@@ -17,8 +17,8 @@ import runner.app as app
 from runner.composites import POSITIONS, CompositeLayout, CompositesConfig, cell_mask
 from runner.data import Batch, ImageFolderConfig, build_dataset, make_loader, sample_masks, to_batch
 from runner.errors import RunnerError
-from runner.methods.base import Runtime
 from runner.metrics.base import EvaluationConfig, MetricInputs, load_metrics
+from runner.runtime import Runtime
 from runner.schema import Precision, ResizeMode
 from tests.conftest import make_config
 

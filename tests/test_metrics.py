@@ -16,7 +16,6 @@ import torch
 
 from runner import app, faithfulness
 from runner.errors import RunnerError
-from runner.methods.base import Runtime
 from runner.metrics import METRICS, EvaluationConfig, MetricInputs, build_metrics
 from runner.metrics.faithfulness_family import (
     faithfulness_correlation_values,
@@ -24,6 +23,7 @@ from runner.metrics.faithfulness_family import (
     region_curves,
     road_curves,
 )
+from runner.runtime import Runtime
 from runner.schema import Precision
 from runner.tables import full_schema
 from tests.conftest import make_config

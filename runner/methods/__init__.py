@@ -11,7 +11,8 @@ import pkgutil
 from typing import Any
 
 from runner.layers import Layer
-from runner.methods.base import METHODS, BatchOutput, Method, Runtime, register, targets_by_name
+from runner.methods.base import METHODS, BatchOutput, Method, register, targets_by_name
+from runner.runtime import Runtime
 from runner.schema import MethodConfig
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

@@ -3,12 +3,11 @@ gradient pass that also drives the session's backward and tensor hooks."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -18,9 +17,9 @@ from runner.data import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.registry import Registry
-from runner.schema import FiguresConfig, MethodConfig, Precision, TargetMode
-
-Columns = dict[str, Any]
+from runner.rows import Columns
+from runner.runtime import Runtime
+from runner.schema import MethodConfig, TargetMode
 
 
 @dataclass
@@ -68,22 +67,6 @@ METHODS: Registry[type[MethodConfig], type[Method]] = Registry("method", lambda 
 def register(config: type[MethodConfig]) -> Callable[[M], M]:
     """Class decorator: the method runs configs of type `config`, an option named by `config.name`'s default."""
     return METHODS.register(config)
-
-
-@dataclass
-class Runtime:
-    """How passes run (device, autocast precision), where pictures go (None: no pictures) and how they look."""
-
-    device: torch.device
-    precision: Precision
-    pictures_dir: Path | None = None
-    figures: FiguresConfig = field(default_factory=FiguresConfig)  # dpi, format, map scale, columns
-    class_names: list[str] | None = None  # the model's class names (pictures' titles); None: unknown
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision is Precision.bf16:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
 
 def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:

@@ -24,26 +24,17 @@ import torch
 from torch import nn
 
 from runner import faithfulness, pictures
-from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.faithfulness import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import (
-    BatchOutput,
-    Columns,
-    Method,
-    Runtime,
-    check_targets,
-    forward,
-    gradients,
-    select_target_sets,
-)
+from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_target_sets
 from runner.metrics.base import EvaluationConfig, Metric, build_metrics
 from runner.metrics.table import evaluation_rows
 from runner.randomness import per_sample_uniform
-from runner.results import Block, Ragged
+from runner.rows import Block, Columns, Ragged, concat_columns
+from runner.runtime import Runtime
 from runner.schema import MapScale, MethodConfig
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, check_targets, register, select_targets
+from runner.methods.base import BatchOutput, Method, check_targets, register, select_targets
 from runner.methods.cam import CamContext, CamMethod, to_spatial
 from runner.methods.patching.config import (
     PatchDirection,
@@ -48,6 +47,8 @@ from runner.methods.patching.metric import metric
 from runner.methods.patching.rows import UNDEFINED, degenerate_reasons
 from runner.methods.patching.units import Units, enumerate_units
 from runner.ranking import spearman
+from runner.rows import Columns, concat_columns
+from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
 from runner.tables import declare
 

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
-from runner.methods.base import BatchOutput, Columns, check_targets, forward, register, select_target_sets
+from runner.methods.base import BatchOutput, check_targets, forward, register, select_target_sets
 from runner.methods.cam import CamConfig, CamContext, CamMethod, to_spatial
+from runner.rows import Columns, concat_columns
 
 SUPPORTED = (
     "LayerGradientXActivation",

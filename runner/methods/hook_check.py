@@ -17,7 +17,8 @@ from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, Runtime, forward, register
+from runner.methods.base import BatchOutput, Method, forward, register
+from runner.runtime import Runtime
 from runner.schema import MethodConfig
 from runner.tables import declare
 

@@ -45,9 +45,11 @@ from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, forward, gradients, register, select_targets
+from runner.methods.base import BatchOutput, Method, forward, gradients, register, select_targets
 from runner.methods.cam import CamConfig, CamContext, CamMethod
 from runner.ranking import ranks_of_sorted
+from runner.rows import Columns
+from runner.runtime import Runtime
 from runner.schema import TargetMode
 from runner.stats import constant_rows, uniform_rows
 from runner.tables import declare

@@ -12,16 +12,8 @@ from torch import nn
 from runner.data import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import (
-    BatchOutput,
-    Method,
-    Runtime,
-    check_targets,
-    forward,
-    gradients,
-    register,
-    select_targets,
-)
+from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, register, select_targets
+from runner.runtime import Runtime
 from runner.schema import MethodConfig
 
 

@@ -27,10 +27,11 @@ from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, register
+from runner.methods.base import BatchOutput, Method, register
 from runner.methods.cam import CamConfig, CamMethod
 from runner.ranking import spearman
-from runner.results import Ragged
+from runner.rows import Columns, Ragged
+from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
 from runner.tables import declare
 

@@ -20,7 +20,7 @@ from torch import nn
 from runner.registry import Registry
 
 if TYPE_CHECKING:  # runner.methods imports this module (CAM methods carry EvaluationConfig): no import cycle
-    from runner.methods.base import Runtime
+    from runner.runtime import Runtime
 
 
 @dataclass
@@ -62,7 +62,7 @@ class MetricInputs:
     target: torch.Tensor  # (B,) int64, the class explained
     sample_index: torch.Tensor  # (B,) int64 global sample indices (per-sample seeds: same value at any batch size)
     masks: torch.Tensor | None  # (B, H, W) bool localisation masks at input resolution; None when the data has none
-    runtime: Runtime  # runner.methods.base.Runtime: autocast()/precision, device
+    runtime: Runtime  # runner.runtime.Runtime: autocast()/precision, device
     seed: int
     chunk: int = 64  # images per batched forward of perturbed inputs (evaluation_rows: resolved for the device)
 

@@ -22,9 +22,9 @@ from torch import nn
 
 from runner.errors import RunnerError
 from runner.faithfulness import pixel_rank, tie_keys
-from runner.methods.base import Runtime
 from runner.metrics.base import METRICS, EvaluationConfig, Metric, MetricInputs
 from runner.randomness import sample_generator
+from runner.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

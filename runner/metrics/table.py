@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from runner.faithfulness import forward_chunk
-from runner.methods.base import Columns, Runtime
 from runner.metrics.base import Metric, MetricInputs
 from runner.progress import within_batch
+from runner.rows import Columns
+from runner.runtime import Runtime
 from runner.tables import declare
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner import pictures
-from runner.columns import concat_columns
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, check_targets, register, select_targets
+from runner.methods.base import BatchOutput, Method, check_targets, register, select_targets
 from runner.methods.patching.attribution import estimate_maps, unit_estimates
 from runner.methods.patching.config import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.methods.patching.corruption import corrupt
@@ -32,6 +31,8 @@ from runner.methods.patching.rows import (
 )
 from runner.methods.patching.units import Units, enumerate_units
 from runner.ranking import spearman
+from runner.rows import Columns, concat_columns
+from runner.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

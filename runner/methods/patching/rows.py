@@ -10,9 +10,9 @@ import pyarrow as pa
 import torch
 
 from runner.data import Batch
-from runner.methods.base import Columns
 from runner.methods.patching.config import PatchDirection, PatchMetric
 from runner.methods.patching.units import Units
+from runner.rows import Columns
 from runner.tables import declare, optional
 
 log = logging.getLogger(__name__)
