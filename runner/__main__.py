@@ -74,7 +74,7 @@ def _sweep_interrupted_line(e: Interrupted) -> str:
 
 def _named_jobs() -> tuple[str, list[str]]:
     """This job and the jobs after it in a sequential sweep, each named by the overrides that set it apart."""
-    from runner.listing import job_names, sweep_jobs
+    from runner.store.sweeps import job_names, sweep_jobs
 
     hc = HydraConfig.get()
     this = int(hc.job.num)

@@ -36,9 +36,9 @@ from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_bat
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
 from runner.progress import run_progress
-from runner.provenance import provenance, resume_key
-from runner.results import DirectoryLock, ShardedWriter, write_failure
 from runner.schema import RunConfig, to_run_config
+from runner.store.provenance import provenance, resume_key
+from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
 from runner.summary import HOOK_SUMMARY_VALUES, summarise
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _say_where(out: Path, report_written: bool) -> None:
     where, whose = (sweep, " (every job's)") if sweep else (out, "")
     if not report_written:  # report=true has just said where its page is
         log.info("report%s: runner report %s", whose, shlex.quote(str(where)))
-    log.info("tables%s: from runner.results import load; load(%s)", whose, json.dumps(str(where)))
+    log.info("tables%s: from runner.store.reader import load; load(%s)", whose, json.dumps(str(where)))
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:

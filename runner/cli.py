@@ -21,7 +21,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"  # the same folder as __m
 # name -> (module, function taking the remaining argv and returning an exit code, one line of help).
 # Modules are imported only when their command runs (`runner layers` builds a model: torch).
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "ls": ("runner.listing", "main", "runs and sweeps under DIR (default outputs/): status, resume command, tables"),
+    "ls": ("runner.commands.ls", "main", "runs and sweeps under DIR (default outputs/): status, resume command, tables"),
     "layers": ("runner.layer_table", "main", "every module of the configured model: name, type, shape, CAM use"),
     "report": ("runner.report", "main", "DIR/report.html: one offline HTML page of a run or a sweep"),
 }

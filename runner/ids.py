@@ -19,10 +19,10 @@ from runner.data import NO_LABEL, Batch, label_classes
 from runner.errors import RunnerError
 from runner.methods import BatchOutput
 from runner.models import model_label
-from runner.provenance import swept_columns
 from runner.rows import Block, to_host
 from runner.schema import DataConfig, RunConfig
 from runner.stats import STAT_NAMES
+from runner.store.provenance import swept_columns
 from runner.tables import TARGET_NAME
 
 

@@ -34,8 +34,8 @@ from runner.interrupts import (
 )
 from runner.methods import BatchOutput, Method
 from runner.progress import RunProgress
-from runner.results import ShardedWriter
 from runner.schema import RunConfig
+from runner.store.writer import ShardedWriter
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ model order, the mean over samples and its 95% bootstrap interval: runner.analys
 standard figures (runner.plots.table_figures), then the run's per-sample pictures, or for a sweep one row per
 job with its status and the figures compared across the swept values. Figures are embedded as data URIs and
 pictures linked relatively, so the file opens offline in any browser: no script, no font, no remote address.
-A run in progress is reported from its committed shards (runner.results.load(partial=True)) and says so.
+A run in progress is reported from its committed shards (runner.store.reader.load(partial=True)) and says so.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.listing import RunInfo, SweepInfo, check_manifests, find, is_run, read_manifest, read_yaml, run_info
 from runner.schema import FigureFormat, FiguresConfig
+from runner.store.layout import check_manifests, read_manifest, read_yaml
+from runner.store.runs import RunInfo, SweepInfo, find, is_run, run_info
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def table_names(directories: Iterable[Path]) -> list[str]:
 
 def load_table(directory: Path, table: str) -> tuple[pd.DataFrame | None, str | None]:
     """The table's committed shards under `directory` and the note why it is not the whole run (or None)."""
-    from runner.results import load
+    from runner.store.reader import load
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,7 +152,7 @@ def load_table(directory: Path, table: str) -> tuple[pd.DataFrame | None, str | 
 def provenance_of(directory: Path) -> dict[str, Any]:
     """What the run stored about itself: the tables' metadata (versions, commit, config, overrides), the manifest's
     config hash, and the device from its log."""
-    from runner.results import read_metadata
+    from runner.store.reader import read_metadata
 
     found: dict[str, Any] = {}
     for folder in sorted(directory.glob("*.parquet")):

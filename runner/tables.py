@@ -4,7 +4,7 @@ that builds its rows, and the writer holds every batch to them.
 A table is `ID columns + swept columns + its own columns`, in that order:
   - ID columns (`ID_FIELDS`, added by runner/ids.py): which run, model and method; which sample.
   - swept columns, the open part: one `sweep.<key>` column per command-line override of the job
-    (runner/provenance.py `swept_columns`), typed bool, int64, double or string as the run used the value.
+    (runner/store/provenance.py `swept_columns`), typed bool, int64, double or string as the run used the value.
     Which keys a job has depends on its command line, so they are checked by prefix and type, not by name.
   - the table's own columns, declared with `declare(name, fields)` in the module that builds its rows
     (`CAM_SCHEMA` in runner/methods/cam.py, `HOOKS_SCHEMA` in runner/hooks/spec_hooks.py, ...). A column written only
@@ -143,7 +143,7 @@ def _array(table: str, name: str, value: Any, field: pa.Field | None, where: str
         if array.type not in SWEEP_TYPES:
             raise SchemaError(
                 f"table '{table}': swept column '{name}' is {array.type}; swept columns are"
-                f" {', '.join(map(str, SWEEP_TYPES))} (runner/provenance.py swept_columns)"
+                f" {', '.join(map(str, SWEEP_TYPES))} (runner/store/provenance.py swept_columns)"
             )
         return array
     if array.type == field.type:

@@ -20,8 +20,8 @@ from runner import figure_style
 from runner.analysis import summarise
 from runner.errors import RunnerError
 from runner.plots import per_layer_figure
-from runner.results import load
 from runner.schema import FigureFormat, FiguresConfig
+from runner.store.reader import load
 from runner.summary import layers_in_model_order
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from runner.analysis import paired_test, summarise
-from runner.results import load
+from runner.store.reader import load
 from runner.summary import in_model_order
 
 VALUES = {

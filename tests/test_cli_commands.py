@@ -15,9 +15,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner import cli, listing, schema_cache
-from runner.results import DirectoryLock
+from runner import cli, schema_cache
+from runner.commands import ls as ls_command
 from runner.schema import option_schemas, register_configs
+from runner.store import runs as listing
+from runner.store.writer import DirectoryLock
 from tests.conftest import CONF, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +173,7 @@ def test_snapshot_key_changes_when_a_source_file_changes(tmp_path: Path, monkeyp
 
 # ---- runner ls ----------------------------------------------------------------------------------------------------
 def ls(root: Path) -> str:
-    return listing.format_listing(listing.find(root))
+    return ls_command.format_listing(listing.find(root))
 
 
 def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: Path) -> None:

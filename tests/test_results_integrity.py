@@ -25,9 +25,10 @@ import torch
 from PIL import Image
 
 import runner.app as app
-import runner.provenance as provenance
+import runner.store.provenance as provenance
 from runner.errors import RunnerError
-from runner.results import DirectoryLock, load
+from runner.results import load
+from runner.store.writer import DirectoryLock
 from tests.conftest import TinyNet, committed_shards, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,7 +301,8 @@ def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
 ) -> None:
     import shutil
 
-    from runner import cli, listing
+    from runner import cli
+    from runner.store import runs
 
     damaged, intact = tmp_path / "damaged", tmp_path / "intact"
     shutil.copytree(finished_run, damaged)
@@ -321,7 +323,7 @@ def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
     # The part files beside it, as what they are: 12 samples x 2 layers of cam rows, 12 of hooks.
     assert f"{damaged}  [damaged manifest]  ?: cam 24 rows, hooks 12 rows in its part files" in out  # ?: no .hydra/
     assert "not a readable runner manifest" in out and "resume:" not in out  # the run would refuse a resume
-    (info,) = [i for i in listing.find(tmp_path) if i.path == damaged]
+    (info,) = [i for i in runs.find(tmp_path) if i.path == damaged]
     assert info.redo_command in out
 
     assert cli.main(["report", str(damaged)]) == 2
@@ -333,20 +335,21 @@ def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run
     import shlex
     import shutil
 
-    from runner import listing
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     whole = comparable(load(run, "cam"))
     (run / "manifest.json").write_text('{"shards": {"0": "x"}}')
-    (info,) = listing.find(tmp_path)
+    from runner.store import runs
+
+    (info,) = runs.find(tmp_path)
     move, _, command = info.redo_command.partition(" && ")
     argv = shlex.split(move)
     Path(argv[1]).rename(argv[2])
     assert shlex.split(command) == ["runner", f"hydra.run.dir={run}"]  # a run from Python: no saved overrides
     app.run(make_config(*TINY), run)  # the same command, in the same directory
     pd.testing.assert_frame_equal(comparable(load(run, "cam")), whole)
-    assert listing.find(tmp_path)[0].status == "complete"
+    assert runs.find(tmp_path)[0].status == "complete"
 
 
 # ---- live runs, SIGTERM, a second Ctrl-C ------------------------------------------------------------------------

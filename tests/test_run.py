@@ -197,7 +197,7 @@ def test_a_run_computes_with_its_configured_threads_and_restores_the_callers(tmp
 
 
 def test_threads_are_part_of_the_resume_key(tmp_path: Path) -> None:
-    from runner.provenance import resume_key
+    from runner.store.provenance import resume_key
 
     tiny = [*TINY_TARGET, f"+model.kwargs.log={tmp_path / 'threads.log'}"]
     key3, details3 = resume_key(make_config(*tiny, "threads=3"), 8, 2)

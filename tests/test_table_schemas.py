@@ -14,9 +14,9 @@ import pytest
 
 import runner.app as app
 import runner.methods  # noqa: F401  (imports every method module: their tables get declared)
-import runner.provenance as provenance
+import runner.store.provenance as provenance
 from runner.methods.hook_check import HookCheck
-from runner.results import TableWriter
+from runner.store.writer import TableWriter
 from runner.tables import ID_FIELDS, SWEEP_PREFIX, SchemaError, declared, full_schema, is_optional
 from tests.conftest import make_config
 

@@ -13,7 +13,7 @@ import torch
 import runner.app as app
 from runner.errors import RunnerError
 from runner.methods.gradcam import GradCAM
-from runner.results import ShardedWriter
+from runner.store.writer import ShardedWriter
 from tests.conftest import make_config
 
 TINY = [

@@ -41,7 +41,7 @@ class Method:
     needs_layers: bool = True  # False: runs without `layers.include` (the hooks alone say what is recorded)
     # Columns of the method's table that the console summary averages per layer (where present).
     summary_values: tuple[str, ...] = ()
-    # The method's main table: what `runner.results.load(dir)` returns when no table is named (kept in the manifest).
+    # The method's main table: what `runner.store.reader.load(dir)` returns when no table is named (kept in the manifest).
     table: str
 
     def prepare(self, dataset: Dataset) -> None:
