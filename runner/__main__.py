@@ -1,5 +1,5 @@
 """CLI: `python -m runner [experiment=NAME] [key=value ...]`; `-m` for sweeps; `--cfg job` prints the config;
-`ls`, `layers` and `--help` as the `runner` command (runner/cli.py).
+`ls`, `layers` and `--help` as the `runner` command (runner/commands/cli.py).
 
 Exit codes: 0 done; 2 bad input (config, files, data) or an interrupted run, with one message on
 stderr and the traceback in the run's log; anything else is a bug in the runner.
@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner import interrupts
-from runner.cli import register_resolvers, register_schemas
+from runner.commands.cli import register_resolvers, register_schemas
 from runner.errors import RunnerError
 from runner.interrupts import (
     Interrupted,
@@ -145,7 +145,7 @@ def _check_output_arguments(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from runner.cli import dispatch
+    from runner.commands.cli import dispatch
 
     handled = dispatch(sys.argv[1:])  # `ls`, `layers`, `--help`: not a Hydra run
     if handled is not None:

@@ -11,7 +11,7 @@ calls or jobs the grouping does not name), NaN values dropped, so that each samp
   (exact over all 2^n sign patterns up to `EXACT_MAX` samples, else `n_perm` random flips) and Wilcoxon's
   signed-rank p-value (scipy; NaN where it is undefined, e.g. all differences zero).
 An interval of fewer than two samples is NaN: one value says nothing about its spread.
-Where `layer` is a grouping column, the result's `layer` is an ordered categorical in model order (runner/summary.py
+Where `layer` is a grouping column, the result's `layer` is an ordered categorical in model order (runner/viz/summary.py
 `with_layer_order`: by `layer_index`, or the input's own categorical order) and its rows follow that order.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from runner.errors import RunnerError
-from runner.summary import with_layer_order
+from runner.frames import with_layer_order
 
 LEVEL = 0.95
 EXACT_MAX = 16  # up to 2^16 sign patterns enumerated exactly; beyond, Monte Carlo flips

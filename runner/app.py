@@ -5,7 +5,7 @@ hooks fire, the method computes rows -> Parquet tables in the output dir -> a pe
 
 This module holds the run plan: the device, the output directory and its lock, the shards this process
 runs and those a resume skips, and what a failure keeps. The batch loop with its Ctrl-C and out-of-memory
-handling is runner/loop.py; the id columns on every row, runner/ids.py; the console summary, runner/summary.py.
+handling is runner/loop.py; the id columns on every row, runner/ids.py; the console summary, runner/viz/summary.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from runner import distributed
+from runner.commands.layers import check_selection, expand_auto, probe_input
 from runner.data import build_dataset, sized_for_model, skipped_files
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
-from runner.layer_table import check_selection, expand_auto, probe_input
 from runner.layers import Layer, layer_order, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
@@ -39,7 +39,7 @@ from runner.progress import run_progress
 from runner.schema import RunConfig, to_run_config
 from runner.store.provenance import provenance, resume_key
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
-from runner.summary import HOOK_SUMMARY_VALUES, summarise
+from runner.viz.summary import HOOK_SUMMARY_VALUES, summarise
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _run(config: RunConfig, output_dir: str | Path | None) -> RunResult:
         finally:
             lock.release()
         if config.report and distributed.rank_and_world()[0] == 0:  # after the lock: the page says "complete"
-            from runner.report import write_after_run
+            from runner.viz.report import write_after_run
 
             write_after_run(out)  # a failure here only warns: the results are committed
         if distributed.rank_and_world()[0] == 0:

@@ -6,7 +6,7 @@ A selector is one of
   Conv2d               a module type: a bare name starting with an upper-case letter
   features.*:Conv2d    both: names matching the glob whose type is Conv2d
   auto                 a few evenly spaced blocks with spatial outputs, chosen per model from one dry forward
-                       (runner/layer_table.py `expand_auto`)
+                       (runner/commands/layers.py `expand_auto`)
 Exclusions use the same syntax. Every include selector must match something: a selector that
 matches nothing fails before any data is loaded, with the nearest valid names and the config entry
 that named it.
@@ -50,7 +50,7 @@ def _matches(selector: str, model: nn.Module, where: str = "layers.include") -> 
     config entry (`where`) that holds the selector."""
     if selector == AUTO:
         raise RunnerError(
-            f"{where}: '{AUTO}' is chosen from a forward of the model (runner.layer_table.expand_auto), not by name."
+            f"{where}: '{AUTO}' is chosen from a forward of the model (runner.commands.layers.expand_auto), not by name."
         )
     pattern, type_name = _split(selector)
     named = [(n, m) for n, m in model.named_modules() if n]

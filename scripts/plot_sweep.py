@@ -4,7 +4,7 @@
     python scripts/plot_sweep.py outputs/multirun/2026-11-22/10-00-00 --value deletion_auc --by sweep.method
 
 Writes <sweep>/per_layer_<value>.<format> (one panel per swept value on one y scale, layers in model order, the
-95% bootstrap interval over samples as a band, grey below 5 samples; runner/plots.py) and prints the per-layer
+95% bootstrap interval over samples as a band, grey below 5 samples; runner/viz/plots.py) and prints the per-layer
 means with their intervals.
 """
 
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from runner import figure_style
 from runner.analysis import summarise
 from runner.errors import RunnerError
-from runner.plots import per_layer_figure
+from runner.frames import layers_in_model_order
 from runner.schema import FigureFormat, FiguresConfig
 from runner.store.reader import load
-from runner.summary import layers_in_model_order
+from runner.viz import figure_style
+from runner.viz.plots import per_layer_figure
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from runner.analysis import paired_test, summarise
+from runner.frames import in_model_order
 from runner.store.reader import load
-from runner.summary import in_model_order
 
 VALUES = {
     "cam": ["score", "cam_mean", "cam_max", "cam_frac_zero"],

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner import cli, schema_cache
+from runner.commands import cli, schema_cache
 from runner.commands import ls as ls_command
 from runner.schema import option_schemas, register_configs
 from runner.store import runs as listing
@@ -98,7 +98,7 @@ def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -
 
 def test_console_entry_point_exists_and_runs() -> None:
     (entry,) = entry_points(group="console_scripts", name="runner")
-    assert entry.value == "runner.cli:main" and entry.load() is cli.main
+    assert entry.value == "runner.commands.cli:main" and entry.load() is cli.main
     script = Path(sys.executable).parent / "runner"
     done = subprocess.run([str(script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Config groups" in done.stdout

@@ -107,7 +107,7 @@ def test_the_config_default_is_null() -> None:
 # ---- 3. picture work only while pictures are drawn --------------------------------------------------------------
 def test_pictures_upsample_only_the_maps_drawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import runner.faithfulness as faithfulness
-    import runner.pictures as pictures
+    import runner.viz.pictures as pictures
 
     upsampled: list[int] = []  # the samples of each upsample call
     upsample = faithfulness.upsample

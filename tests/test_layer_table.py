@@ -9,8 +9,16 @@ import torch
 from torch import nn
 
 import runner.app as app
+from runner.commands.layers import (
+    _cam_usable,
+    check_selection,
+    dry_forward,
+    format_table,
+    layer_table,
+    main,
+    named_layers,
+)
 from runner.errors import RunnerError
-from runner.layer_table import _cam_usable, check_selection, dry_forward, format_table, layer_table, main, named_layers
 from tests.conftest import SharedActivation, TinyNet, make_config, tiny_vit
 
 TINY = ["model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,32,32]",
@@ -91,7 +99,7 @@ def test_main_prints_filtered_table_and_selection_notes(capsys: pytest.CaptureFi
 
 
 def test_runner_command_dispatches_layers(capsys: pytest.CaptureFixture[str]) -> None:
-    from runner.cli import main as cli_main
+    from runner.commands.cli import main as cli_main
 
     assert cli_main(["layers", *TINY, "--grep", "Linear"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split() == ["6", "fc", "Linear", "1x5", "1"]
@@ -199,14 +207,15 @@ def test_console_summary_and_scripts_order_layers_by_layer_index(
 ) -> None:
     import pandas as pd
 
-    from runner.summary import in_model_order, layers_in_model_order, summarise
+    from runner.frames import in_model_order, layers_in_model_order
+    from runner.viz.summary import summarise
 
     folder = tmp_path / "hooks.parquet"
     folder.mkdir()
     rows = pd.DataFrame({"layer": ["features.10", "features.2", "features.10", "features.2"],
                          "layer_index": [11, 3, 11, 3], "hook": ["forward"] * 4, "mean": [1.0, 2.0, 3.0, 4.0]})  # fmt: skip
     rows.to_parquet(folder / "part-000000.parquet")
-    with caplog.at_level("INFO", logger="runner.summary"):
+    with caplog.at_level("INFO", logger="runner.viz.summary"):
         summarise({"hooks": folder}, ("mean",))
     text = caplog.text
     assert text.index("features.2 ") < text.index("features.10 ")
@@ -220,7 +229,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
 ) -> None:
     import pandas as pd
 
-    from runner.summary import summarise
+    from runner.viz.summary import summarise
 
     evaluation, other = tmp_path / "evaluation.parquet", tmp_path / "other.parquet"
     evaluation.mkdir(), other.mkdir()
@@ -228,7 +237,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
                   "metric": ["road", "road", "sparseness", "sparseness"], "variant": ["morf", "lerf", "", ""],
                   "value": [0.1, 0.3, 0.5, 0.7], "random_value": [0.2, 0.2, 0.4, 0.4]}).to_parquet(evaluation / "part-000000.parquet")  # fmt: skip
     pd.DataFrame({"layer": ["a", "b"], "x": [1, 2]}).to_parquet(other / "part-000000.parquet")
-    with caplog.at_level("INFO", logger="runner.summary"):
+    with caplog.at_level("INFO", logger="runner.viz.summary"):
         summarise({"evaluation": evaluation, "other": other}, ("mean",))
     text = caplog.text
     assert "Empty DataFrame" not in text
@@ -248,7 +257,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
 def test_auto_picks_evenly_spaced_blocks_with_spatial_outputs(build: str, size: int, chosen: list[str]) -> None:
     import torchvision
 
-    from runner.layer_table import auto_layers
+    from runner.commands.layers import auto_layers
 
     model = getattr(torchvision.models, build)(weights=None).eval()
     assert auto_layers(model, torch.zeros(3, size, size)) == chosen
@@ -256,7 +265,7 @@ def test_auto_picks_evenly_spaced_blocks_with_spatial_outputs(build: str, size: 
 
 
 def test_auto_on_tokens_and_a_model_without_blocks(tiny: nn.Module) -> None:
-    from runner.layer_table import auto_layers
+    from runner.commands.layers import auto_layers
 
     vit = tiny_vit().eval()  # two EncoderBlocks of 17 tokens: a class token and a 4x4 grid
     assert auto_layers(vit, torch.zeros(3, 32, 32)) == [

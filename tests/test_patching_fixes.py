@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import runner.app as app
-from runner import pictures
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
@@ -33,6 +32,7 @@ from runner.methods.patching.cone import Cone
 from runner.methods.patching.corruption import NOISE_PURPOSE, corrupt
 from runner.randomness import per_sample_normal
 from runner.schema import Precision, TargetMode
+from runner.viz import pictures
 from tests.conftest import frozen, make_config
 from tests.test_patching import naive_loop
 

@@ -1,5 +1,5 @@
 """Issue 11, patching as a package: one concern a module, as its docstring lists them, and no helper taken
-from a sibling method (shared helpers live outside runner/methods: runner/ranking.py, runner/columns.py)."""
+from a sibling method (shared helpers live outside runner/methods: runner/ranking.py, runner/rows.py)."""
 
 from __future__ import annotations
 

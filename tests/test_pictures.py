@@ -1,4 +1,4 @@
-"""Pictures drawn during a run (runner/pictures.py, issue 15): overlays wrapped and labelled (layers in model order
+"""Pictures drawn during a run (runner/viz/pictures.py, issue 15): overlays wrapped and labelled (layers in model order
 with their map sizes, the class by name with its probability, one colour bar, the maps' scaling said), the most
 active channels on one scale, patching heatmaps over the dimmed photo, and the configured format."""
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import runner.app as app
-from runner import faithfulness, figure_style, pictures
+from runner import faithfulness
 from runner.data import Batch
 from runner.schema import FigureFormat, FiguresConfig, MapScale
+from runner.viz import figure_style, pictures
 from tests.conftest import make_config
 
 # Seven layers of the embedded EfficientNet-Lite0, listed out of model order: panels must follow the model.

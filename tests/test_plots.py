@@ -1,4 +1,4 @@
-"""runner/plots.py: per-layer curves in model order with bootstrap bands, MPRT curves, each table's standard figures."""
+"""runner/viz/plots.py: per-layer curves in model order with bootstrap bands, MPRT curves, each table's standard figures."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from runner import app, figure_style
-from runner.plots import left_out_pairs, mprt_figure, patching_effects, per_layer_figure, table_figures
+from runner import app
+from runner.frames import layers_in_model_order
 from runner.results import load
 from runner.schema import FiguresConfig
-from runner.summary import layers_in_model_order
+from runner.viz import figure_style
+from runner.viz.plots import left_out_pairs, mprt_figure, patching_effects, per_layer_figure, table_figures
 from tests.conftest import make_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_sweep.py"

@@ -297,7 +297,7 @@ class Workspace:
 
     def _runner(self, command: str, args: list[str]) -> subprocess.CompletedProcess:
         """The console command: a subcommand or the help in this process through cli.main, a run as python -m."""
-        from runner import cli
+        from runner.commands import cli
 
         if args and args[0] in cli.SUBCOMMANDS or any(a in cli.HELP_FLAGS for a in args):
             return call(lambda: cli.main(args), ["runner", *args])
@@ -312,7 +312,7 @@ class Workspace:
             if any(a.split("=", 1)[0] in PRINT_ONLY for a in args):
                 from hydra.core.global_hydra import GlobalHydra
 
-                from runner import cli
+                from runner.commands import cli
 
                 done = call(lambda: cli.main(args), ["runner", *args])
                 GlobalHydra.instance().clear()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from runner import app
-from runner.cli import main as cli_main
+from runner.commands.cli import main as cli_main
 from runner.errors import RunnerError
-from runner.report import MAX_PICTURES, write_report
+from runner.viz.report import MAX_PICTURES, write_report
 from tests.conftest import make_config, run_cli
 
 TINY = [
@@ -135,8 +135,8 @@ def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out
     cells, the figure the best cell's); a small_span pair is left out of both and counted; noising is the drop."""
     import pandas as pd
 
-    from runner.plots import patching_effects
-    from runner.report import summary_frame
+    from runner.viz.plots import patching_effects
+    from runner.viz.report import summary_frame
 
     config = make_config(*NO_HOOKS, "data.count=4", "method=patching", "method.patching.grid=[2,2]",
                          "method.patching.directions=[denoising,noising]", "method.patching.min_span=0")  # fmt: skip
@@ -214,8 +214,8 @@ def test_report_failure_does_not_fail_the_run(tmp_path: Path, monkeypatch: pytes
     def broken(*args: object, **kwargs: object) -> Path:
         raise ValueError("drawing failed")
 
-    monkeypatch.setattr("runner.report.write_report", broken)
-    with caplog.at_level(logging.WARNING, logger="runner.report"):
+    monkeypatch.setattr("runner.viz.report.write_report", broken)
+    with caplog.at_level(logging.WARNING, logger="runner.viz.report"):
         result = app.run(make_config(*NO_HOOKS, "data.count=2", "report=true"), tmp_path)
     assert (result.tables["cam"] / "part-000000.parquet").is_file()
     assert not (tmp_path / "report.html").exists()
@@ -270,7 +270,7 @@ def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: p
     """Each figure of plots.table_figures is in the page as a data URI (a PDF run's figures as PNG), captioned."""
     import types
 
-    from runner.figure_style import pyplot
+    from runner.viz.figure_style import pyplot
 
     seen: list[tuple[str, str | None, str]] = []
 
@@ -280,11 +280,11 @@ def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: p
         ax.plot([0, 1], [1, 0])
         return [(f"The {table} figure.", fig)]
 
-    import runner
+    import runner.viz
 
     fake = types.SimpleNamespace(table_figures=table_figures)
-    monkeypatch.setitem(sys.modules, "runner.plots", fake)
-    monkeypatch.setattr(runner, "plots", fake, raising=False)  # `from runner import plots` reads the attribute first
+    monkeypatch.setitem(sys.modules, "runner.viz.plots", fake)
+    monkeypatch.setattr(runner.viz, "plots", fake, raising=False)  # `from runner.viz import plots` reads the attribute first
     app.run(make_config(*NO_HOOKS, "data.count=2", f"figures.format={fmt}"), tmp_path)
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "config.yaml").write_text(f"figures: {{format: {fmt}, dpi: 40}}\n")  # what the CLI saves

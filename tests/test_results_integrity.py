@@ -301,7 +301,7 @@ def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
 ) -> None:
     import shutil
 
-    from runner import cli
+    from runner.commands import cli
     from runner.store import runs
 
     damaged, intact = tmp_path / "damaged", tmp_path / "intact"

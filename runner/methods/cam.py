@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from runner import faithfulness, pictures
+from runner import faithfulness
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.faithfulness import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
@@ -38,6 +38,7 @@ from runner.runtime import Runtime
 from runner.schema import MapScale, MethodConfig
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional
+from runner.viz import pictures
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from runner.errors import RunnerError
+from runner.frames import with_layer_order
 from runner.store.layout import METADATA_KEY, part_path, read_manifest, shard_problems
 from runner.store.runs import RunInfo  # torch-free there, for `runner ls`
-from runner.summary import with_layer_order
 
 try:
     import fcntl
@@ -174,7 +174,7 @@ def load(path: str | Path, table: str | None = None, partial: bool = False) -> p
     manifest, and a sweep's jobs against the jobs the sweep has: a run that is unfinished or has a missing or
     damaged shard, or a sweep job that failed, has not started or is still running, raises RunnerError naming
     them, unless `partial=True`, which reads what is complete and warns naming the rest.
-    `layer` is an ordered categorical in model order (runner/summary.py `with_layer_order`).
+    `layer` is an ordered categorical in model order (runner/viz/summary.py `with_layer_order`).
     """
     path = Path(path)
     if path.is_file():

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from runner import pictures
 from runner.data import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
@@ -33,6 +32,7 @@ from runner.methods.patching.units import Units, enumerate_units
 from runner.ranking import spearman
 from runner.rows import Columns, concat_columns
 from runner.runtime import Runtime
+from runner.viz import pictures
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ sample has no interval (NaN): it is drawn without a band; bands made of fewer th
 caption says so. Patching figures draw `patching_effects`, one statistic per pair that the report's table
 summarises too: restoration where denoising, the drop (1 - restoration) where noising. NaN values (undefined statistics,
 e.g. a degenerate map's faithfulness) are left out before averaging; captions say how many samples entered.
-Style (sizes, fonts, colour maps, saving) comes from runner/figure_style.py; the caller saves each Figure with
+Style (sizes, fonts, colour maps, saving) comes from runner/viz/figure_style.py; the caller saves each Figure with
 `figure_style.save`, which closes it.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from runner import figure_style as style
 from runner.analysis import summarise
+from runner.frames import layers_in_model_order
 from runner.schema import FiguresConfig
-from runner.summary import layers_in_model_order
+from runner.viz import figure_style as style
 
 Figure = Any  # matplotlib.figure.Figure; matplotlib is imported on first use (it is slow)
 

@@ -35,7 +35,7 @@ from runner.schema import AUTO, DataConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 COLUMNS = ("layer_index", "layer", "type", "output_shape", "calls", "cam", "selected")
 # How many layers `layers.include=auto` picks (all candidates when the model has fewer).
 AUTO_LAYERS = 4

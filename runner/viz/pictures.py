@@ -1,6 +1,6 @@
 """Pictures per sample: the input and each layer's map over it, a grid of one layer's most active feature maps,
 and patching heatmaps over the photo. Each kind is built by a `*_figure` function (reusable by `runner report`)
-and saved by a `write_*` one in the style and format of runner/figure_style.py."""
+and saved by a `write_*` one in the style and format of runner/viz/figure_style.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner import faithfulness, figure_style
+from runner import faithfulness
 from runner.data import IMAGENET_MEAN, IMAGENET_STD, Batch
 from runner.schema import FiguresConfig, MapScale
+from runner.viz import figure_style
 
 FEATURE_CHANNELS = 16  # channels in a feature grid: the most active ones
 DIM = 0.4  # patching heatmaps: the photo beneath is blended this much towards mid-grey, so the cells stand out

@@ -3,7 +3,7 @@
 The page holds what a reader needs to judge a run without Python: the command and its overrides, the
 provenance (package versions, commit, config hash, device), per results table a per-layer summary (layers in
 model order, the mean over samples and its 95% bootstrap interval: runner.analysis.summarise) and the table's
-standard figures (runner.plots.table_figures), then the run's per-sample pictures, or for a sweep one row per
+standard figures (runner.viz.plots.table_figures), then the run's per-sample pictures, or for a sweep one row per
 job with its status and the figures compared across the swept values. Figures are embedded as data URIs and
 pictures linked relatively, so the file opens offline in any browser: no script, no font, no remote address.
 A run in progress is reported from its committed shards (runner.store.reader.load(partial=True)) and says so.
@@ -207,7 +207,7 @@ def _same_partition(frame: pd.DataFrame, a: str, b: str) -> bool:
 def summary_frame(table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = ()) -> pd.DataFrame:
     """Per layer (model order) and label: for each measured column, n samples, the mean and its 95% interval."""
     from runner.analysis import summarise
-    from runner.summary import layers_in_model_order
+    from runner.frames import layers_in_model_order
 
     group, values = summary_columns(table, frame, extra_keys)
     merged: pd.DataFrame | None = None
@@ -235,7 +235,7 @@ def _number(value: Any) -> str:
 def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
     """The summary as an HTML table in its own scrolling box: label columns, then the mean over [low, high] per value;
     `caption` (the statistic) above it, intervals of fewer than FEW_SAMPLES samples grey with a note below."""
-    from runner.figure_style import FEW_SAMPLES
+    from runner.viz.figure_style import FEW_SAMPLES
 
     group = [c for c in summary.columns if ":" not in c]
     values = list(dict.fromkeys(c.split(":")[0] for c in summary.columns if ":" in c))
@@ -271,12 +271,12 @@ def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
 
 # ---- figures ----------------------------------------------------------------------------------------------------
 def figure_html(table: str, frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> str:
-    """The table's standard figures (runner.plots.table_figures), each embedded as a data URI with its caption."""
+    """The table's standard figures (runner.viz.plots.table_figures), each embedded as a data URI with its caption."""
     try:
-        from runner import plots
+        from runner.viz import plots
     except ImportError:
-        return "<p>No figures: runner.plots is not available in this installation.</p>"
-    from runner.figure_style import save
+        return "<p>No figures: runner.viz.plots is not available in this installation.</p>"
+    from runner.viz.figure_style import save
 
     # The page embeds PNG or SVG; a PDF cannot be shown in a browser's <img>, so the page draws PNGs then.
     shown = replace(figures, format=FigureFormat.png if figures.format == FigureFormat.pdf else figures.format)
@@ -399,7 +399,7 @@ def _patching_html(
     """The patching table, one summary and one figure per direction, both of the same statistic
     (plots.patching_effects: the whole layer's or the strongest unit's restoration, or drop where noising), and
     the pairs left out of the means counted."""
-    from runner.plots import effect_words, left_out_pairs, patching_effects
+    from runner.viz.plots import effect_words, left_out_pairs, patching_effects
 
     for why, n in left_out_pairs(frame).items():
         if n:
