@@ -26,12 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from runner import distributed
-from runner.commands.layers import check_selection, expand_auto, probe_input
-from runner.data import build_dataset, sized_for_model, skipped_files
+from runner.data.base import build_dataset, sized_for_model, skipped_files
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
-from runner.layers import Layer, layer_order, resolve_layers
+from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input

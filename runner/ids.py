@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.data import NO_LABEL, Batch, label_classes
+from runner.data.base import NO_LABEL, Batch, label_classes
 from runner.errors import RunnerError
 from runner.methods import BatchOutput
 from runner.models import model_label

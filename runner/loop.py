@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from runner.data import Batch, RangesSampler, make_loader, to_batch
+from runner.data.base import Batch, RangesSampler, make_loader, to_batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.ids import ClassNames, rows_for

@@ -95,11 +95,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """What every data source shares (loading, batching, the input size); each source's own fields live in
-    its config next to its code in runner/data.py (`SkimagePhotosConfig`, `SyntheticConfig`, ...).
+    its config next to its code in runner/data/base.py (`SkimagePhotosConfig`, `SyntheticConfig`, ...).
 
-    `runner.data.data_config(name, **fields)` builds a source's own config when code names it by string."""
+    `runner.data.base.data_config(name, **fields)` builds a source's own config when code names it by string."""
 
-    # skimage_photos | image_folder | synthetic | torchvision (runner/data.py's DATA_SOURCES)
+    # skimage_photos | image_folder | synthetic | torchvision (runner/data/base.py's DATA_SOURCES)
     name: str = "skimage_photos"
     # Photos are resized to this (see `resize`); a synthetic sample's size is its `shape`. In the base so
     # that one override (e.g. debug=tiny's) applies to every source.
@@ -109,7 +109,7 @@ class DataConfig:
     # The labels' names by index (the `label_name` column); null: the data set's own (an image_folder's class
     # folders, a torchvision data set's `classes`), else the model's where labels are its classes (the photos).
     class_names: Optional[list[str]] = None
-    # DataLoader worker processes; null: 0 on the CPU, min(4, CPUs) on a GPU (runner/data.py `loader_settings`)
+    # DataLoader worker processes; null: 0 on the CPU, min(4, CPUs) on a GPU (runner/data/base.py `loader_settings`)
     num_workers: Optional[int] = None
     pin_memory: Optional[bool] = None  # null: on when the device is a GPU
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (num_workers > 0); null: torch's 2
@@ -264,7 +264,7 @@ def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
 
 def option_registries() -> dict[str, Registry[Any, Any]]:
     """The registries of the config groups whose options each have their own schema (keyed by that schema)."""
-    from runner.data import DATA_SOURCES  # imported here: those modules import this one
+    from runner.data.base import DATA_SOURCES  # imported here: those modules import this one
     from runner.methods import METHODS
 
     return {"method": METHODS, "data": DATA_SOURCES}
@@ -294,7 +294,7 @@ def validate(config: RunConfig) -> RunConfig:
 
 
 # Bounds that keep a typo from allocating tens of gigabytes or running for days (checked where each key lives;
-# runner/faithfulness.py keeps its own).
+# runner/metrics/curves.py keeps its own).
 MAX_IMAGE_SIDE = 8192
 DEVICE_PATTERN = r"auto|cpu|mps|cuda(:[0-9]+)?"
 

@@ -1,4 +1,4 @@
-"""The config groups' option schemas (runner/data.py's, runner/methods' dataclasses), kept as a JSON snapshot
+"""The config groups' option schemas (runner/data/base.py's, runner/methods' dataclasses), kept as a JSON snapshot
 so that commands that only compose the config (`runner --cfg job`, `--info`) need not import torch.
 
 The schemas live beside their torch code; importing them costs `import torch` (2-3 s). Every full

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import torch
+import torch.nn.functional as F
 
 STAT_NAMES = ("mean", "std", "min", "max", "l2_norm", "frac_zero", "nonfinite")
 
@@ -82,3 +83,17 @@ def constant_rows(tensor: torch.Tensor) -> torch.Tensor:
     Such a row orders nothing: a map that ranks no pixel, logits that prefer no class.
     """
     return uniform_rows(tensor) | ~torch.isfinite(tensor.detach().flatten(1)).all(dim=1)
+
+
+def upsample(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
+    """(B, h, w) maps -> (B, H, W) at the input's size, bilinear, each scaled to [0, 1]; a map constant at its own
+    resolution becomes all 0 (a non-finite one keeps its NaN).
+
+    Decided before upsampling: float32 bilinear weights leave 1-ulp ripples on a constant map, which min-max
+    scaling would stretch into a full-range map of noise."""
+    constant = uniform_rows(maps)[:, None, None]  # (B, 1, 1); a non-finite map is not zeroed
+    up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
+    lo = up.flatten(1).amin(dim=1)[:, None, None]
+    hi = up.flatten(1).amax(dim=1)[:, None, None]
+    scaled = (up - lo) / (hi - lo).clamp_min(1e-12)  # (B, H, W)
+    return torch.where(constant, torch.zeros_like(scaled), scaled)

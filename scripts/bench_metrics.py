@@ -35,17 +35,21 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchtools import Contender, close_all, interleaved, pick_device, report, synchronize  # noqa: E402
 
-from runner import faithfulness  # noqa: E402
-from runner.data import Batch, SkimagePhotosConfig, build_dataset  # noqa: E402
-from runner.faithfulness import forward_chunk  # noqa: E402
+from runner.data.base import Batch, SkimagePhotosConfig, build_dataset  # noqa: E402
 from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
 from runner.methods import build_method, method_config  # noqa: E402
-from runner.metrics import EvaluationConfig, MetricInputs, load_metrics  # noqa: E402
+from runner.metrics import (  # noqa: E402
+    EvaluationConfig,
+    MetricInputs,
+    load_metrics,
+)
+from runner.metrics.curves import forward_chunk  # noqa: E402
 from runner.metrics.faithfulness_family import noisy_linear_imputation  # noqa: E402
 from runner.models import build_model  # noqa: E402
 from runner.runtime import Runtime
 from runner.schema import ModelConfig, Precision  # noqa: E402
+from runner.stats import upsample
 
 LAYERS = ["_blocks.1", "_blocks.3", "_blocks.5", "_blocks.8", "_blocks.11", "_blocks.15", "_conv_head"]
 
@@ -62,7 +66,7 @@ def photos_and_maps(model: nn.Module, size: int, runtime: Runtime) -> tuple[torc
         rows = method.run_batch(model, batch, session).tables["cam"]
     flat, lengths = rows["map"].values, rows["map"].lengths
     maps = [
-        faithfulness.upsample(m.reshape(1, h, w), (size, size))[0]
+        upsample(m.reshape(1, h, w), (size, size))[0]
         for m, h, w in zip(flat.split(lengths), rows["map_height"], rows["map_width"], strict=True)
     ]
     target = rows["target"][: x.shape[0]]

@@ -20,7 +20,7 @@ import torch
 from benchtools import Contender, close_all, interleaved, pick_device, report
 from torch import nn
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.hooks import HookSession, count_hooks
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method

@@ -33,11 +33,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.interrupts",
             "runner.distributed",
             "runner.chunks",
+            "runner.frames",
+            "runner.analysis",
         ),
     ),
     ("schema", ("runner.schema", "runner.options.registry")),
     ("options", ("runner.options",)),
-    ("store", ("runner.store",)),
+    ("store", ("runner.store", "runner.results")),
     ("sources", ("runner.runtime", "runner.models", "runner.data", "runner.targets", "runner.layers")),
     ("viz", ("runner.viz",)),
     ("hooks", ("runner.hooks",)),
@@ -57,7 +59,8 @@ TORCH_FREE = (
     "runner.store.layout",
     "runner.store.runs",
     "runner.store.sweeps",
-    "runner.commands",
+    "runner.commands.cli",
+    "runner.commands.ls",
     "runner.__main__",
 )
 # ... and those that may import torch inside functions only (an option's implementation runs only when chosen).
@@ -69,7 +72,7 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("runner.viz", "runner.hooks", "viz draws what the store holds; it touches no hook"),
     ("runner.viz", "runner.metrics", "viz draws what the store holds; it computes no metric"),
     ("runner.store", "runner.models", "the store knows files, not models"),
-    ("runner.store", "runner.data", "the store knows files, not data sources (a source fingerprints its own files)"),
+    ("runner.store", "runner.data.base", "the store knows files, not data sources (a source fingerprints its own files)"),
     ("runner.store", "runner.viz", "the store is below the pictures"),
 ]
 

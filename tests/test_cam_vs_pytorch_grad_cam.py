@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.faithfulness import upsample
 from runner.hooks import inplace_disabled
+from runner.stats import upsample
 from tests.conftest import TinyNet, frozen
 from tests.test_cam_family import run_method
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 import runner.app as app
-from runner.data import ImageFolderConfig, build_dataset, label_classes
+from runner.data.base import ImageFolderConfig, build_dataset, label_classes
 from runner.errors import RunnerError
 from runner.tables import declared, full_schema
 from tests.conftest import make_config

@@ -107,7 +107,7 @@ def test_every_option_composes_to_its_own_schema(group: str) -> None:
 
 
 def test_an_option_named_by_string_builds_its_own_config() -> None:
-    from runner.data import SyntheticConfig, data_config
+    from runner.data.base import SyntheticConfig, data_config
     from runner.methods import method_config
     from runner.methods.patching import PatchingConfig, PatchingMethodConfig
     from runner.methods.scorecam import ScoreCamConfig
@@ -137,7 +137,7 @@ def test_run_loop_names_no_method() -> None:
 
 # ---- one registry shape for methods, data sources and model sources ------------------------------------------------
 def test_every_group_uses_the_one_registry() -> None:
-    from runner.data import DATA_SOURCES, SyntheticConfig, data_config_class
+    from runner.data.base import DATA_SOURCES, SyntheticConfig, data_config_class
     from runner.methods import METHODS, method_config_class
     from runner.methods.gradcam import GradCamConfig
     from runner.models import MODEL_SOURCES
@@ -168,7 +168,7 @@ def test_registry_refuses_a_second_implementation_of_one_option() -> None:
 
 def test_the_base_config_is_refused_not_guessed() -> None:
     """Without the old `__new__` shims, a base config names an option but holds none of its keys."""
-    from runner.data import build_dataset
+    from runner.data.base import build_dataset
     from runner.methods import method_class
     from runner.schema import DataConfig, MethodConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data import ImageFolderConfig, SkimagePhotosConfig, SyntheticConfig, build_dataset
+from runner.data.base import ImageFolderConfig, SkimagePhotosConfig, SyntheticConfig, build_dataset
 from runner.errors import RunnerError
 
 
@@ -54,7 +54,7 @@ def test_empty_and_missing_folders_fail_clearly(tmp_path: Path) -> None:
 
 
 def test_corrupt_images_are_skipped_and_named_or_fail_when_strict(tmp_path: Path) -> None:
-    from runner.data import skipped_files
+    from runner.data.base import skipped_files
 
     write_image(tmp_path / "good.png", 10)
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
@@ -102,13 +102,13 @@ def save_oriented(picture: Image.Image, path: Path, orientation: int, **options:
 
 
 def test_exif_orientation_is_applied_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from runner.data import standard_transform
+    from runner.data.base import standard_transform
     from runner.schema import ResizeMode
 
     picture = upright_picture()
     for orientation in STORED_AS:
         save_oriented(picture, tmp_path / f"o{orientation}.png", orientation)
-    with caplog.at_level("INFO", logger="runner.data"):
+    with caplog.at_level("INFO", logger="runner.data.base"):
         dataset = build_dataset(ImageFolderConfig(root=str(tmp_path), image_size=20, resize=ResizeMode.none), None, 0)
     expected = standard_transform(20, ResizeMode.none)(picture)  # (3, 20, 30)
     for i in range(len(dataset)):
@@ -138,7 +138,7 @@ def test_masks_follow_their_photo_s_orientation(tmp_path: Path, orientation: int
     """Side files are in the stored pixels; the mask is turned with its photo, onto the same part of the scene."""
     import json
 
-    from runner.data import sample_masks, standard_transform
+    from runner.data.base import sample_masks, standard_transform
     from runner.schema import ResizeMode
 
     picture = upright_picture()
@@ -164,7 +164,7 @@ def test_masks_follow_a_turned_jpeg_decoded_at_reduced_scale(tmp_path: Path) -> 
     """A big sideways JPEG decoded at 1/8 scale: its stored-pixel box still lands on the block it marks."""
     import json
 
-    from runner.data import read_photo, sample_masks
+    from runner.data.base import read_photo, sample_masks
     from runner.schema import ResizeMode
 
     picture = upright_picture().resize((1500, 1000), Image.Resampling.NEAREST)  # block at x 150..600, y 100..400
@@ -186,7 +186,7 @@ def test_letterbox_resizes_before_the_float_tensor_within_one_level() -> None:
     normalised float tensor (the same photo's geometry, the bands exactly 0)."""
     import torchvision.transforms as T
 
-    from runner.data import IMAGENET_MEAN, IMAGENET_STD, Letterbox, _skimage_photo, _to_rgb, standard_transform
+    from runner.data.base import IMAGENET_MEAN, IMAGENET_STD, Letterbox, _skimage_photo, _to_rgb, standard_transform
     from runner.schema import ResizeMode
 
     level = 1 / 255 / min(IMAGENET_STD)  # one 8-bit level, normalised
@@ -203,7 +203,7 @@ def test_letterbox_resizes_before_the_float_tensor_within_one_level() -> None:
 def test_big_jpeg_decodes_near_the_needed_size_within_tolerance(tmp_path: Path) -> None:
     """A 2400 x 1800 JPEG of nine real photos at 224 px: decoded at 1/2 scale (still >= 3 x 224 px a side), its
     input within 6 levels of a full decode everywhere (at the tiles' sharp edges) and 0.25 of a level on average."""
-    from runner.data import IMAGENET_STD, _skimage_photo, _to_rgb, read_photo, standard_transform
+    from runner.data.base import IMAGENET_STD, _skimage_photo, _to_rgb, read_photo, standard_transform
     from runner.schema import ResizeMode
 
     names = ["chelsea", "coffee", "rocket", "astronaut", "motorcycle", "horse", "camera", "hubble_deep_field", "page"]
@@ -223,7 +223,7 @@ def test_big_jpeg_decodes_near_the_needed_size_within_tolerance(tmp_path: Path) 
 
 BIG_PHOTO_PEAK = """
 import sys
-from runner.data import ImageFolderConfig, build_dataset
+from runner.data.base import ImageFolderConfig, build_dataset
 from runner.schema import ResizeMode
 
 def resident_mb(key):
@@ -270,7 +270,7 @@ def test_torchvision_data_sets_read_photos_upright(tmp_path: Path, monkeypatch: 
     import torchvision.datasets
     from torchvision.datasets.folder import default_loader
 
-    from runner.data import TorchvisionDataConfig, standard_transform
+    from runner.data.base import TorchvisionDataConfig, standard_transform
     from runner.schema import ResizeMode
 
     save_oriented(upright_picture(), tmp_path / "a.jpg", 6, quality=95)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import runner.app as app
-import runner.data as data
+import runner.data.base as data
 from runner.results import load
 from runner.schema import DataConfig
 from tests.conftest import make_config
@@ -106,7 +106,7 @@ def test_the_config_default_is_null() -> None:
 
 # ---- 3. picture work only while pictures are drawn --------------------------------------------------------------
 def test_pictures_upsample_only_the_maps_drawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import runner.faithfulness as faithfulness
+    import runner.metrics.curves as faithfulness
     import runner.viz.pictures as pictures
 
     upsampled: list[int] = []  # the samples of each upsample call

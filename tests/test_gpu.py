@@ -314,7 +314,7 @@ def _syncs_per_batch(
     """Host syncs of each of 3 calls of the method's run_batch on `x` (already on CUDA), after a warm-up batch
     (the first batch gives the once-per-run warnings, whose lines name samples: syncs of their own); and the
     last batch's tables."""
-    from runner.data import Batch
+    from runner.data.base import Batch
     from runner.hooks import HookSession
     from runner.layers import resolve_layers
     from runner.methods import Runtime, build_method

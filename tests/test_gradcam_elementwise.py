@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.faithfulness import upsample
 from runner.hooks import inplace_disabled
 from runner.methods import CAM_METHODS
 from runner.methods.gradcam_elementwise import GradCAMElementWise, GradCamElementWiseConfig
+from runner.stats import upsample
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import run_method
 

@@ -15,7 +15,7 @@ from PIL import Image
 from torch import nn
 
 from runner import app
-from runner.data import build_dataset, make_loader, pil_to_rgb
+from runner.data.base import build_dataset, make_loader, pil_to_rgb
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.layers import resolve_layers
@@ -68,13 +68,13 @@ def test_resize_pad_letterboxes(tmp_path: Path) -> None:
 
 
 def test_crop_loses_the_ends_and_the_log_says_how_images_were_resized(tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="runner.data"):
+    with caplog.at_level(logging.INFO, logger="runner.data.base"):
         _, dataset = _folder(tmp_path, "crop")
     assert "centre crop 64x64" in caplog.text and "cut off" in caplog.text
     ids = [dataset[i][2] for i in range(len(dataset))]
     wide = dataset[ids.index("wide.png")][0]
     assert tuple(wide.shape) == (3, 64, 64)
-    with caplog.at_level(logging.INFO, logger="runner.data"):
+    with caplog.at_level(logging.INFO, logger="runner.data.base"):
         _folder(tmp_path, "pad")
     assert "letterboxed to 64x64" in caplog.text
 

@@ -9,16 +9,9 @@ import torch
 from torch import nn
 
 import runner.app as app
-from runner.commands.layers import (
-    _cam_usable,
-    check_selection,
-    dry_forward,
-    format_table,
-    layer_table,
-    main,
-    named_layers,
-)
+from runner.commands.layers import format_table, layer_table, main
 from runner.errors import RunnerError
+from runner.layers import _cam_usable, check_selection, dry_forward, named_layers
 from tests.conftest import SharedActivation, TinyNet, make_config, tiny_vit
 
 TINY = ["model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,32,32]",
@@ -257,7 +250,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
 def test_auto_picks_evenly_spaced_blocks_with_spatial_outputs(build: str, size: int, chosen: list[str]) -> None:
     import torchvision
 
-    from runner.commands.layers import auto_layers
+    from runner.layers import auto_layers
 
     model = getattr(torchvision.models, build)(weights=None).eval()
     assert auto_layers(model, torch.zeros(3, size, size)) == chosen
@@ -265,7 +258,7 @@ def test_auto_picks_evenly_spaced_blocks_with_spatial_outputs(build: str, size: 
 
 
 def test_auto_on_tokens_and_a_model_without_blocks(tiny: nn.Module) -> None:
-    from runner.commands.layers import auto_layers
+    from runner.layers import auto_layers
 
     vit = tiny_vit().eval()  # two EncoderBlocks of 17 tokens: a class token and a 4x4 grid
     assert auto_layers(vit, torch.zeros(3, 32, 32)) == [

@@ -14,8 +14,8 @@ from PIL import Image
 from torch import nn
 
 import runner.app as app
-from runner.composites import POSITIONS, CompositeLayout, CompositesConfig, cell_mask
-from runner.data import Batch, ImageFolderConfig, build_dataset, make_loader, sample_masks, to_batch
+from runner.data.base import Batch, ImageFolderConfig, build_dataset, make_loader, sample_masks, to_batch
+from runner.data.composites import POSITIONS, CompositeLayout, CompositesConfig, cell_mask
 from runner.errors import RunnerError
 from runner.metrics.base import EvaluationConfig, MetricInputs, load_metrics
 from runner.runtime import Runtime

@@ -13,16 +13,17 @@ from scipy.ndimage import gaussian_filter
 from scipy.stats import spearmanr
 from torch import nn
 
-from runner import faithfulness
-from runner.data import Batch
-from runner.faithfulness import BlurConfig, FaithfulnessConfig
+from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import CAM_METHODS, Runtime, build_method, method_config
 from runner.methods.cam import CamContext
 from runner.methods.scorecam import ScoreCamConfig
+from runner.metrics import curves as faithfulness
+from runner.metrics.curves import BlurConfig, FaithfulnessConfig
 from runner.ranking import average_ranks, spearman
 from runner.schema import Precision, ScoreCamWeights, TargetMode
+from runner.stats import upsample
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import SumModel
 
@@ -332,8 +333,8 @@ def test_upsample_keeps_a_constant_map_constant_at_zero() -> None:
     """Bilinear float32 weights leave 1-ulp ripples on a constant map; min-max scaling stretched them to a full-range
     map (min 0, max 1, mean 0.49). A map constant at its own resolution is all 0 at the input's size."""
     maps = torch.cat([torch.full((1, 1, 1), 0.37).expand(1, 3, 3), torch.rand(1, 3, 3)])  # (2, 3, 3)
-    up = faithfulness.upsample(maps, (32, 32))
+    up = upsample(maps, (32, 32))
     assert (up[0] == 0).all()
     assert up[1].min() == 0 and up[1].max() == 1  # an ordinary map is scaled as before
-    assert (faithfulness.upsample(torch.full((1, 1, 1), 0.37), (32, 32)) == 0).all()  # a 1x1 layer's map
-    assert torch.isnan(faithfulness.upsample(torch.tensor([[[float("nan"), 1.0]]]), (4, 4))).all()  # stays NaN
+    assert (upsample(torch.full((1, 1, 1), 0.37), (32, 32)) == 0).all()  # a 1x1 layer's map
+    assert torch.isnan(upsample(torch.tensor([[[float("nan"), 1.0]]]), (4, 4))).all()  # stays NaN

@@ -25,6 +25,7 @@ from runner.metrics.faithfulness_family import (
 )
 from runner.runtime import Runtime
 from runner.schema import Precision
+from runner.stats import upsample
 from runner.tables import full_schema
 from tests.conftest import make_config
 from tests.test_reference import effnet, photos  # noqa: F401 (module-scoped fixtures)
@@ -63,7 +64,7 @@ def test_evaluation_table_rows_columns_and_join(tmp_path: Path) -> None:
     metrics = {m.name: m for m in build_metrics(EvaluationConfig(metrics=["sparseness", "complexity"]))}
     for _, row in joined.iterrows():
         small = torch.tensor(row["map"], dtype=torch.float32).reshape(1, int(row["map_height"]), int(row["map_width"]))
-        up = faithfulness.upsample(small, (16, 16))
+        up = upsample(small, (16, 16))
         expected = metrics[row["metric"]].compute(None, up)[""]  # type: ignore[arg-type]  # map statistics only
         assert row["value"] == pytest.approx(float(expected[0]), abs=1e-6)
     assert evaluation["random_value"].notna().all() and (evaluation["random_value"] != evaluation["value"]).any()

@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 import runner.app as app
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers

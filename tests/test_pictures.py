@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import runner.app as app
-from runner import faithfulness
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.schema import FigureFormat, FiguresConfig, MapScale
+from runner.stats import upsample
 from runner.viz import figure_style, pictures
 from tests.conftest import make_config
 
@@ -107,7 +107,7 @@ def test_scaled_maps_per_map_is_faithfulness_scaling_and_shared_keeps_ratios() -
     maps = [torch.rand(2, 4, 4) * 10, torch.rand(2, 2, 2)]  # the first layer's values are ten times larger
     per_map = pictures.scaled_maps(maps, (8, 8), MapScale.per_map)
     for got, m in zip(per_map, maps, strict=True):
-        torch.testing.assert_close(got, faithfulness.upsample(m, (8, 8)))  # today's values, unchanged
+        torch.testing.assert_close(got, upsample(m, (8, 8)))  # today's values, unchanged
     shared = pictures.scaled_maps(maps, (8, 8), MapScale.shared)
     assert all(float(s[b].max()) < 0.2 for s in shared[1:] for b in range(2))  # small maps stay small
     assert torch.stack(shared).amin(dim=(0, 2, 3)).abs().max() < 1e-6

@@ -21,13 +21,13 @@ from PIL import Image
 from scipy.stats import spearmanr
 from torch import nn
 
-from runner import faithfulness
-from runner.data import Batch
-from runner.faithfulness import FaithfulnessConfig
+from runner.data.base import Batch
 from runner.hooks import HookSession, inplace_disabled
 from runner.layers import resolve_layers
 from runner.methods import build_method
 from runner.methods.sanity import SanityConfig
+from runner.metrics import curves as faithfulness
+from runner.metrics.curves import FaithfulnessConfig
 from runner.models import build_model
 from runner.schema import ModelConfig, ScoreCamWeights, TargetMode
 from tests.test_cam_family import CPU, run_method
@@ -239,7 +239,7 @@ def test_patching_equals_one_forward_per_unit(effnet: nn.Module, photos: torch.T
     """Chelsea against coffee, both directions, every cell of two depths (4x4 at _blocks.5, 2x2 at
     _conv_head). Tolerance 1e-4 absolute on target logits of about 36 (measured: 3.1e-5 on `patched`,
     7e-7 on `restoration`): float32 forwards at other batch sizes round differently."""
-    from runner.data import Batch
+    from runner.data.base import Batch
     from runner.hooks import HookSession
     from runner.layers import resolve_layers
     from runner.methods import build_method

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
 import runner.app as app
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.interrupts import Interrupted, resume_command
 from runner.methods.patching import CorruptionConfig, CorruptionKind

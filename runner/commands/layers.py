@@ -14,245 +14,24 @@ spatial map or a square token grid.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from runner.errors import RunnerError
-from runner.layers import Layer, resolve_layers
-from runner.schema import AUTO, DataConfig, RunConfig
+from runner.layers import dry_forward, expand_auto, named_layers, probe_input, selected_layers
+from runner.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 COLUMNS = ("layer_index", "layer", "type", "output_shape", "calls", "cam", "selected")
-# How many layers `layers.include=auto` picks (all candidates when the model has fewer).
-AUTO_LAYERS = 4
-# Containers that only group modules: their instances are not the model's blocks.
-_GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-@dataclass
-class Probe:
-    """What the dry forward saw of one module: its call count and its first call's output."""
-
-    calls: int = 0
-    output: str = "-"  # the first call's output shape, e.g. "1x64x56x56"; "-" when never called
-    cam: bool = False  # a CAM method can use it: (N, C, H, W), or tokens (N, T, C) with T or T-1 square
-    shape: tuple[int, ...] | None = None  # the first call's output shape when it is one tensor
-
-
-def _describe(output: Any) -> tuple[str, bool]:
-    """(shape text, CAM-usable) of a module's output: a tensor, or the tensors of a tuple/list/dict."""
-    if torch.is_tensor(output):
-        shape = tuple(output.shape)
-        return "x".join(map(str, shape)) or "scalar", _cam_usable(shape)
-    if isinstance(output, dict):  # also Hugging Face's ModelOutput
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        parts = [_describe(o)[0] if torch.is_tensor(o) else type(o).__name__ for o in output[:3]]
-        more = ", ..." if len(output) > 3 else ""
-        return f"({', '.join(parts)}{more})", False  # CAM methods capture a tensor output only
-    return type(output).__name__, False
-
-
-def _cam_usable(shape: tuple[int, ...]) -> bool:
-    """Spatial maps (N, C, H, W), or a token grid (N, T, C) with T square (no prefix) or T-1 (a class token)."""
-    if len(shape) == 4:
-        return True
-    if len(shape) == 3:
-        tokens = shape[1]
-        return any(t > 0 and math.isqrt(t) ** 2 == t for t in (tokens, tokens - 1))
-    return False
-
-
-def probe_input(data: DataConfig, preprocess: Any) -> torch.Tensor:
-    """One sample of the size the data source makes (no data is loaded): a mid-grey photo through the
-    photos' transform for image sources, zeros of `data.shape` for sources that say their sample's shape."""
-    from runner.data import ImageDataConfig, image_transform, sized_for_model
-
-    data = sized_for_model(data, preprocess)  # the model's own input size, as the data set will make it
-    shape = getattr(data, "shape", None)
-    if shape is not None:
-        return torch.zeros(list(shape))  # (*data.shape)
-    from PIL import Image
-
-    if isinstance(data, ImageDataConfig):
-        transform, _ = image_transform(data, preprocess)
-    else:  # a source of another kind: the standard size
-        transform, _ = image_transform(ImageDataConfig(image_size=data.image_size), None)
-    grey = Image.new("RGB", (data.image_size, data.image_size), (128, 128, 128))
-    return transform(grey)  # (3, H, W)
-
-
-def dry_forward(model: nn.Module, x: torch.Tensor, modules: Sequence[Layer]) -> dict[str, Probe]:
-    """Forward `x` (one sample, no batch dimension) once under no_grad and eval; per module, what it output.
-
-    The forward hooks are removed and the model's train/eval mode restored afterwards, also on error."""
-    probes = {name: Probe() for name, _ in modules}
-
-    def recorder(probe: Probe):  # noqa: ANN202
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            probe.calls += 1
-            if probe.calls == 1:
-                probe.output, probe.cam = _describe(output)
-                probe.shape = tuple(output.shape) if torch.is_tensor(output) else None
-
-        return hook
-
-    was_training = model.training
-    handles = []
-    try:
-        for name, module in modules:
-            handles.append(module.register_forward_hook(recorder(probes[name])))
-        model.eval()
-        device = next((p.device for p in model.parameters()), x.device)
-        with torch.no_grad():
-            model(x.unsqueeze(0).to(device))  # (1, *x.shape)
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
-    return probes
-
-
-def named_layers(model: nn.Module) -> list[Layer]:
-    """Every submodule (the root excluded) in model order: the order of `layer_index`."""
-    return [(name, module) for name, module in model.named_modules() if name]
-
-
-def selected_layers(model: nn.Module, config: RunConfig) -> list[str]:
-    """The names the run's `layers` and hooks' own `layers` select, in model order (RunnerError if a selector fails)."""
-    picked: set[str] = set()
-    if config.layers.include:
-        picked.update(n for n, _ in resolve_layers(model, config.layers.include, config.layers.exclude))
-    for i, spec in enumerate(config.hooks or []):
-        if spec.layers:
-            picked.update(n for n, _ in resolve_layers(model, spec.layers, where=f"hooks[{i}].layers"))
-    return [n for n, _ in named_layers(model) if n in picked]
-
-
-def check_selection(
-    model: nn.Module, layers: Sequence[Layer], x: torch.Tensor, sources: dict[str, str] | None = None
-) -> None:
-    """Fail, before any data loads, when selected modules are never called in a forward of `x`, listing them.
-
-    `layers`: every module the run hooks (target layers and hooks' own), in any order, repeats allowed;
-    `sources`: the config entry that selected each module (layers.include, hooks[1].layers), for the message."""
-    wanted = {name for name, _ in layers}
-    layers = [(name, module) for name, module in named_layers(model) if name in wanted]  # model order, once each
-    if not layers:
-        return
-    try:
-        probes = dry_forward(model, x, layers)
-    except Exception:  # the input check after data loading reports a shape the model refuses, with the real sample
-        return
-    idle = [name for name, _ in layers if probes[name].calls == 0]
-    if not idle:
-        return
-    types = sorted({type(m).__name__ for n, m in layers if n in idle})
-    shown = ", ".join(idle[:12]) + (f", ... ({len(idle)} in all)" if len(idle) > 12 else "")
-    entries = sorted({sources[n] for n in idle if n in sources}) if sources else []
-    named = f" Selected by {', '.join(entries)}." if entries else ""
-    raise RunnerError(
-        f"The layer selection picks {len(idle)} module(s) that are never called in the forward pass (one input of"
-        f" shape {list(x.shape)}): {shown}.{named} Leave them out, e.g. layers.exclude=[{', '.join(types)}], or"
-        " narrow layers.include; `runner layers` lists every module with its call count."
-    )
-
-
-def _auto_candidate(probe: Probe, module: nn.Module, token_prefix: int) -> bool:
-    """Whether `auto` may pick a module: called once (a shared module's rows would need a call index), its output
-    a spatial map larger than 1x1 or a square token grid after `token_prefix` tokens, and not a pass-through."""
-    shape = probe.shape
-    if probe.calls != 1 or shape is None or isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd)):
-        return False
-    if len(shape) == 4:
-        return shape[2] * shape[3] > 1  # a 1x1 map says nothing about where
-    if len(shape) == 3:
-        grid = shape[1] - token_prefix
-        return grid > 1 and math.isqrt(grid) ** 2 == grid
-    return False
-
-
-def auto_layers(model: nn.Module, x: torch.Tensor, token_prefix: int = 1) -> list[str]:
-    """`layers.include=auto`: up to AUTO_LAYERS evenly spaced blocks (the last one included) whose output is a
-    spatial map or a square token grid in one forward of `x`. Blocks are the instances of the coarsest module
-    class that repeats (EfficientNet's MBConvBlock, ResNet's BasicBlock, ConvNeXt's stages, ViT's layers); a
-    model without repeated blocks (VGG's `features`) gets its most frequent layer type with parameters (Conv2d)."""
-    modules = named_layers(model)
-    try:
-        probes = dry_forward(model, x, modules)
-    except Exception as e:
-        from runner.models.check import input_refused
-
-        raise input_refused(e, list(x.shape)) from e
-    usable = [(n, m) for n, m in modules if _auto_candidate(probes[n], m, token_prefix)]
-    if not usable:
-        raise RunnerError(
-            f"layers.include=auto: no module of this model outputs a spatial map larger than 1x1 or a square token"
-            f" grid in a forward of one input of shape {list(x.shape)}. Name the layers: layers.include=[...]"
-            " (`runner layers` lists every module with its output shape), or use a larger data.image_size."
-        )
-    blocks: dict[str, list[str]] = {}  # module class -> its instances with a usable output, in model order
-    for name, module in usable:
-        if any(True for _ in module.children()) and not isinstance(module, _GENERIC):
-            blocks.setdefault(type(module).__name__, []).append(name)
-    chosen: list[str] = []
-    for least in (AUTO_LAYERS, 2):  # prefer a class with enough instances to spread over the depth
-        eligible = {t: names for t, names in blocks.items() if len(names) >= least}
-        # The coarsest: no instance inside an instance of another eligible class (blocks, not their parts).
-        outer = [
-            names
-            for t, names in eligible.items()
-            if not any(n.startswith(o + ".") for u, others in eligible.items() if u != t for o in others for n in names)
-        ]
-        if outer:
-            chosen = max(outer, key=len)
-            break
-    if not chosen:
-        by_type: dict[str, list[str]] = {}
-        for name, module in usable:
-            if any(True for _ in module.parameters(recurse=False)):
-                by_type.setdefault(type(module).__name__, []).append(name)
-        chosen = max(by_type.values(), key=len) if by_type else [n for n, _ in usable]
-    k = min(AUTO_LAYERS, len(chosen))
-    return [chosen[math.ceil((i + 1) * len(chosen) / k) - 1] for i in range(k)]  # evenly spaced, ending at the last
-
-
-def expand_auto(config: RunConfig, model: nn.Module, x: torch.Tensor) -> RunConfig:
-    """`config` with the `auto` selector of `layers.include` and of hooks' `layers` replaced by the modules
-    `auto_layers` chooses for this model from one forward of `x` (logged); unchanged when no entry says auto."""
-    hooks = list(config.hooks or [])
-    if AUTO not in config.layers.include and not any(AUTO in spec.layers for spec in hooks):
-        return config
-    chosen = auto_layers(model, x, getattr(config.method, "token_prefix", 1))
-    types = sorted({type(model.get_submodule(n)).__name__ for n in chosen})
-    log.info(
-        "layers.include=auto: %s (%d evenly spaced %s with spatial outputs in one forward of %s; `runner layers`"
-        " lists the others)", ", ".join(chosen), len(chosen), "/".join(types), "x".join(map(str, x.shape)),
-    )  # fmt: skip
-
-    def expand(selectors: list[str]) -> list[str]:
-        out: list[str] = []
-        for selector in selectors:
-            out.extend(chosen if selector == AUTO else [selector])
-        return list(dict.fromkeys(out))  # once each, in the order given
-
-    layers = dataclasses.replace(config.layers, include=expand(config.layers.include))
-    hooks = [dataclasses.replace(spec, layers=expand(spec.layers)) if AUTO in spec.layers else spec for spec in hooks]
-    return dataclasses.replace(config, layers=layers, hooks=hooks)
 
 
 def layer_table(cfg: DictConfig | RunConfig) -> pd.DataFrame:

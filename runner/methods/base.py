@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from runner.data import NO_LABEL, Batch
+from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.registry import Registry

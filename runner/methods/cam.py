@@ -23,20 +23,20 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from runner import faithfulness
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
-from runner.faithfulness import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_target_sets
+from runner.metrics import curves as faithfulness
 from runner.metrics.base import EvaluationConfig, Metric, build_metrics
+from runner.metrics.curves import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
 from runner.metrics.table import evaluation_rows
 from runner.randomness import per_sample_uniform
 from runner.rows import Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
 from runner.schema import MapScale, MethodConfig
-from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
+from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields, upsample
 from runner.tables import declare, optional
 from runner.viz import pictures
 
@@ -333,8 +333,8 @@ class CamMethod(Method):
                 by_shape[(h, w)] = per_sample_uniform(
                     (h, w), self.cfg.faithfulness.seed, indices, f"faithfulness.random_map.{h}x{w}", m.device
                 )  # (B, h, w)
-        saliency = [faithfulness.upsample(m.detach(), size) for m in maps]
-        random_saliency = [faithfulness.upsample(by_shape[tuple(m.shape[1:])], size) for m in maps]
+        saliency = [upsample(m.detach(), size) for m in maps]
+        random_saliency = [upsample(by_shape[tuple(m.shape[1:])], size) for m in maps]
         random_flat = [faithfulness.degenerate_maps(by_shape[tuple(m.shape[1:])]) for m in maps]
         return saliency, random_saliency, random_flat
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
 from runner.methods.base import BatchOutput, check_targets, forward, register, select_target_sets

@@ -13,7 +13,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer

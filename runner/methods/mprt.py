@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers

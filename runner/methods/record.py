@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, register, select_targets

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.faithfulness import forward_chunk, upsample
 from runner.methods.base import register
 from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.metrics.curves import forward_chunk
 from runner.schema import ScoreCamWeights
+from runner.stats import upsample
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ScoreCAM(CamMethod):
         maps = act.reshape(b * c, h, w)
         sample = torch.arange(b, device=act.device).repeat_interleave(c)  # (B*C,) which sample each mask is for
         scores = []
-        chunk = forward_chunk(self.cfg.score_chunk, act.device, size)  # small on a CPU (runner/faithfulness.py)
+        chunk = forward_chunk(self.cfg.score_chunk, act.device, size)  # small on a CPU (runner/metrics/curves.py)
         for start in range(0, b * c, chunk):  # masks are built per chunk: all B*C at input size would not fit
             idx = torch.arange(start, min(start + chunk, b * c), device=act.device)
             masks = upsample(maps[idx], size) if paper else pytorch_grad_cam_masks(maps[idx], size)  # (n, H, W)

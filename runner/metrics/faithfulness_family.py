@@ -4,7 +4,7 @@ perturbation), each batched over all maps of a batch (every layer's and every ra
 Definitions follow Quantus 0.6.0 (the agreement tests in tests/test_metrics.py feed both the same maps), with
 two deliberate differences: draws come from per-sample generators (seed, sample index), so a value does not
 depend on the batch; and ROAD's pixels and region perturbation's patches of equal value come in faithfulness's
-seeded random order (`runner.faithfulness.tie_keys`, keyed by (seed, sample index)), compared in float64, where
+seeded random order (`runner.metrics.curves.tie_keys`, keyed by (seed, sample index)), compared in float64, where
 Quantus's `np.argsort` leaves ties to its quicksort (in effect favouring positions) and orders patch sums as
 rounded in float32. On maps without ties the orders are the same.
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.faithfulness import pixel_rank, tie_keys
 from runner.metrics.base import METRICS, EvaluationConfig, Metric, MetricInputs
+from runner.metrics.curves import pixel_rank, tie_keys
 from runner.randomness import sample_generator
 from runner.runtime import Runtime
 

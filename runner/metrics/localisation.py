@@ -1,7 +1,7 @@
 """Localisation metrics: does the map point at the class's region? Batched on the device, one value per sample.
 
 Each compares a map (B, H, W) at input resolution with the sample's localisation mask (B, H, W) bool (from an
-image_folder side file or the built-in `composites` benchmark, runner/composites.py). A sample whose mask is
+image_folder side file or the built-in `composites` benchmark, runner/data/composites.py). A sample whose mask is
 empty has no region to point at: its value is NaN (Quantus returns NaN too, with a warning; the CAM method logs
 one warning per run naming the samples). A constant map (all zero, say) points nowhere and ranks no pixel: its
 pointing game and relevance rank are NaN, where Quantus scores a hit and |mask|/N.

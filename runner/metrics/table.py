@@ -1,5 +1,5 @@
 """The `evaluation` table: every configured metric per (sample, layer, call, target), beside the same metric on
-the layer's random map (the per-sample uniform map of runner/faithfulness.py's baseline, at the layer's own
+the layer's random map (the per-sample uniform map of runner/metrics/curves.py's baseline, at the layer's own
 resolution). One row per (sample, layer, call, target_rank, metric, variant); joined to the `cam` table on
 (run_id, sample, layer, call, target_rank)."""
 
@@ -11,8 +11,8 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from runner.faithfulness import forward_chunk
 from runner.metrics.base import Metric, MetricInputs
+from runner.metrics.curves import forward_chunk
 from runner.progress import within_batch
 from runner.rows import Columns
 from runner.runtime import Runtime

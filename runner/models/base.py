@@ -42,7 +42,7 @@ class ModelBundle:
 
 
 class Preprocess:
-    """A model's own photo preprocessing with what runner.data reads from it: the square input side it makes
+    """A model's own photo preprocessing with what runner.data.base reads from it: the square input side it makes
     (`input_size`: every data source's inputs take it), the mean and std (data.resize=pad or none keep the
     runner's geometry and use only these) and the sizes it says in the log."""
 

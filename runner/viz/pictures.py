@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner import faithfulness
-from runner.data import IMAGENET_MEAN, IMAGENET_STD, Batch
+from runner.data.base import IMAGENET_MEAN, IMAGENET_STD, Batch
 from runner.schema import FiguresConfig, MapScale
+from runner.stats import upsample
 from runner.viz import figure_style
 
 FEATURE_CHANNELS = 16  # channels in a feature grid: the most active ones
@@ -102,7 +102,7 @@ def scaled_maps(maps: list[torch.Tensor], size: tuple[int, int] | torch.Size, sc
     """Each layer's maps (B, h, w) upsampled to the input, (B, H, W) in [0, 1]: per map (as faithfulness scales
     them), or with one min and max per sample over all layers (maps NaN or infinite somewhere are left out of it)."""
     if scale is MapScale.per_map:
-        return [faithfulness.upsample(m, size) for m in maps]
+        return [upsample(m, size) for m in maps]
     up = [F.interpolate(m[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0] for m in maps]
     stacked = torch.stack(up)  # (L, B, H, W)
     finite = stacked.isfinite()

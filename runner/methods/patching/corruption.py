@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import gaussian_blur
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.methods.patching.config import CorruptionConfig, CorruptionKind, is_valid_box
 from runner.randomness import per_sample_normal

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer

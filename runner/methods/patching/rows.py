@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from runner.data import Batch
+from runner.data.base import Batch
 from runner.methods.patching.config import PatchDirection, PatchMetric
 from runner.methods.patching.units import Units
 from runner.rows import Columns

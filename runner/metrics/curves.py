@@ -33,7 +33,7 @@ from runner.errors import RunnerError
 from runner.progress import within_batch
 from runner.randomness import sample_generator
 from runner.rows import Block
-from runner.stats import constant_rows, uniform_rows
+from runner.stats import constant_rows
 
 
 class BlurPadding(str, Enum):
@@ -86,20 +86,6 @@ def forward_chunk(chunk: int | None, device: torch.device, image_size: tuple[int
 
 METRICS = ("deletion_auc", "insertion_auc", "avg_drop", "increase")
 COLUMNS = [*METRICS, *(f"random_{m}" for m in METRICS)]
-
-
-def upsample(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
-    """(B, h, w) maps -> (B, H, W) at the input's size, bilinear, each scaled to [0, 1]; a map constant at its own
-    resolution becomes all 0 (a non-finite one keeps its NaN).
-
-    Decided before upsampling: float32 bilinear weights leave 1-ulp ripples on a constant map, which min-max
-    scaling would stretch into a full-range map of noise."""
-    constant = uniform_rows(maps)[:, None, None]  # (B, 1, 1); a non-finite map is not zeroed
-    up = F.interpolate(maps[:, None].float(), size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
-    lo = up.flatten(1).amin(dim=1)[:, None, None]
-    hi = up.flatten(1).amax(dim=1)[:, None, None]
-    scaled = (up - lo) / (hi - lo).clamp_min(1e-12)  # (B, H, W)
-    return torch.where(constant, torch.zeros_like(scaled), scaled)
 
 
 def degenerate_maps(maps: torch.Tensor) -> torch.Tensor:

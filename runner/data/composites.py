@@ -10,7 +10,7 @@ values are NaN):
 - `<name>.mask.png` beside `<name>.<ext>`: the same size as the photo; non-zero pixels are the region. Files
   ending in `.mask.png` are never read as images.
 Both are in the stored pixels (what an image library reads, before any EXIF orientation): a photo with an EXIF
-orientation is turned upright when read (runner/data.py `read_photo`), and its mask is turned the same way, so it
+orientation is turned upright when read (runner/data/base.py `read_photo`), and its mask is turned the same way, so it
 stays on the same pixels of the scene. A JPEG decoded at a reduced scale takes its mask scaled to that size first.
 
 The built-in benchmark `data=composites`: real scikit-image photos whose class the embedded EfficientNet-Lite0
@@ -35,7 +35,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import functional as TF
 
-from runner.data import (
+from runner.data.base import (
     IMAGENET_MEAN,
     ImageDataConfig,
     ImageListDataset,
@@ -123,7 +123,7 @@ class FolderMasks:
     def __init__(self, folder: Path, boxes: dict[str, list[list[float]]], pngs: dict[str, Path],
                  geometry: Callable[[torch.Tensor], torch.Tensor], need: int | None = None) -> None:  # fmt: skip
         self.folder, self.boxes, self.pngs, self.geometry = folder, boxes, pngs, geometry
-        self.need = need  # the side the photos are decoded for (runner/data.py `read_photo`)
+        self.need = need  # the side the photos are decoded for (runner/data/base.py `read_photo`)
 
     def __call__(self, sample_id: str) -> torch.Tensor:
         """(h, w) bool mask of `sample_id`; empty when the side files give it no region."""

@@ -356,7 +356,7 @@ class ImageListDataset(Dataset):
         self.skipped: list[str] = []  # files left out because they could not be read
         self.classes: list[str] | None = None  # the labels' names by index, where the data set has them
         self.model_labels = False  # whether labels are the model's class indices (the photos' ImageNet ones)
-        # A sample id's localisation mask (H, W) bool at input resolution (runner/composites.py); None: no masks.
+        # A sample id's localisation mask (H, W) bool at input resolution (runner/data/composites.py); None: no masks.
         self.masks: Callable[[str], torch.Tensor] | None = None
 
     def __len__(self) -> int:
@@ -416,7 +416,7 @@ def _skimage_source(cfg: SkimagePhotosConfig, preprocess: Callable | None, seed:
 
 @data_source(ImageFolderConfig)
 def _folder_source(cfg: ImageFolderConfig, preprocess: Callable | None, seed: int) -> Dataset:
-    from runner.composites import folder_masks, mask_transform
+    from runner.data.composites import folder_masks, mask_transform
 
     need = decode_size(cfg, preprocess)
     dataset = _folder_dataset(cfg.root, _logged_transform(cfg, preprocess), cfg.strict, need)
@@ -510,7 +510,7 @@ def _folder_dataset(root: str | None, transform: Callable, strict: bool, need: i
     if not folder.is_dir():
         raise RunnerError(f"Image folder not found: {folder}. Check `data.root`.")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                   and not p.name.lower().endswith(".mask.png"))  # fmt: skip  # masks (runner/composites.py)
+                   and not p.name.lower().endswith(".mask.png"))  # fmt: skip  # masks (runner/data/composites.py)
     if not files:
         raise RunnerError(
             f"Image folder {folder} contains no images ({', '.join(sorted(IMAGE_SUFFIXES))}). Check `data.root`."
@@ -695,4 +695,4 @@ def to_batch(
     return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index, masks)
 
 
-import runner.composites  # noqa: E402, F401  # registers the `composites` source (it builds on this module)
+import runner.data.composites  # noqa: E402, F401  # registers the `composites` source (it builds on this module)
