@@ -113,7 +113,7 @@ def config_error(error: Exception) -> str:
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.schema import config_error_line
+    from runner.options.compose import config_error_line
 
     cause = error.__cause__
     if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):

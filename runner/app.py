@@ -26,7 +26,9 @@ import torch
 from omegaconf import DictConfig
 
 from runner import distributed
-from runner.data.base import build_dataset, sized_for_model, skipped_files
+from runner.configure import to_run_config
+from runner.data.base import build_dataset, skipped_files
+from runner.data.images import sized_for_model
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
@@ -35,7 +37,7 @@ from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_bat
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
 from runner.progress import run_progress
-from runner.schema import RunConfig, to_run_config
+from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
 from runner.viz.summary import HOOK_SUMMARY_VALUES, summarise
@@ -160,7 +162,7 @@ def _say_where(out: Path, report_written: bool) -> None:
     where, whose = (sweep, " (every job's)") if sweep else (out, "")
     if not report_written:  # report=true has just said where its page is
         log.info("report%s: runner report %s", whose, shlex.quote(str(where)))
-    log.info("tables%s: from runner.store.reader import load; load(%s)", whose, json.dumps(str(where)))
+    log.info("tables%s: from runner.results import load; load(%s)", whose, json.dumps(str(where)))
 
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:

@@ -17,7 +17,7 @@ import torch
 
 from runner.data.base import NO_LABEL, Batch, label_classes
 from runner.errors import RunnerError
-from runner.methods import BatchOutput
+from runner.methods.base import BatchOutput
 from runner.models import model_label
 from runner.rows import Block, to_host
 from runner.schema import DataConfig, RunConfig

@@ -238,7 +238,8 @@ def _cam_usable(shape: tuple[int, ...]) -> bool:
 def probe_input(data: DataConfig, preprocess: Any) -> torch.Tensor:
     """One sample of the size the data source makes (no data is loaded): a mid-grey photo through the
     photos' transform for image sources, zeros of `data.shape` for sources that say their sample's shape."""
-    from runner.data.base import ImageDataConfig, image_transform, sized_for_model
+    from runner.data.images import image_transform, sized_for_model
+    from runner.options.data.images import ImageDataConfig
 
     data = sized_for_model(data, preprocess)  # the model's own input size, as the data set will make it
     shape = getattr(data, "shape", None)

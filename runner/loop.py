@@ -32,7 +32,7 @@ from runner.interrupts import (
     received,
     sweep_dir,
 )
-from runner.methods import BatchOutput, Method
+from runner.methods.base import BatchOutput, Method
 from runner.progress import RunProgress
 from runner.schema import RunConfig
 from runner.store.writer import ShardedWriter

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
 from runner.errors import RunnerError
-from runner.registry import Registry
 
 
 class HookKind(str, Enum):
@@ -251,30 +248,6 @@ class RunConfig:
     threads: Optional[int] = None
 
 
-def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
-    """Make the schemas available to Hydra: the run's as `run_schema` (the primary config's defaults list),
-    each option's as `/schema/<group>/<option>` (the first entry of conf/<group>/<option>.yaml's defaults).
-    `schemas`: the options' schemas when the caller has them without importing torch (runner/schema_cache.py)."""
-    store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
-    for group, options in (option_schemas() if schemas is None else schemas).items():
-        for option, schema in options.items():
-            store.store(group=f"schema/{group}", name=option, node=schema)
-
-
-def option_registries() -> dict[str, Registry[Any, Any]]:
-    """The registries of the config groups whose options each have their own schema (keyed by that schema)."""
-    from runner.data.base import DATA_SOURCES  # imported here: those modules import this one
-    from runner.methods import METHODS
-
-    return {"method": METHODS, "data": DATA_SOURCES}
-
-
-def option_schemas() -> dict[str, dict[str, type]]:
-    """Each config group's options and their schemas, from the groups' registries."""
-    return {group: {config.name: config for config in registry} for group, registry in option_registries().items()}
-
-
 def validate(config: RunConfig) -> RunConfig:
     """Range checks the types cannot express; each failure names the key and what it accepts. Each option
     checks its own fields (`check()` beside its schema); what spans groups is checked here."""
@@ -337,30 +310,6 @@ def check_hook_spec(spec: HookSpec, where: str) -> None:
         raise RunnerError(f"{where}: factor={spec.factor}; a scale factor must be finite.")
 
 
-def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The typed config for library code; a DictConfig is validated against the schema on the way. Its
-    `layers.include` and `hooks` are the run's own model's (runner.layers.own_selection)."""
-    from runner.layers import own_selection  # imported here: it imports this module
-
-    if isinstance(cfg, RunConfig):
-        return validate(with_threads(own_selection(cfg)))
-    # Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's
-    # to_object would silently drop it; merging plain values into the schema refuses it instead. The
-    # schema's method and data are the named options' own, so a key of another option is refused too.
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    try:
-        schema = OmegaConf.structured(RunConfig)
-        assert isinstance(plain, dict)
-        for group, registry in option_registries().items():
-            name = (plain.get(group) or {}).get("name")
-            schema[group] = OmegaConf.structured(registry.key(str(name)))  # raises for an unknown name
-        merged = OmegaConf.merge(schema, plain)
-        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise RunnerError(config_error_line(e)) from None
-    return validate(with_threads(own_selection(config)))
-
-
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity mask where the platform has one: a SLURM job's share)."""
     try:
@@ -375,18 +324,3 @@ def with_threads(config: RunConfig) -> RunConfig:
     return config if config.threads is not None else replace(config, threads=available_cpus())
 
 
-def config_error_line(error: BaseException) -> str:
-    """One line for a key or value the schema refuses, naming the key, and the option that owns it if another does."""
-    message = str(getattr(error, "msg", error)).splitlines()[0]
-    full_key = getattr(error, "full_key", None) or ""
-    line = f"Config error{f' (key: {full_key})' if full_key else ''}: {message}."
-    group, _, rest = full_key.partition(".")
-    key = rest.split(".")[0]
-    options = option_schemas().get(group, {})
-    if key and "not in" in message:
-        owners = [name for name, schema in options.items() if key in {f.name for f in fields(schema)}]
-        chosen = [name for name, schema in options.items() if schema is getattr(error, "object_type", None)]
-        if owners:
-            here = f"{group}={chosen[0]}" if chosen else f"the {group} chosen"
-            line += f" `{group}.{key}` belongs to {group}={' / '.join(owners)}, not to {here}."
-    return line + " `python -m runner --cfg job` prints every valid key."

@@ -20,7 +20,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runner.methods.cam import CamContext  # noqa: E402
-from runner.methods.eigencam import EigenCAM, EigenCamConfig  # noqa: E402
+from runner.methods.eigencam import EigenCAM  # noqa: E402
+from runner.options.method.eigencam import EigenCamConfig
 
 CPU = torch.device("cpu")
 

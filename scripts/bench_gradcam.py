@@ -32,8 +32,8 @@ from runner.data.base import Batch
 from runner.hooks import HookSession, count_hooks, disable_inplace
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
-from runner.methods.gradcam import GradCamConfig
 from runner.models import build_model
+from runner.options.method.gradcam import GradCamConfig
 from runner.rows import Ragged, to_host
 from runner.schema import ModelConfig, Precision
 

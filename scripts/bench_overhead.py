@@ -24,9 +24,9 @@ from torch import nn
 
 from runner.hooks import BoundHook, HookSession
 from runner.layers import resolve_layers
-from runner.methods import Runtime
 from runner.models import build_model
 from runner.rows import Block, to_host
+from runner.runtime import Runtime
 from runner.schema import HookKind, HookSpec, ModelConfig, Precision
 from runner.stats import STAT_NAMES
 

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schema", ("runner.schema", "runner.options.registry")),
     ("options", ("runner.options",)),
     ("store", ("runner.store", "runner.results")),
-    ("sources", ("runner.runtime", "runner.models", "runner.data", "runner.targets", "runner.layers")),
+    ("sources", ("runner.runtime", "runner.configure", "runner.models", "runner.data", "runner.targets", "runner.layers")),
     ("viz", ("runner.viz",)),
     ("hooks", ("runner.hooks",)),
     ("metrics", ("runner.metrics",)),

@@ -9,7 +9,6 @@ import os
 import runpy
 import subprocess
 import sys
-import tempfile
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -22,15 +21,14 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from torch import nn
 
-from runner.schema import RunConfig, register_configs, to_run_config
+from runner.configure import to_run_config
+from runner.options.compose import register_configs
+from runner.schema import RunConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
 
-# The schema snapshot every full registration writes (runner/schema_cache.py): into a folder of this test
-# session, not the user's ~/.cache (subprocesses inherit it).
-os.environ.setdefault("RUNNER_CACHE_DIR", tempfile.mkdtemp(prefix="runner-test-cache-"))
 
 
 def committed_shards(run: Path) -> int:

@@ -15,10 +15,10 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import CAM_METHODS, Runtime, build_method, method_config
+from runner.methods import Runtime, build_method, cam_methods, method_config
 from runner.methods.cam import CamContext
-from runner.methods.eigencam import EigenCamConfig
-from runner.methods.scorecam import ScoreCamConfig
+from runner.options.method.eigencam import EigenCamConfig
+from runner.options.method.scorecam import ScoreCamConfig
 from runner.schema import Precision, TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 
@@ -43,7 +43,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_hand_built_channel_weights(name: str) -> None:
-    method = CAM_METHODS[name](method_config(name), [], CPU)
+    method = cam_methods()[name](method_config(name), [], CPU)
     ctx = CamContext(nn.Identity(), torch.zeros(1, 3, 2, 2), torch.tensor([0]), CPU)
     torch.testing.assert_close(method.cam(A, G, ctx)[0], torch.relu(EXPECTED[name]))
 
@@ -52,7 +52,7 @@ def test_eigencam_is_the_first_principal_component() -> None:
     s = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     u = torch.tensor([3.0, 4.0])  # every pixel is s_hw * u: rank one, principal direction u/|u|
     act = (u[:, None, None] * s)[None]  # (1, 2, 2, 2)
-    method = CAM_METHODS["eigencam"](EigenCamConfig(), [], CPU)
+    method = cam_methods()["eigencam"](EigenCamConfig(), [], CPU)
     got = method.cam(act, None, CamContext(nn.Identity(), torch.zeros(1, 3, 2, 2), torch.tensor([0]), CPU))
     torch.testing.assert_close(got[0], torch.relu(s - 2.5) * 5.0, rtol=1e-5, atol=1e-5)  # (s - mean s) * |u|
 
@@ -68,7 +68,7 @@ class SumModel(nn.Module):
 def test_scorecam_scores_each_channel_as_a_mask() -> None:
     x = torch.ones(1, 1, 2, 2)
     act = torch.tensor([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 0.0], [0.0, 2.0]]])[None]  # at input resolution
-    method = CAM_METHODS["scorecam"](ScoreCamConfig(score_chunk=1), [], CPU)
+    method = cam_methods()["scorecam"](ScoreCamConfig(score_chunk=1), [], CPU)
     got = method.cam(act, None, CamContext(SumModel(), x, torch.tensor([0]), CPU))
     # masks after min-max: channel 0 keeps 2 pixels (sum 2), channel 1 keeps 1 (sum 1)
     w = torch.sigmoid(torch.tensor([2.0, 1.0]))  # method.scorecam_weights=paper: the probabilities themselves

@@ -21,10 +21,11 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
-from runner.methods.cam_vs_patching import CamVsPatchingConfig, agreement
+from runner.methods.cam_vs_patching import agreement
 from runner.methods.patching import CorruptionConfig, CorruptionKind, PatchDirection, PatchingConfig
 from runner.methods.patching.corruption import NOISE_PURPOSE
 from runner.models import build_model
+from runner.options.method.cam_vs_patching import CamVsPatchingConfig
 from runner.randomness import per_sample_normal
 from runner.schema import ModelConfig, Precision
 from tests.conftest import TinyNet, frozen, make_config

@@ -11,8 +11,9 @@ import pytest
 from PIL import Image
 
 import runner.app as app
-from runner.data.base import ImageFolderConfig, build_dataset, label_classes
+from runner.data.base import build_dataset, label_classes
 from runner.errors import RunnerError
+from runner.options.data.image_folder import ImageFolderConfig
 from runner.tables import declared, full_schema
 from tests.conftest import make_config
 

@@ -15,9 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner.commands import cli, schema_cache
+from runner.commands import cli
 from runner.commands import ls as ls_command
-from runner.schema import option_schemas, register_configs
 from runner.store import runs as listing
 from runner.store.writer import DirectoryLock
 from tests.conftest import CONF, run_cli
@@ -50,7 +49,7 @@ PROBE = (
 
 
 def probe(*argv: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RUNNER_CACHE_DIR": str(cache)}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=env)  # fmt: skip
 
@@ -117,15 +116,12 @@ def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
         assert not torch_imported(done), argv
 
 
-def test_cfg_job_composes_from_the_snapshot_without_torch(tmp_path: Path) -> None:
+def test_cfg_job_composes_against_the_real_schemas_without_torch(tmp_path: Path) -> None:
     args = ["--cfg", "job", "experiment=patching_effnet", "method.patching.top_k=3", "data.batch_size=3"]
-    first = probe(*args, cache=tmp_path)  # no snapshot yet: the real schemas (torch), and the snapshot is written
-    assert first.returncode == 0, first.stderr
-    assert torch_imported(first) and list(tmp_path.glob("schemas-*.json"))
-    second = probe(*args, cache=tmp_path)
-    assert second.returncode == 0, second.stderr
-    assert not torch_imported(second)
-    assert second.stdout == first.stdout and "    top_k: 3" in second.stdout and "batch_size: 3" in second.stdout
+    done = probe(*args, cache=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not torch_imported(done)
+    assert "    top_k: 3" in done.stdout and "batch_size: 3" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -136,39 +132,17 @@ def test_cfg_job_composes_from_the_snapshot_without_torch(tmp_path: Path) -> Non
         ("method=scorecam method.score_chunk=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
     ],
 )
-def test_the_snapshot_refuses_what_the_real_schemas_refuse(override: str, message: str) -> None:
-    rebuilt = schema_cache.rebuild_options(json.loads(json.dumps(schema_cache.describe_options(option_schemas()))))
-    try:
-        register_configs(rebuilt)  # Hydra composes with the snapshot's classes, as `runner --cfg job` does
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            used = compose(config_name="config", overrides=["method=scorecam"])
-            assert OmegaConf.get_type(used.method).__module__ == "runner.schema_cache"  # not the real class
-            with pytest.raises(ConfigCompositionException) as caught:
-                compose(config_name="config", overrides=override.split())
-    finally:
-        register_configs()  # the real schemas again, for the tests after this one
+def test_cfg_job_refuses_with_the_option_schemas_without_torch(tmp_path: Path, override: str, message: str) -> None:
+    """The schemas `--cfg job` composes with are the options' own classes (no snapshot, no torch)."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        used = compose(config_name="config", overrides=["method=scorecam"])
+        assert OmegaConf.get_type(used.method).__module__ == "runner.options.method.scorecam"
+        with pytest.raises(ConfigCompositionException) as caught:
+            compose(config_name="config", overrides=override.split())
     assert message in f"{caught.value} {caught.value.__cause__}"
-
-
-def test_snapshot_rebuilds_every_option_schema_exactly() -> None:
-    real = option_schemas()
-    rebuilt = schema_cache.rebuild_options(json.loads(json.dumps(schema_cache.describe_options(real))))
-    assert {g: set(o) for g, o in rebuilt.items()} == {g: set(o) for g, o in real.items()}
-    for group, options in real.items():
-        for name, schema in options.items():
-            twin = rebuilt[group][name]
-            assert twin.__name__ == schema.__name__
-            assert OmegaConf.to_yaml(OmegaConf.structured(twin)) == OmegaConf.to_yaml(OmegaConf.structured(schema))
-
-
-def test_snapshot_key_changes_when_a_source_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "a.py").write_text("x = 1\n")
-    monkeypatch.setattr(schema_cache, "PACKAGE", package)
-    before = schema_cache.source_key()
-    (package / "a.py").write_text("x = 22\n")
-    assert schema_cache.source_key() != before
+    done = probe("--cfg", "job", *override.split(), cache=tmp_path)
+    assert done.returncode != 0 and not torch_imported(done)
+    assert message in done.stderr
 
 
 # ---- runner ls ----------------------------------------------------------------------------------------------------

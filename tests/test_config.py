@@ -65,7 +65,7 @@ def test_bad_config_fails_at_composition(override: str) -> None:
     ],
 )
 def test_a_key_of_another_option_fails_at_composition(overrides: list[str], key: str, owner: str, chosen: str) -> None:
-    from runner.schema import config_error_line
+    from runner.options.compose import config_error_line
 
     with pytest.raises(ConfigCompositionException) as info:
         make_config(*overrides)
@@ -107,10 +107,11 @@ def test_every_option_composes_to_its_own_schema(group: str) -> None:
 
 
 def test_an_option_named_by_string_builds_its_own_config() -> None:
-    from runner.data.base import SyntheticConfig, data_config
+    from runner.data.base import data_config
     from runner.methods import method_config
     from runner.methods.patching import PatchingConfig, PatchingMethodConfig
-    from runner.methods.scorecam import ScoreCamConfig
+    from runner.options.data.synthetic import SyntheticConfig
+    from runner.options.method.scorecam import ScoreCamConfig
 
     scorecam = method_config("scorecam", score_chunk=2)
     assert type(scorecam) is ScoreCamConfig and scorecam.score_chunk == 2
@@ -137,10 +138,11 @@ def test_run_loop_names_no_method() -> None:
 
 # ---- one registry shape for methods, data sources and model sources ------------------------------------------------
 def test_every_group_uses_the_one_registry() -> None:
-    from runner.data.base import DATA_SOURCES, SyntheticConfig, data_config_class
+    from runner.data.base import DATA_SOURCES, data_config_class
     from runner.methods import METHODS, method_config_class
-    from runner.methods.gradcam import GradCamConfig
     from runner.models import MODEL_SOURCES
+    from runner.options.data.synthetic import SyntheticConfig
+    from runner.options.method.gradcam import GradCamConfig
     from runner.registry import Registry
 
     assert all(isinstance(r, Registry) for r in (METHODS, DATA_SOURCES, MODEL_SOURCES))

@@ -9,8 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data.base import ImageFolderConfig, SkimagePhotosConfig, SyntheticConfig, build_dataset
+from runner.data.base import build_dataset
 from runner.errors import RunnerError
+from runner.options.data.image_folder import ImageFolderConfig
+from runner.options.data.skimage_photos import SkimagePhotosConfig
+from runner.options.data.synthetic import SyntheticConfig
 
 
 def test_skimage_photos_are_real_images_with_labels() -> None:
@@ -102,7 +105,7 @@ def save_oriented(picture: Image.Image, path: Path, orientation: int, **options:
 
 
 def test_exif_orientation_is_applied_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from runner.data.base import standard_transform
+    from runner.data.images import standard_transform
     from runner.schema import ResizeMode
 
     picture = upright_picture()
@@ -138,7 +141,8 @@ def test_masks_follow_their_photo_s_orientation(tmp_path: Path, orientation: int
     """Side files are in the stored pixels; the mask is turned with its photo, onto the same part of the scene."""
     import json
 
-    from runner.data.base import sample_masks, standard_transform
+    from runner.data.base import sample_masks
+    from runner.data.images import standard_transform
     from runner.schema import ResizeMode
 
     picture = upright_picture()
@@ -164,7 +168,8 @@ def test_masks_follow_a_turned_jpeg_decoded_at_reduced_scale(tmp_path: Path) -> 
     """A big sideways JPEG decoded at 1/8 scale: its stored-pixel box still lands on the block it marks."""
     import json
 
-    from runner.data.base import read_photo, sample_masks
+    from runner.data.base import sample_masks
+    from runner.data.images import read_photo
     from runner.schema import ResizeMode
 
     picture = upright_picture().resize((1500, 1000), Image.Resampling.NEAREST)  # block at x 150..600, y 100..400
@@ -186,7 +191,7 @@ def test_letterbox_resizes_before_the_float_tensor_within_one_level() -> None:
     normalised float tensor (the same photo's geometry, the bands exactly 0)."""
     import torchvision.transforms as T
 
-    from runner.data.base import IMAGENET_MEAN, IMAGENET_STD, Letterbox, _skimage_photo, _to_rgb, standard_transform
+    from runner.data.images import IMAGENET_MEAN, IMAGENET_STD, Letterbox, _skimage_photo, _to_rgb, standard_transform
     from runner.schema import ResizeMode
 
     level = 1 / 255 / min(IMAGENET_STD)  # one 8-bit level, normalised
@@ -203,7 +208,7 @@ def test_letterbox_resizes_before_the_float_tensor_within_one_level() -> None:
 def test_big_jpeg_decodes_near_the_needed_size_within_tolerance(tmp_path: Path) -> None:
     """A 2400 x 1800 JPEG of nine real photos at 224 px: decoded at 1/2 scale (still >= 3 x 224 px a side), its
     input within 6 levels of a full decode everywhere (at the tiles' sharp edges) and 0.25 of a level on average."""
-    from runner.data.base import IMAGENET_STD, _skimage_photo, _to_rgb, read_photo, standard_transform
+    from runner.data.images import IMAGENET_STD, _skimage_photo, _to_rgb, read_photo, standard_transform
     from runner.schema import ResizeMode
 
     names = ["chelsea", "coffee", "rocket", "astronaut", "motorcycle", "horse", "camera", "hubble_deep_field", "page"]
@@ -223,7 +228,8 @@ def test_big_jpeg_decodes_near_the_needed_size_within_tolerance(tmp_path: Path) 
 
 BIG_PHOTO_PEAK = """
 import sys
-from runner.data.base import ImageFolderConfig, build_dataset
+from runner.data.base import build_dataset
+from runner.options.data.image_folder import ImageFolderConfig
 from runner.schema import ResizeMode
 
 def resident_mb(key):
@@ -270,7 +276,8 @@ def test_torchvision_data_sets_read_photos_upright(tmp_path: Path, monkeypatch: 
     import torchvision.datasets
     from torchvision.datasets.folder import default_loader
 
-    from runner.data.base import TorchvisionDataConfig, standard_transform
+    from runner.data.images import standard_transform
+    from runner.options.data.torchvision import TorchvisionDataConfig
     from runner.schema import ResizeMode
 
     save_oriented(upright_picture(), tmp_path / "a.jpg", 6, quality=95)

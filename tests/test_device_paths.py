@@ -16,11 +16,12 @@ import torchvision
 from torch import nn
 
 from runner.methods.cam import CamContext
-from runner.methods.eigencam import EigenCAM, EigenCamConfig, first_right_singular_vector
+from runner.methods.eigencam import EigenCAM, first_right_singular_vector
 from runner.methods.patching import enumerate_units
-from runner.methods.patching.config import PatchDirection, PatchMetric, PatchMode, PatchUnit
 from runner.methods.patching.rows import PATCHING_SCHEMA, Site, unit_columns
 from runner.methods.patching.units import Units
+from runner.options.method.eigencam import EigenCamConfig
+from runner.options.method.patching import PatchDirection, PatchMetric, PatchMode, PatchUnit
 from tests.conftest import frozen
 from tests.test_gpu import counted_syncs
 from tests.test_patching import CPU, patch

@@ -357,7 +357,7 @@ def test_channel_patching_makes_at_most_two_host_syncs_per_batch() -> None:
     import torchvision
 
     from runner.methods.patching import PatchingConfig, PatchingMethodConfig
-    from runner.methods.patching.config import PatchUnit
+    from runner.options.method.patching import PatchUnit
     from tests.conftest import frozen
 
     torch.manual_seed(3)

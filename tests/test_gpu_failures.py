@@ -19,9 +19,9 @@ from runner.layers import resolve_layers
 from runner.loop import run_with_backoff
 from runner.methods import BatchOutput, Method, build_method
 from runner.methods.patching import method as patching_method
-from runner.methods.patching.config import PatchingConfig, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.methods.patching.engine import ExactEngine
 from runner.methods.patching.units import enumerate_units
+from runner.options.method.patching import PatchingConfig, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.runtime import Runtime
 from runner.schema import Precision
 from tests.conftest import make_config

@@ -12,7 +12,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method
-from runner.methods.gradcam import GradCamConfig
+from runner.options.method.gradcam import GradCamConfig
 from runner.schema import Precision, TargetMode
 
 CPU = Runtime(torch.device("cpu"), Precision.fp32)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from runner.hooks import inplace_disabled
-from runner.methods import CAM_METHODS
-from runner.methods.gradcam_elementwise import GradCAMElementWise, GradCamElementWiseConfig
+from runner.methods import cam_methods
+from runner.methods.gradcam_elementwise import GradCAMElementWise
+from runner.options.method.gradcam_elementwise import GradCamElementWiseConfig
 from runner.stats import upsample
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import run_method
@@ -18,7 +19,7 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget  # noqa:
 
 
 def test_registered_and_composed_from_its_one_yaml() -> None:
-    assert CAM_METHODS["gradcam_elementwise"] is GradCAMElementWise
+    assert cam_methods()["gradcam_elementwise"] is GradCAMElementWise
     assert type(make_config("method=gradcam_elementwise").method) is GradCamElementWiseConfig
 
 

@@ -15,7 +15,8 @@ from PIL import Image
 from torch import nn
 
 from runner import app
-from runner.data.base import build_dataset, make_loader, pil_to_rgb
+from runner.data.base import build_dataset, make_loader
+from runner.data.images import pil_to_rgb
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.layers import resolve_layers

@@ -14,10 +14,13 @@ from PIL import Image
 from torch import nn
 
 import runner.app as app
-from runner.data.base import Batch, ImageFolderConfig, build_dataset, make_loader, sample_masks, to_batch
-from runner.data.composites import POSITIONS, CompositeLayout, CompositesConfig, cell_mask
+from runner.data.base import Batch, build_dataset, make_loader, sample_masks, to_batch
+from runner.data.composites import POSITIONS, cell_mask
 from runner.errors import RunnerError
-from runner.metrics.base import EvaluationConfig, MetricInputs, load_metrics
+from runner.metrics.base import MetricInputs, load_metrics
+from runner.options.data.composites import CompositeLayout, CompositesConfig
+from runner.options.data.image_folder import ImageFolderConfig
+from runner.options.metric.evaluation import EvaluationConfig
 from runner.runtime import Runtime
 from runner.schema import Precision, ResizeMode
 from tests.conftest import make_config

@@ -16,11 +16,11 @@ from torch import nn
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import CAM_METHODS, Runtime, build_method, method_config
+from runner.methods import Runtime, build_method, cam_methods, method_config
 from runner.methods.cam import CamContext
-from runner.methods.scorecam import ScoreCamConfig
 from runner.metrics import curves as faithfulness
-from runner.metrics.curves import BlurConfig, FaithfulnessConfig
+from runner.options.method.cam import BlurConfig, FaithfulnessConfig
+from runner.options.method.scorecam import ScoreCamConfig
 from runner.ranking import average_ranks, spearman
 from runner.schema import Precision, ScoreCamWeights, TargetMode
 from runner.stats import upsample
@@ -270,7 +270,7 @@ def test_insertion_blur_is_configurable() -> None:
 
 
 def _scorecam(weights: ScoreCamWeights, act: torch.Tensor) -> torch.Tensor:
-    method = CAM_METHODS["scorecam"](ScoreCamConfig(score_chunk=2, scorecam_weights=weights), [], CPU)
+    method = cam_methods()["scorecam"](ScoreCamConfig(score_chunk=2, scorecam_weights=weights), [], CPU)
     return method.cam(act, None, CamContext(SumModel(), torch.ones(1, 1, 2, 2), torch.tensor([0]), CPU))[0]
 
 
@@ -322,7 +322,7 @@ def test_scorecam_masked_inputs_go_through_in_small_batches_on_cpu_unless_a_chun
     act = torch.rand(1, 20, 7, 7)  # 20 channels: 20 masked inputs of 224 px
     ctx = CamContext(model, torch.rand(1, 3, 224, 224), torch.tensor([0]), CPU)
     for chunk, largest in ((None, 8), (3, 3)):
-        CAM_METHODS["scorecam"](ScoreCamConfig(score_chunk=chunk), [], CPU).cam(act, None, ctx)
+        cam_methods()["scorecam"](ScoreCamConfig(score_chunk=chunk), [], CPU).cam(act, None, ctx)
         assert max(sizes) == largest and sum(sizes) == 20
         sizes.clear()
     assert ScoreCamConfig(score_chunk=0).check() == ["method.score_chunk=0"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.data.base import standard_transform
+from runner.data.images import standard_transform
 from runner.errors import RunnerError
 from runner.models import build_model, load_checkpoint
 from runner.schema import ModelConfig, ResizeMode

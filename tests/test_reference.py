@@ -25,10 +25,10 @@ from runner.data.base import Batch
 from runner.hooks import HookSession, inplace_disabled
 from runner.layers import resolve_layers
 from runner.methods import build_method
-from runner.methods.sanity import SanityConfig
 from runner.metrics import curves as faithfulness
-from runner.metrics.curves import FaithfulnessConfig
 from runner.models import build_model
+from runner.options.method.cam import FaithfulnessConfig
+from runner.options.method.sanity import SanityConfig
 from runner.schema import ModelConfig, ScoreCamWeights, TargetMode
 from tests.test_cam_family import CPU, run_method
 from tests.test_gradcam import maps_of

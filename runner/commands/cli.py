@@ -82,19 +82,10 @@ def print_only(args: Sequence[str]) -> bool:
 
 
 def register_schemas(args: Sequence[str]) -> None:
-    """Register the config schemas for Hydra: from the snapshot when the command only prints (no torch import),
-    else the real ones (which refresh the snapshot)."""
-    from runner import schema_cache
-    from runner.schema import option_schemas, register_configs
+    """Register the config schemas for Hydra: the real ones, found by importing the option modules (no torch)."""
+    from runner.options.compose import register_configs
 
-    if print_only(args) and "torch" not in sys.modules:  # with torch loaded the real schemas cost nothing more
-        snapshot = schema_cache.load()
-        if snapshot is not None:
-            register_configs(snapshot)
-            return
-    options = option_schemas()
-    register_configs(options)
-    schema_cache.save(options)
+    register_configs()
 
 
 FOLDER_RESOLVER = "runner.folder"  # conf/hydra/default.yaml: `${runner.folder:${name}}` in the run folder's name

@@ -40,9 +40,9 @@ def layer_table(cfg: DictConfig | RunConfig) -> pd.DataFrame:
 
     A selection that fails (a selector matching nothing) leaves `selected` all False and its message in
     `attrs["selection_error"]`; `attrs["input_shape"]` is the probe's shape."""
+    from runner.configure import to_run_config
     from runner.models import build_model
     from runner.models.check import input_refused
-    from runner.schema import to_run_config
 
     config = to_run_config(cfg)
     bundle = build_model(config.model)
@@ -117,7 +117,7 @@ def compose(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from runner.schema import register_configs
+    from runner.options.compose import register_configs
 
     register_configs()
     try:

@@ -4,10 +4,9 @@ gradient pass that also drives the session's backward and tensor hooks."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -16,7 +15,6 @@ from torch.utils.data import Dataset
 from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
-from runner.registry import Registry
 from runner.rows import Columns
 from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
@@ -58,15 +56,6 @@ class Method:
         """Called after every batch ran and the tables are written: raise RunnerError if the run failed a check."""
 
 
-M = TypeVar("M", bound=type[Method])
-# Every method by its config type (the option's name is its `name` default); runner/methods/__init__.py
-# imports each module of the package to fill it.
-METHODS: Registry[type[MethodConfig], type[Method]] = Registry("method", lambda config: config.name)
-
-
-def register(config: type[MethodConfig]) -> Callable[[M], M]:
-    """Class decorator: the method runs configs of type `config`, an option named by `config.name`'s default."""
-    return METHODS.register(config)
 
 
 def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:

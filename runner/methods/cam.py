@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
@@ -29,52 +29,18 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_target_sets
 from runner.metrics import curves as faithfulness
-from runner.metrics.base import EvaluationConfig, Metric, build_metrics
-from runner.metrics.curves import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
+from runner.metrics.base import Metric, build_metrics
 from runner.metrics.table import evaluation_rows
+from runner.options.method.cam import CamConfig
 from runner.randomness import per_sample_uniform
 from runner.rows import Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
-from runner.schema import MapScale, MethodConfig
+from runner.schema import MapScale
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields, upsample
 from runner.tables import declare, optional
 from runner.viz import pictures
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CamConfig(MethodConfig):
-    """What every map-making method shares (the CAM variants, captum, sanity): maps, tokens, faithfulness."""
-
-    store_maps: bool = True  # put each map (at the layer's resolution) in its row
-    token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
-    faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
-    feature_grid_layer: str | None = None  # also a grid of this layer's first feature maps per sample
-    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # metrics -> the `evaluation` table
-
-    def check(self) -> list[str]:
-        bad = super().check()
-        f = self.faithfulness
-        bad += [
-            f"method.faithfulness.{key}={value}"
-            for key, value in (("steps", f.steps), ("chunk", f.chunk))
-            if value is not None and value < 1
-        ]
-        blur = f.insertion_blur
-        if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
-            raise RunnerError(
-                f"Out of range: method.faithfulness.insertion_blur.kernel_size={blur.kernel_size} (odd, >= 1),"
-                f" sigma={blur.sigma} (> 0). RISE's blur, the default: kernel_size=11, sigma=5."
-            )
-        if self.token_prefix < 0:
-            bad.append(f"method.token_prefix={self.token_prefix}")
-        if f.steps > MAX_FAITHFULNESS_STEPS:
-            raise RunnerError(
-                f"method.faithfulness.steps={f.steps} is above the bound of {MAX_FAITHFULNESS_STEPS}: each step costs"
-                " about 4 forwards per sample and layer. 20 to 100 steps resolve a deletion curve; use e.g. steps=50."
-            )
-        return bad
 
 
 @dataclass

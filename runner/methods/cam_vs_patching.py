@@ -21,35 +21,30 @@ leave effects meaningless (`self_pair`, `target_is_contrast`, `zero_span`: runne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pyarrow as pa
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.errors import RunnerError, suggest
+from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, register, select_targets
+from runner.methods.base import BatchOutput, Method, check_targets, select_targets
 from runner.methods.cam import CamContext, CamMethod, to_spatial
-from runner.methods.patching.config import (
-    PatchDirection,
-    PatchingConfig,
-    PatchingMethodConfig,
-    PatchMode,
-    PatchUnit,
-)
 from runner.methods.patching.corruption import corrupt
 from runner.methods.patching.engine import ExactEngine
 from runner.methods.patching.metric import metric
 from runner.methods.patching.rows import UNDEFINED, degenerate_reasons
 from runner.methods.patching.units import Units, enumerate_units
+from runner.options.method.cam_vs_patching import CamVsPatchingConfig
+from runner.options.method.patching import (
+    PatchDirection,
+    PatchUnit,
+)
 from runner.ranking import spearman
 from runner.rows import Columns, concat_columns
 from runner.runtime import Runtime
-from runner.schema import MethodConfig, TargetMode
 from runner.tables import declare
 
 # The `cam_vs_patching` table's own columns (`CamVsPatching.run_batch`): one row per (sample, direction, layer,
@@ -72,48 +67,6 @@ CAM_VS_PATCHING_SCHEMA = declare(
         pa.field("degenerate_reason", pa.string()),
     ],
 )
-
-DEFAULT_CAM_METHODS = ["gradcam", "gradcampp", "xgradcam", "hirescam", "layercam"]
-
-
-@dataclass
-class CamVsPatchingConfig(MethodConfig):
-    """`method=cam_vs_patching`: the CAM methods compared, and the exact patching sweep they are compared with
-    (a PatchingConfig under `exact_patching`, with units=cell and mode=exact)."""
-
-    name: str = "cam_vs_patching"
-    cam_methods: list[str] = field(default_factory=lambda: list(DEFAULT_CAM_METHODS))
-    token_prefix: int = 1  # as CamConfig's: token models' leading tokens (cells need spatial layers anyway)
-    exact_patching: PatchingConfig = field(default_factory=PatchingConfig)
-
-    def check(self) -> list[str]:
-        from runner.methods import CAM_METHODS  # here: that package imports this module
-
-        bad = super().check()
-        p = self.exact_patching
-        unknown = [m for m in self.cam_methods if m not in CAM_METHODS]
-        if not self.cam_methods or unknown or len(set(self.cam_methods)) != len(self.cam_methods):
-            raise RunnerError(
-                f"method.cam_methods={self.cam_methods}: give each of {', '.join(CAM_METHODS)} at most once, and at"
-                f" least one.{suggest(unknown[0], list(CAM_METHODS)) if unknown else ''}"
-            )
-        if p.units is not PatchUnit.cell or p.mode is not PatchMode.exact:
-            raise RunnerError(
-                f"method=cam_vs_patching compares CAM mass with exact patching of spatial cells:"
-                f" method.exact_patching.units must be cell (is {p.units.value}) and mode exact (is {p.mode.value})."
-            )
-        if self.target is TargetMode.topk:
-            raise RunnerError(
-                "method=cam_vs_patching explains one class per sample: use target predicted, label or fixed."
-            )
-        bad += [f"method.token_prefix={self.token_prefix}"] if self.token_prefix < 0 else []
-        # The sweep's own rules are patching's (corruption, directions, grid, chunk), named under this option's key.
-        try:
-            inner = PatchingMethodConfig(patching=p).check()
-        except RunnerError as e:
-            raise RunnerError(str(e).replace("method.patching.", "method.exact_patching.")) from None
-        bad += [b.replace("method.patching.", "method.exact_patching.") for b in inner]
-        return bad
 
 
 def cell_mass(units: Units, maps: torch.Tensor) -> torch.Tensor:
@@ -144,14 +97,13 @@ def agreement(mass: torch.Tensor, effect: torch.Tensor, pair_reason: str) -> tup
     return torch.stack(rhos).float(), reasons
 
 
-@register(CamVsPatchingConfig)
 class CamVsPatching(Method):
     name = "cam_vs_patching"
     table = "cam_vs_patching"
     summary_values = ("spearman",)
 
     def __init__(self, cfg: CamVsPatchingConfig, layers: list[Layer], runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS, method_config  # here: that package imports this module
+        from runner.methods import cam_methods, method_config  # here: that package imports this module
 
         bad = cfg.check()  # a library caller may skip validation: cam_methods and units are checked before any work
         if bad:
@@ -160,7 +112,7 @@ class CamVsPatching(Method):
         self.module_types = {n: type(m).__name__ for n, m in layers}
         # Each CAM method only turns (activation, gradient) into a map here: its `cam`, no capture of its own.
         self.cams: dict[str, CamMethod] = {
-            name: CAM_METHODS[name](method_config(name), layers, runtime) for name in cfg.cam_methods
+            name: cam_methods()[name](method_config(name), layers, runtime) for name in cfg.cam_methods
         }
         self.needs_gradients = any(c.needs_gradients for c in self.cams.values())
         self.dataset: Dataset | None = None

@@ -8,17 +8,14 @@ over channels into a signed map at the layer's resolution; rows are those of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch import nn
 
 from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
-from runner.methods.base import BatchOutput, check_targets, forward, register, select_target_sets
-from runner.methods.cam import CamConfig, CamContext, CamMethod, to_spatial
+from runner.methods.base import BatchOutput, check_targets, forward, select_target_sets
+from runner.methods.cam import CamContext, CamMethod, to_spatial
 from runner.rows import Columns, concat_columns
 
 SUPPORTED = (
@@ -30,14 +27,6 @@ SUPPORTED = (
 )
 
 
-@dataclass
-class CaptumConfig(CamConfig):
-    name: str = "captum"
-    captum: str = "LayerGradientXActivation"  # the captum.attr layer method (SUPPORTED)
-    captum_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {n_steps: 16} for integrated gradients
-
-
-@register(CaptumConfig)
 class CaptumLayer(CamMethod):
     name = "captum"
     needs_gradients = False

@@ -17,20 +17,11 @@ activation (the component points where the layer is active). It differs from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.cam import CamContext, CamMethod
 
 
-@dataclass
-class EigenCamConfig(CamConfig):
-    name: str = "eigencam"
-
-
-@register(EigenCamConfig)
 class EigenCAM(CamMethod):
     name = "eigencam"
     needs_gradients = False

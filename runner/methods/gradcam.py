@@ -5,20 +5,11 @@ w_c = mean_{h,w} dy/dA_c        cam = ReLU(sum_c w_c A_c)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.cam import CamMethod
 
 
-@dataclass
-class GradCamConfig(CamConfig):
-    name: str = "gradcam"
-
-
-@register(GradCamConfig)
 class GradCAM(CamMethod):
     name = "gradcam"
 

@@ -9,20 +9,11 @@ conf/method/gradcam_elementwise.yaml makes it `method=gradcam_elementwise`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.cam import CamContext, CamMethod
 
 
-@dataclass
-class GradCamElementWiseConfig(CamConfig):
-    name: str = "gradcam_elementwise"
-
-
-@register(GradCamElementWiseConfig)
 class GradCAMElementWise(CamMethod):
     name = "gradcam_elementwise"
 

@@ -9,20 +9,11 @@ and pytorch-grad-cam do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.cam import CamMethod
 
 
-@dataclass
-class GradCamPlusPlusConfig(CamConfig):
-    name: str = "gradcampp"
-
-
-@register(GradCamPlusPlusConfig)
 class GradCAMPlusPlus(CamMethod):
     name = "gradcampp"
 

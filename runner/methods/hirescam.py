@@ -5,20 +5,11 @@ cam = ReLU(sum_c dy/dA_c * A_c)      (exactly the map's contribution to y for a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.cam import CamContext, CamMethod
 
 
-@dataclass
-class HiResCamConfig(CamConfig):
-    name: str = "hirescam"
-
-
-@register(HiResCamConfig)
 class HiResCAM(CamMethod):
     name = "hirescam"
 

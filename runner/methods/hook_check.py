@@ -6,7 +6,6 @@ A difference beyond `method.tolerance` fails the run after the table is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,9 +16,9 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, forward, register
+from runner.methods.base import BatchOutput, Method, forward
+from runner.options.method.hook_check import HookCheckConfig
 from runner.runtime import Runtime
-from runner.schema import MethodConfig
 from runner.tables import declare
 
 # The `hook_check` table's own columns (`HookCheck.run_batch`): one row per (sample, layer, call).
@@ -35,13 +34,6 @@ HOOK_CHECK_SCHEMA = declare(
 )
 
 
-@dataclass
-class HookCheckConfig(MethodConfig):
-    name: str = "hook_check"
-    tolerance: float = 1e-5  # max abs difference allowed
-
-
-@register(HookCheckConfig)
 class HookCheck(Method):
     name = "hook_check"
     table = "hook_check"

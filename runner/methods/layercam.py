@@ -5,20 +5,11 @@ cam = ReLU(sum_c ReLU(dy/dA_c) * A_c)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.cam import CamContext, CamMethod
 
 
-@dataclass
-class LayerCamConfig(CamConfig):
-    name: str = "layercam"
-
-
-@register(LayerCamConfig)
 class LayerCAM(CamMethod):
     name = "layercam"
 

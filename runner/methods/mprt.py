@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field, fields
-from enum import Enum
 from pathlib import Path
 
 import pyarrow as pa
@@ -45,8 +44,10 @@ from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import BatchOutput, Method, forward, gradients, register, select_targets
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.base import BatchOutput, Method, forward, gradients, select_targets
+from runner.methods.cam import CamContext, CamMethod
+from runner.options.method.cam import CamConfig
+from runner.options.method.mprt import MprtConfig, MprtOrder
 from runner.ranking import ranks_of_sorted
 from runner.rows import Columns
 from runner.runtime import Runtime
@@ -77,36 +78,6 @@ MPRT_SCHEMA = declare(
         pa.field("inner_method", pa.string()),
     ],
 )
-
-
-class MprtOrder(str, Enum):
-    """Which modules a step re-initialises: Quantus's `layer_order` values."""
-
-    top_down = "top_down"  # cascading from the output: step s re-initialises the last s modules
-    bottom_up = "bottom_up"  # cascading from the input
-    independent = "independent"  # step s re-initialises module s alone, on the trained weights (model order)
-
-
-@dataclass
-class MprtConfig(CamConfig):
-    """The inner method's maps are made with this config's CAM fields (token_prefix, ...)."""
-
-    name: str = "mprt"
-    inner: str = "gradcam"  # the CAM method whose maps are compared
-    order: MprtOrder = MprtOrder.top_down
-    randomize: list[str] = field(default_factory=list)  # layer selectors narrowing the modules re-initialised; []: all
-    max_steps: int | None = None  # stop after this many steps (null: every module)
-    similarities: list[str] = field(default_factory=lambda: ["spearman", "ssim", "topk_intersection"])
-    topk_fraction: float = 0.1  # topk_intersection: the share of the input's pixels taken as the top
-    seed: int = 42  # Quantus's default: each module is reset after torch.manual_seed(seed + 1)
-
-    def check(self) -> list[str]:
-        bad = super().check()
-        if self.max_steps is not None and self.max_steps < 1:
-            bad.append(f"method.max_steps={self.max_steps}")
-        if not 0.0 < self.topk_fraction <= 1.0:
-            bad.append(f"method.topk_fraction={self.topk_fraction}")
-        return bad
 
 
 # ---- similarities: (N, H, W) float64 maps, each normalised to max 1 -> (N,) float64 ----------------------------
@@ -284,16 +255,15 @@ def parameterised_modules(model: nn.Module, selectors: list[str]) -> list[Layer]
     return found
 
 
-@register(MprtConfig)
 class Mprt(Method):
     name = "mprt"
     table = "mprt"
 
     def __init__(self, cfg: MprtConfig, layers: list[Layer], runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS, method_config
+        from runner.methods import cam_methods, method_config
 
-        if cfg.inner not in CAM_METHODS:
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
+        if cfg.inner not in cam_methods():
+            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(cam_methods())}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=mprt compares one map per sample: use target predicted, label or fixed.")
         unknown = [s for s in cfg.similarities if s not in SIMILARITIES]
@@ -307,7 +277,7 @@ class Mprt(Method):
         except ValueError:
             raise RunnerError(f"method.order={cfg.order}: one of {', '.join(o.value for o in MprtOrder)}.") from None
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = CAM_METHODS[cfg.inner]
+        self.inner_class = cam_methods()[cfg.inner]
         shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
         self.inner_cfg = method_config(cfg.inner, **shared)
         self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, runtime)

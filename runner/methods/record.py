@@ -5,24 +5,16 @@ down to the input, so that every gradient hook sees a real backward pass."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, register, select_targets
+from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_targets
 from runner.runtime import Runtime
 from runner.schema import MethodConfig
 
 
-@dataclass
-class RecordConfig(MethodConfig):
-    name: str = "record"
-
-
-@register(RecordConfig)
 class Record(Method):
     name = "record"
     table = "hooks"  # what the record hooks saw: the method writes no table of its own

@@ -17,7 +17,7 @@ as Quantus's MPRT, step by step (cascading or independent) with Spearman, SSIM a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import pyarrow as pa
 import torch
@@ -27,8 +27,10 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods.base import BatchOutput, Method, register
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.base import BatchOutput, Method
+from runner.methods.cam import CamMethod
+from runner.options.method.cam import CamConfig
+from runner.options.method.sanity import SanityConfig
 from runner.ranking import spearman
 from runner.rows import Columns, Ragged
 from runner.runtime import Runtime
@@ -53,27 +55,16 @@ SANITY_SCHEMA = declare(
 )
 
 
-@dataclass
-class SanityConfig(CamConfig):
-    """The inner method's maps are made with this config's CAM fields (store_maps, token_prefix, ...); an inner
-    method's own fields (scorecam's score_chunk, say) keep their defaults."""
-
-    name: str = "sanity"
-    inner: str = "gradcam"  # the CAM method whose maps are compared
-    randomize: list[str] = field(default_factory=list)  # layers re-initialised in the copy
-
-
-@register(SanityConfig)
 class Sanity(Method):
     name = "sanity"
     table = "sanity"
     summary_values = ("spearman",)
 
     def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS, method_config
+        from runner.methods import cam_methods, method_config
 
-        if cfg.inner not in CAM_METHODS:
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
+        if cfg.inner not in cam_methods():
+            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(cam_methods())}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=sanity compares one map per sample: use target predicted, label or fixed.")
         if not cfg.randomize:
@@ -81,7 +72,7 @@ class Sanity(Method):
                 "method=sanity needs method.randomize=[...]: the layers to re-initialise, e.g. [classifier]."
             )
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = CAM_METHODS[cfg.inner]
+        self.inner_class = cam_methods()[cfg.inner]
         shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
         self.inner_cfg = method_config(cfg.inner, **shared)
         self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))

@@ -18,31 +18,14 @@ No backward pass runs. Cost: C forwards per sample and layer (512 at VGG16's las
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.cam import CamContext, CamMethod
 from runner.metrics.curves import forward_chunk
 from runner.schema import ScoreCamWeights
 from runner.stats import upsample
-
-
-@dataclass
-class ScoreCamConfig(CamConfig):
-    name: str = "scorecam"
-    score_chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) masked inputs per forward; null: forward_chunk
-    # `paper` (each channel's weight is the target's softmax probability on the masked input, as Wang et al.
-    # 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
-    scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
-
-    def check(self) -> list[str]:
-        bad = self.score_chunk is not None and self.score_chunk < 1
-        return super().check() + ([f"method.score_chunk={self.score_chunk}"] if bad else [])
 
 
 @torch.no_grad()
@@ -67,7 +50,6 @@ def pytorch_grad_cam_masks(maps: torch.Tensor, size: tuple[int, int] | torch.Siz
     return (up - lo) / (hi - lo + 1e-8)
 
 
-@register(ScoreCamConfig)
 class ScoreCAM(CamMethod):
     name = "scorecam"
     needs_gradients = False

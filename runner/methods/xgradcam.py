@@ -5,20 +5,11 @@ w_c = sum_{h,w} (A_c / sum_{h,w} A_c) * dy/dA_c        cam = ReLU(sum_c w_c A_c)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from runner.methods.base import register
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.cam import CamMethod
 
 
-@dataclass
-class XGradCamConfig(CamConfig):
-    name: str = "xgradcam"
-
-
-@register(XGradCamConfig)
 class XGradCAM(CamMethod):
     name = "xgradcam"
 

@@ -7,6 +7,7 @@ package registers its metrics when imported (`load_metrics()` imports them all, 
 
 from __future__ import annotations
 
-from runner.metrics.base import METRICS, EvaluationConfig, Metric, MetricInputs, build_metrics, load_metrics
+from runner.metrics.base import METRICS, Metric, MetricInputs, build_metrics, load_metrics
+from runner.options.metric.evaluation import EvaluationConfig
 
 __all__ = ["METRICS", "EvaluationConfig", "Metric", "MetricInputs", "build_metrics", "load_metrics"]

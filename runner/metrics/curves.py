@@ -21,51 +21,18 @@ Python loop per image. The random map has the layer's own resolution, so both ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import Optional
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
+from runner.options.method.cam import BlurConfig, BlurPadding, FaithfulnessConfig
 from runner.progress import within_batch
 from runner.randomness import sample_generator
 from runner.rows import Block
 from runner.stats import constant_rows
-
-
-class BlurPadding(str, Enum):
-    """How the insertion blur fills the border: 0 (RISE's choice), mirrored pixels, or the edge pixel."""
-
-    zero = "zero"
-    reflect = "reflect"
-    replicate = "replicate"
-
-
-@dataclass
-class BlurConfig:
-    """The insertion baseline's Gaussian blur; the defaults are RISE's (Petsiuk et al. 2018, eclique/RISE)."""
-
-    kernel_size: int = 11  # odd
-    sigma: float = 5.0
-    padding: BlurPadding = BlurPadding.zero
-
-
-@dataclass
-class FaithfulnessConfig:
-    """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
-
-    enabled: bool = False
-    steps: int = 20  # deletion/insertion curve points (plus the start)
-    chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
-    seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
-    insertion_blur: BlurConfig = field(default_factory=BlurConfig)
-
-
-# A bound that keeps a typo from running for days: each step costs about 4 forwards per sample and layer.
-MAX_FAITHFULNESS_STEPS = 1000
 
 # Images per forward when scoring perturbed inputs and no chunk is set. On a CPU a large batch spills the caches:
 # EfficientNet-Lite0 at 224 px on 2 cores ran 33-36 img/s at batch 1-8, 23 at 16, 14 at 64 (benchmarks/RESULTS.md,

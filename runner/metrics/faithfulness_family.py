@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.metrics.base import METRICS, EvaluationConfig, Metric, MetricInputs
+from runner.metrics.base import METRICS, Metric, MetricInputs
 from runner.metrics.curves import pixel_rank, tie_keys
+from runner.options.metric.evaluation import EvaluationConfig
 from runner.randomness import sample_generator
 from runner.runtime import Runtime
 

@@ -111,7 +111,7 @@ def input_fingerprints(config: RunConfig) -> dict[str, str]:
         if file.is_file():
             found["model.checkpoint (contents)"] = f"sha256:{_file_digest(file)}"
     if config.data.name == "image_folder" and config.data.root:
-        from runner.data.base import IMAGE_SUFFIXES
+        from runner.options.data.images import IMAGE_SUFFIXES
 
         folder = Path(config.data.root).expanduser()
         if folder.is_dir():
@@ -123,7 +123,7 @@ def input_fingerprints(config: RunConfig) -> dict[str, str]:
             found["data.root (contents)"] = f"{count} files, {lines.hexdigest()[:16]}"
             # Localisation masks (runner/data/composites.py) change the localisation rows: their contents are hashed
             # (small files; masks.json is no image, and an edited mask may keep its size and time).
-            from runner.data.composites import MASK_SUFFIX, MASKS_FILE
+            from runner.options.data.images import MASK_SUFFIX, MASKS_FILE
 
             sides = sorted(p for p in folder.rglob("*") if p.name.lower().endswith(MASK_SUFFIX) and p.is_file())
             if (folder / MASKS_FILE).is_file():

@@ -100,9 +100,9 @@ def main_table(run_dir: Path) -> str | None:
 
         config = yaml.safe_load(read_metadata(next(run_dir.glob("*.parquet"))).get("config") or "{}")
         method = str(config["method"]["name"])
-        from runner.methods import METHODS  # here: every method module, imported only for such an older run
+        from runner.options.registry import METHODS
 
-        return METHODS[METHODS.key(method)].table
+        return METHODS.get(method).tables[0]
     except Exception:  # no table, no config, or a method this installation does not have: not known
         return None
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner.data.base import IMAGENET_MEAN, IMAGENET_STD, Batch
+from runner.data.base import Batch
+from runner.data.images import IMAGENET_MEAN, IMAGENET_STD
 from runner.schema import FiguresConfig, MapScale
 from runner.stats import upsample
 from runner.viz import figure_style

@@ -42,7 +42,10 @@ The package, one concern a module:
 
 from __future__ import annotations
 
-from runner.methods.patching.config import (
+from runner.methods.patching.method import Patching  # registers the method
+from runner.methods.patching.rows import PATCHING_SCHEMA
+from runner.methods.patching.units import Units, enumerate_units
+from runner.options.method.patching import (
     CorruptionConfig,
     CorruptionKind,
     PatchDirection,
@@ -52,9 +55,6 @@ from runner.methods.patching.config import (
     PatchMode,
     PatchUnit,
 )
-from runner.methods.patching.method import Patching  # registers the method
-from runner.methods.patching.rows import PATCHING_SCHEMA
-from runner.methods.patching.units import Units, enumerate_units
 
 __all__ = [
     "PATCHING_SCHEMA",

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from runner.errors import RunnerError
-from runner.methods.patching.config import PatchDirection, PatchMetric
 from runner.methods.patching.metric import metric
 from runner.methods.patching.units import Units
+from runner.options.method.patching import PatchDirection, PatchMetric
 
 UNITS_PER_STEP = 256  # units whose masks are built at once while summing estimates (bounds the masks' memory)
 

@@ -9,7 +9,7 @@ from torchvision.transforms.functional import gaussian_blur
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
-from runner.methods.patching.config import CorruptionConfig, CorruptionKind, is_valid_box
+from runner.options.method.patching import CorruptionConfig, CorruptionKind, is_valid_box
 from runner.randomness import per_sample_normal
 
 NOISE_PURPOSE = "patching.corruption.noise"  # the randomness key's purpose for corruption noise

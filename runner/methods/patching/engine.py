@@ -17,9 +17,9 @@ from torch import nn
 
 from runner.hooks import Capture, HookSession, Replacement
 from runner.methods.patching.cone import Cone
-from runner.methods.patching.config import PatchingConfig, PatchUnit
 from runner.methods.patching.metric import metric
 from runner.methods.patching.units import Units
+from runner.options.method.patching import PatchingConfig, PatchUnit
 from runner.progress import within_batch
 from runner.runtime import Runtime
 

@@ -14,9 +14,8 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, register, select_targets
+from runner.methods.base import BatchOutput, Method, check_targets, select_targets
 from runner.methods.patching.attribution import estimate_maps, unit_estimates
-from runner.methods.patching.config import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.methods.patching.corruption import corrupt
 from runner.methods.patching.engine import ExactEngine
 from runner.methods.patching.metric import metric
@@ -29,6 +28,7 @@ from runner.methods.patching.rows import (
     unit_columns,
 )
 from runner.methods.patching.units import Units, enumerate_units
+from runner.options.method.patching import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.ranking import spearman
 from runner.rows import Columns, concat_columns
 from runner.runtime import Runtime
@@ -37,7 +37,6 @@ from runner.viz import pictures
 log = logging.getLogger(__name__)
 
 
-@register(PatchingMethodConfig)
 class Patching(Method):
     name = "patching"
     table = "patching"

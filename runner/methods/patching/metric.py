@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.methods.patching.config import PatchMetric
+from runner.options.method.patching import PatchMetric
 
 
 def metric(kind: PatchMetric, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor) -> torch.Tensor:

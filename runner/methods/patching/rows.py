@@ -10,8 +10,8 @@ import pyarrow as pa
 import torch
 
 from runner.data.base import Batch
-from runner.methods.patching.config import PatchDirection, PatchMetric
 from runner.methods.patching.units import Units
+from runner.options.method.patching import PatchDirection, PatchMetric
 from runner.rows import Columns
 from runner.tables import declare, optional
 

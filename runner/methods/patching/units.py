@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.errors import RunnerError
-from runner.methods.patching.config import PatchUnit
+from runner.options.method.patching import PatchUnit
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from runner.errors import RunnerError
+from runner.options.registry import METHODS
 from runner.schema import MethodConfig
 
 
@@ -80,6 +81,7 @@ def is_valid_box(box: list[float]) -> bool:
     return len(box) == 4 and all(0 <= v <= 1 for v in box) and box[0] < box[2] and box[1] < box[3]
 
 
+@METHODS.option("runner.methods.patching.method:Patching", tables=("patching",))
 @dataclass
 class PatchingMethodConfig(MethodConfig):
     """`method=patching`: the what and how of patching sit under `method.patching` (PatchingConfig)."""

@@ -1,0 +1,63 @@
+"""The schemas as Hydra sees them: the run's and every option's in Hydra's ConfigStore, a DictConfig merged into
+the typed tree with each group's chosen option's own schema, and the one-line message for a key a schema refuses.
+Imports no torch: `--cfg job` and `--help` compose against these real schemas."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import RunnerError
+from runner.options.registry import POINTS, option_schemas
+from runner.schema import RunConfig
+
+
+def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
+    """Make the schemas available to Hydra: the run's as `run_schema` (the primary config's defaults list),
+    each option's as `/schema/<group>/<option>` (the first entry of conf/<group>/<option>.yaml's defaults).
+    `schemas`: {group: {option: dataclass}} to register instead of the discovered ones (tests)."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, options in (option_schemas() if schemas is None else schemas).items():
+        for option, schema in options.items():
+            store.store(group=f"schema/{group}", name=option, node=schema)
+
+
+def config_error_line(error: BaseException) -> str:
+    """One line for a key or value the schema refuses, naming the key, and the option that owns it if another does."""
+    message = str(getattr(error, "msg", error)).splitlines()[0]
+    full_key = getattr(error, "full_key", None) or ""
+    line = f"Config error{f' (key: {full_key})' if full_key else ''}: {message}."
+    group, _, rest = full_key.partition(".")
+    key = rest.split(".")[0]
+    options = option_schemas().get(group, {})
+    if key and "not in" in message:
+        owners = [name for name, schema in options.items() if key in {f.name for f in fields(schema)}]
+        chosen = [name for name, schema in options.items() if schema is getattr(error, "object_type", None)]
+        if owners:
+            here = f"{group}={chosen[0]}" if chosen else f"the {group} chosen"
+            line += f" `{group}.{key}` belongs to {group}={' / '.join(owners)}, not to {here}."
+    return line + " `python -m runner --cfg job` prints every valid key."
+
+
+def typed_config(cfg: DictConfig) -> RunConfig:
+    """The typed config of a composed DictConfig, each group's node merged into its chosen option's own schema.
+
+    Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's to_object
+    would silently drop it; merging plain values into the schema refuses it instead. The schema's method and data
+    are the named options' own, so a key of another option is refused too."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        schema = OmegaConf.structured(RunConfig)
+        assert isinstance(plain, dict)
+        for group in ("method", "data"):
+            name = (plain.get(group) or {}).get("name")
+            schema[group] = OmegaConf.structured(POINTS[group].get(str(name)).schema)  # raises for an unknown name
+        merged = OmegaConf.merge(schema, plain)
+        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise RunnerError(config_error_line(e)) from None
+    return config

@@ -1,0 +1,83 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from runner.errors import RunnerError
+from runner.options.metric.evaluation import EvaluationConfig
+from runner.options.registry import METHODS
+from runner.schema import MethodConfig
+
+
+class BlurPadding(str, Enum):
+    """How the insertion blur fills the border: 0 (RISE's choice), mirrored pixels, or the edge pixel."""
+
+    zero = "zero"
+    reflect = "reflect"
+    replicate = "replicate"
+
+
+@dataclass
+class BlurConfig:
+    """The insertion baseline's Gaussian blur; the defaults are RISE's (Petsiuk et al. 2018, eclique/RISE)."""
+
+    kernel_size: int = 11  # odd
+    sigma: float = 5.0
+    padding: BlurPadding = BlurPadding.zero
+
+
+@dataclass
+class FaithfulnessConfig:
+    """Deletion/insertion AUC and average drop/increase per map, each beside a random-map baseline."""
+
+    enabled: bool = False
+    steps: int = 20  # deletion/insertion curve points (plus the start)
+    chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
+    seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
+    insertion_blur: BlurConfig = field(default_factory=BlurConfig)
+
+
+# A bound that keeps a typo from running for days: each step costs about 4 forwards per sample and layer.
+MAX_FAITHFULNESS_STEPS = 1000
+
+
+@dataclass
+class CamConfig(MethodConfig):
+    """What every map-making method shares (the CAM variants, captum, sanity): maps, tokens, faithfulness."""
+
+    store_maps: bool = True  # put each map (at the layer's resolution) in its row
+    token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
+    faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
+    feature_grid_layer: str | None = None  # also a grid of this layer's first feature maps per sample
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # metrics -> the `evaluation` table
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        f = self.faithfulness
+        bad += [
+            f"method.faithfulness.{key}={value}"
+            for key, value in (("steps", f.steps), ("chunk", f.chunk))
+            if value is not None and value < 1
+        ]
+        blur = f.insertion_blur
+        if blur.kernel_size < 1 or blur.kernel_size % 2 == 0 or blur.sigma <= 0:
+            raise RunnerError(
+                f"Out of range: method.faithfulness.insertion_blur.kernel_size={blur.kernel_size} (odd, >= 1),"
+                f" sigma={blur.sigma} (> 0). RISE's blur, the default: kernel_size=11, sigma=5."
+            )
+        if self.token_prefix < 0:
+            bad.append(f"method.token_prefix={self.token_prefix}")
+        if f.steps > MAX_FAITHFULNESS_STEPS:
+            raise RunnerError(
+                f"method.faithfulness.steps={f.steps} is above the bound of {MAX_FAITHFULNESS_STEPS}: each step costs"
+                " about 4 forwards per sample and layer. 20 to 100 steps resolve a deletion curve; use e.g. steps=50."
+            )
+        return bad
+
+
+def cam_method_names() -> list[str]:
+    """The CAM variants' names (options of family "cam"), in registration order."""
+    return [option.name for option in METHODS if option.family == "cam"]

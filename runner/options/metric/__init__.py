@@ -1,0 +1,1 @@
+"""Option modules: each defines its config dataclass and registers it (runner/options/registry.py)."""
