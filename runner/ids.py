@@ -17,9 +17,8 @@ import torch
 
 from runner.data.base import NO_LABEL, Batch, label_classes
 from runner.errors import RunnerError
-from runner.methods.base import BatchOutput
 from runner.models import model_label
-from runner.rows import Block, to_host
+from runner.rows import BatchOutput, Block, to_host
 from runner.schema import DataConfig, RunConfig
 from runner.stats import STAT_NAMES
 from runner.store.provenance import swept_columns

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -32,10 +32,13 @@ from runner.interrupts import (
     received,
     sweep_dir,
 )
-from runner.methods.base import BatchOutput, Method
 from runner.progress import RunProgress
+from runner.rows import BatchOutput
 from runner.schema import RunConfig
 from runner.store.writer import ShardedWriter
+
+if TYPE_CHECKING:  # the loop runs any method through the protocol; it imports none
+    from runner.methods.base import Method
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ concatenation, and their move to the host for writing. Foundation: imports nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,3 +67,11 @@ def concat_columns(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 Columns = dict[str, Any]
+
+
+@dataclass
+class BatchOutput:
+    """What a method hands back per batch: the predicted classes, and rows per table (columns, on device)."""
+
+    predicted: torch.Tensor  # (B,)
+    tables: dict[str, Columns] = field(default_factory=dict)

@@ -233,9 +233,9 @@ def test_numpy_load_without_pickles_is_not_refused(tmp_path: Path) -> None:
     ],
 )
 def test_model_source_is_inferred_or_named(cfg: ModelConfig, source: str) -> None:
-    from runner.models import MODEL_SOURCES, model_source_of
+    from runner.models import model_source_of, model_sources
 
-    assert model_source_of(cfg) is MODEL_SOURCES[source]
+    assert model_source_of(cfg) is model_sources()[source]
 
 
 def test_target_on_the_default_model_builds_the_target() -> None:
@@ -257,14 +257,16 @@ def test_a_named_source_that_ignores_target_is_refused() -> None:
 
 def test_a_new_source_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a timm / Hugging Face source does: subclass ModelSource, register it, set model.source."""
-    from runner.models import MODEL_SOURCES, ModelBundle, ModelSource, model_source
+    from runner.models import ModelBundle, ModelSource
+    from runner.options.registry import MODELS
 
-    monkeypatch.setattr(MODEL_SOURCES, "_entries", dict(MODEL_SOURCES._entries))  # registered for this test only
+    monkeypatch.setattr(MODELS, "_options", dict(MODELS._options))  # registered for this test only
 
-    @model_source("tiny_zoo")
     class TinyZoo(ModelSource):
         def build(self, cfg: ModelConfig) -> ModelBundle:
             return ModelBundle(TinyNet(), None, ["a", "b", "c", "d", "e"])
+
+    MODELS.option(TinyZoo, name="tiny_zoo")(ModelConfig)
 
     bundle = build_model(ModelConfig(name="anything", source="tiny_zoo", weights=None))
     assert type(bundle.model) is TinyNet and not bundle.model.training  # frozen in eval mode by build_model

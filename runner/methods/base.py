@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,17 +14,9 @@ from torch.utils.data import Dataset
 from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
-from runner.rows import Columns
+from runner.rows import BatchOutput
 from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
-
-
-@dataclass
-class BatchOutput:
-    """What a method hands back per batch: the predicted classes, and rows per table (columns, on device)."""
-
-    predicted: torch.Tensor  # (B,)
-    tables: dict[str, Columns] = field(default_factory=dict)
 
 
 class Method:
@@ -54,8 +45,6 @@ class Method:
 
     def finish(self, out: Path) -> None:
         """Called after every batch ran and the tables are written: raise RunnerError if the run failed a check."""
-
-
 
 
 def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:

@@ -27,13 +27,13 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_target_sets
+from runner.methods.base import Method, check_targets, forward, gradients, select_target_sets
 from runner.metrics import curves as faithfulness
 from runner.metrics.base import Metric, build_metrics
 from runner.metrics.table import evaluation_rows
 from runner.options.method.cam import CamConfig
 from runner.randomness import per_sample_uniform
-from runner.rows import Block, Columns, Ragged, concat_columns
+from runner.rows import BatchOutput, Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
 from runner.schema import MapScale
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields, upsample

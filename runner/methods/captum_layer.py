@@ -14,9 +14,9 @@ from torch import nn
 from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
-from runner.methods.base import BatchOutput, check_targets, forward, select_target_sets
+from runner.methods.base import check_targets, forward, select_target_sets
 from runner.methods.cam import CamContext, CamMethod, to_spatial
-from runner.rows import Columns, concat_columns
+from runner.rows import BatchOutput, Columns, concat_columns
 
 SUPPORTED = (
     "LayerGradientXActivation",

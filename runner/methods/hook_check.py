@@ -16,8 +16,9 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, forward
+from runner.methods.base import Method, forward
 from runner.options.method.hook_check import HookCheckConfig
+from runner.rows import BatchOutput
 from runner.runtime import Runtime
 from runner.tables import declare
 

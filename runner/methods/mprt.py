@@ -44,12 +44,12 @@ from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import BatchOutput, Method, forward, gradients, select_targets
+from runner.methods.base import Method, forward, gradients, select_targets
 from runner.methods.cam import CamContext, CamMethod
 from runner.options.method.cam import CamConfig
 from runner.options.method.mprt import MprtConfig, MprtOrder
 from runner.ranking import ranks_of_sorted
-from runner.rows import Columns
+from runner.rows import BatchOutput, Columns
 from runner.runtime import Runtime
 from runner.schema import TargetMode
 from runner.stats import constant_rows, uniform_rows

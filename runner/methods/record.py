@@ -10,7 +10,8 @@ from torch import nn
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, forward, gradients, select_targets
+from runner.methods.base import Method, check_targets, forward, gradients, select_targets
+from runner.rows import BatchOutput
 from runner.runtime import Runtime
 from runner.schema import MethodConfig
 

@@ -27,12 +27,12 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods.base import BatchOutput, Method
+from runner.methods.base import Method
 from runner.methods.cam import CamMethod
 from runner.options.method.cam import CamConfig
 from runner.options.method.sanity import SanityConfig
 from runner.ranking import spearman
-from runner.rows import Columns, Ragged
+from runner.rows import BatchOutput, Columns, Ragged
 from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
 from runner.tables import declare

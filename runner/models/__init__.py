@@ -1,7 +1,6 @@
-"""Models, one registry of sources: torchvision classifiers by name, the embedded pretrained EfficientNet-Lite0,
-any module by `_target_`, timm models by name, Hugging Face image classifiers. Each module of this package is one source (a `ModelSource` registered with
-`@model_source(name)`); importing the package imports every module, so a new source (timm, Hugging Face) is
-one file here, plus YAMLs in conf/model/ that set `source: <name>`.
+"""Models from their sources: torchvision classifiers by name, the embedded pretrained EfficientNet-Lite0, any
+module by `_target_`, timm models by name, Hugging Face image classifiers. Each source is a `ModelSource` whose
+option module (runner/options/model/<name>.py) registers it; a YAML in conf/model/ names a model of a source.
 
 Trained weights are loaded or the run fails: nothing here falls back to random initialisation
 unless the config says `weights: null`.
@@ -10,21 +9,27 @@ unless the config says `weights: null`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import pkgutil
 
 from torch import nn
 
 from runner.errors import RunnerError, suggest
-from runner.models.base import MODEL_SOURCES, ModelBundle, ModelSource, load_checkpoint, model_source
+from runner.models.base import ModelBundle, ModelSource, load_checkpoint
 from runner.models.check import check_input
+from runner.options.registry import MODELS
 from runner.schema import ModelConfig
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    importlib.import_module(f"{__name__}.{_module}")
+_SOURCES: dict[str, ModelSource] = {}
 
-from runner.models.embedded import EMBEDDED  # noqa: E402 (after the modules that register)
+
+def model_sources() -> dict[str, ModelSource]:
+    """One instance of every registered model source, by its name (`model.source`), in registration order."""
+    for option in MODELS:
+        if option.name not in _SOURCES:
+            source = option.load()()
+            source.name = option.name
+            _SOURCES[option.name] = source
+    return {option.name: _SOURCES[option.name] for option in MODELS}
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +37,14 @@ log = logging.getLogger(__name__)
 def model_source_of(cfg: ModelConfig) -> ModelSource:
     """The source that builds `cfg`: the one `model.source` names, or else the one source that claims it."""
     if cfg.source is not None:
-        source = MODEL_SOURCES[MODEL_SOURCES.key(cfg.source)]  # raises for an unknown source
+        source = model_sources()[MODELS.get(cfg.source).name]  # raises for an unknown source
         if cfg._target_ is not None and not source.claims(cfg):  # else the `_target_` would be silently ignored
             raise RunnerError(
                 f"model._target_ is set but model.source={cfg.source} does not build by `_target_`:"
                 " drop one of them (model.source=null infers the source)."
             )
         return source
-    claiming = [source for source in MODEL_SOURCES.items() if source[1].claims(cfg)]
+    claiming = [item for item in model_sources().items() if item[1].claims(cfg)]
     if len(claiming) == 1:
         return claiming[0][1]
     if claiming:  # two sources' rules overlap: a bug in a source, not the user's config
@@ -47,12 +52,12 @@ def model_source_of(cfg: ModelConfig) -> ModelSource:
             f"Model '{cfg.name}' is claimed by the sources {', '.join(name for name, _ in claiming)}:"
             " choose one with model.source=NAME."
         )
-    sources = [source for _, source in MODEL_SOURCES.items()]
+    sources = list(model_sources().values())
     known = [name for source in sources for name in source.known_names()]
     accepts = [source.accepts for source in sources if source.accepts]
     raise RunnerError(
         f"Unknown model '{cfg.name}'.{suggest(cfg.name, known)} Use {', '.join(accepts[:-1])}, or {accepts[-1]}"
-        f" (or model.source: {', '.join(MODEL_SOURCES.names())})."
+        f" (or model.source: {', '.join(MODELS.names())})."
     )
 
 
@@ -92,14 +97,12 @@ def _checked_class_names(model: nn.Module, names: list[str]) -> list[str]:
 
 
 __all__ = [
-    "EMBEDDED",
-    "MODEL_SOURCES",
     "ModelBundle",
     "ModelSource",
     "build_model",
     "check_input",
     "load_checkpoint",
     "model_label",
-    "model_source",
     "model_source_of",
+    "model_sources",
 ]

@@ -11,13 +11,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.registry import Registry
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -68,13 +67,13 @@ class ModelSource:
     """Where models come from: `build` makes the model a config names; `claims` says whether this source
     builds a config whose `model.source` is null (the YAMLs and the CLI of `model=vgg16` set no source).
 
-    A source module subclasses this and registers an instance with `@model_source("name")` (the value of
-    `model.source`); runner/models/__init__.py imports each module of the package to fill the registry.
+    A source subclasses this; its option module (runner/options/model/<name>.py) registers it under the value of
+    `model.source`, and runner/models/__init__.py makes one instance of each.
     """
 
     # How the "unknown model" error describes what this source accepts (e.g. "a torchvision model name").
     accepts: str = ""
-    # The source's registered name (`model.source`), set by @model_source.
+    # The source's registered name (`model.source`), set when runner.models makes the instance.
     name: str = ""
 
     def claims(self, cfg: ModelConfig) -> bool:
@@ -92,22 +91,6 @@ class ModelSource:
     def build(self, cfg: ModelConfig) -> ModelBundle:
         """The model with its weights loaded (not yet frozen or in eval mode: build_model does that)."""
         raise NotImplementedError
-
-
-S = TypeVar("S", bound=type[ModelSource])
-# Every model source by its name (`model.source`).
-MODEL_SOURCES: Registry[str, ModelSource] = Registry("model source", str)
-
-
-def model_source(name: str) -> Callable[[S], S]:
-    """Class decorator: an instance of the class builds the models of source `name`."""
-
-    def add(source: S) -> S:
-        source.name = name
-        MODEL_SOURCES.register(name)(source())
-        return source
-
-    return add
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:

@@ -6,13 +6,12 @@ import torch
 import torchvision
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, load_checkpoint, model_source
+from runner.models.base import ModelBundle, ModelSource, load_checkpoint
 from runner.schema import ModelConfig
 
 EMBEDDED = "efficientnet_lite0"
 
 
-@model_source("embedded")
 class EmbeddedSource(ModelSource):
     accepts = f"'{EMBEDDED}' (embedded pretrained)"
 

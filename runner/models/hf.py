@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline, model_source
+from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,6 @@ def _transformers() -> Any:
     return transformers
 
 
-@model_source("hf")
 class HuggingFaceSource(ModelSource):
     accepts = "a Hugging Face hub id or folder with model=hf"
 

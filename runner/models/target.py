@@ -9,14 +9,13 @@ import sys
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, model_source, refuse_pickle_loaders
+from runner.models.base import ModelBundle, ModelSource, refuse_pickle_loaders
 from runner.schema import ModelConfig
 
 # The model YAMLs' own `weights` values: a `_target_` has no weights of its own, so these say nothing about it.
 DEFAULT_WEIGHTS = (None, "DEFAULT", "embedded")
 
 
-@model_source("target")
 class TargetSource(ModelSource):
     accepts = "`model._target_` for any nn.Module"
 

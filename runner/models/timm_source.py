@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import RunnerError, suggest
-from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline, model_source
+from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,6 @@ def _timm() -> Any:
     return timm
 
 
-@model_source("timm")
 class TimmSource(ModelSource):
     accepts = "a timm model name with model=timm"
 

@@ -9,11 +9,10 @@ import torch
 import torchvision
 
 from runner.errors import RunnerError, suggest
-from runner.models.base import ModelBundle, ModelSource, model_source
+from runner.models.base import ModelBundle, ModelSource
 from runner.schema import ModelConfig
 
 
-@model_source("torchvision")
 class TorchvisionSource(ModelSource):
     accepts = "a torchvision classification model name"
 

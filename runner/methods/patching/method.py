@@ -14,7 +14,7 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import BatchOutput, Method, check_targets, select_targets
+from runner.methods.base import Method, check_targets, select_targets
 from runner.methods.patching.attribution import estimate_maps, unit_estimates
 from runner.methods.patching.corruption import corrupt
 from runner.methods.patching.engine import ExactEngine
@@ -30,7 +30,7 @@ from runner.methods.patching.rows import (
 from runner.methods.patching.units import Units, enumerate_units
 from runner.options.method.patching import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
 from runner.ranking import spearman
-from runner.rows import Columns, concat_columns
+from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.viz import pictures
 
