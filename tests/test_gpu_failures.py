@@ -17,11 +17,13 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
 from runner.loop import run_with_backoff
-from runner.methods import BatchOutput, Method, build_method
+from runner.methods import build_method
+from runner.methods.base import Method
 from runner.methods.patching import method as patching_method
 from runner.methods.patching.engine import ExactEngine
 from runner.methods.patching.units import enumerate_units
 from runner.options.method.patching import PatchingConfig, PatchingMethodConfig, PatchMode, PatchUnit
+from runner.rows import BatchOutput
 from runner.runtime import Runtime
 from runner.schema import Precision
 from tests.conftest import make_config

@@ -14,9 +14,10 @@ import pandas as pd
 import pytest
 import torch
 
-from runner import app, faithfulness
+from runner import app
 from runner.errors import RunnerError
-from runner.metrics import METRICS, EvaluationConfig, MetricInputs, build_metrics
+from runner.metrics import EvaluationConfig, MetricInputs, build_metrics, load_metrics
+from runner.metrics import curves as faithfulness
 from runner.metrics.faithfulness_family import (
     faithfulness_correlation_values,
     noisy_linear_imputation,
@@ -93,10 +94,10 @@ def test_map_statistics_match_quantus(name: str, peer: str) -> None:
     theirs = getattr(quantus, peer)(disable_warnings=True)(
         model=None, x_batch=x, y_batch=np.zeros(5, dtype=int), a_batch=maps[:, None].numpy().copy()
     )
-    ours = METRICS[name](EvaluationConfig()).compute(None, maps)[""]  # type: ignore[arg-type]
+    ours = load_metrics()[name](EvaluationConfig()).compute(None, maps)[""]  # type: ignore[arg-type]
     np.testing.assert_allclose(ours.numpy(), np.asarray(theirs, dtype=np.float64), atol=1e-5, rtol=0)
     # Per map, not per batch: a map's value does not change when the other maps (or its own scale) do.
-    alone = METRICS[name](EvaluationConfig()).compute(None, maps[3:4] * 0.25)[""]  # type: ignore[arg-type]
+    alone = load_metrics()[name](EvaluationConfig()).compute(None, maps[3:4] * 0.25)[""]  # type: ignore[arg-type]
     assert float(alone[0]) == pytest.approx(float(ours[3]), abs=1e-6)
 
 

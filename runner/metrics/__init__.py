@@ -1,13 +1,8 @@
-"""Evaluation metrics (issue 14): one registered class per metric, computed per (sample, layer, target) on
-the CAM family's maps and on the layer's random map, written to the `evaluation` table.
+"""Evaluation metrics: one class per metric, computed per (sample, layer, target) on the CAM family's maps and on
+the layer's random map, written to the `evaluation` table. `base` holds the contract (MetricInputs, Metric); each
+metric's option module (runner/options/metric/<name>.py) registers its class and its settings' schema."""
 
-`base` holds the contract (MetricInputs, Metric, METRICS, EvaluationConfig); every other module of this
-package registers its metrics when imported (`load_metrics()` imports them all, so a new metric is one module).
-"""
-
-from __future__ import annotations
-
-from runner.metrics.base import METRICS, Metric, MetricInputs, build_metrics, load_metrics
+from runner.metrics.base import Metric, MetricInputs, build_metrics, load_metrics
 from runner.options.metric.evaluation import EvaluationConfig
 
-__all__ = ["METRICS", "EvaluationConfig", "Metric", "MetricInputs", "build_metrics", "load_metrics"]
+__all__ = ["EvaluationConfig", "Metric", "MetricInputs", "build_metrics", "load_metrics"]

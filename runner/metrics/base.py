@@ -1,24 +1,21 @@
 """The evaluation contract: what a metric sees (`MetricInputs`), what it returns, its config and registry.
 
 A metric maps a batch's saliency maps (B, H, W) at input resolution to {variant: (B,) float32}. Each one
-is a class registered with `@METRICS.register("<name>")` in a module of this package; `method.evaluation`
+is a class that its option module (runner/options/metric/<name>.py) registers; `method.evaluation`
 (`EvaluationConfig`, on every CAM method's config) names the metrics to run, and runner/metrics/table.py
 turns their values into the `evaluation` table, beside the same metric on the layer's random map.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from runner.options.metric.evaluation import EvaluationConfig
-from runner.registry import Registry
+from runner.options.metric.evaluation import EvaluationConfig, metric_settings
+from runner.options.registry import METRICS
 
 if TYPE_CHECKING:  # runner.methods imports this module (CAM methods carry EvaluationConfig): no import cycle
     from runner.runtime import Runtime
@@ -39,13 +36,15 @@ class MetricInputs:
 
 
 class Metric:
-    """One evaluation metric; subclasses are registered with @METRICS.register("<name>")."""
+    """One evaluation metric; its option module (runner/options/metric/<name>.py) registers it with its settings'
+    schema. `settings`: that schema's instance (`method.evaluation.settings.<name>` merged into its defaults)."""
 
-    name: str  # set by the registry
+    name: str  # set from its option when loaded
     needs_masks: bool = False  # skipped (with one log line) when the data has no masks
 
-    def __init__(self, cfg: EvaluationConfig) -> None:
+    def __init__(self, cfg: EvaluationConfig, settings: Any = None) -> None:
         self.cfg = cfg
+        self.settings = settings
 
     def compute(self, inputs: MetricInputs, maps: torch.Tensor) -> dict[str, torch.Tensor]:
         """maps (B, H, W) float32, non-negative, upsampled to the input size -> {variant: (B,) float32}.
@@ -53,35 +52,18 @@ class Metric:
         raise NotImplementedError
 
 
-M = TypeVar("M", bound=type[Metric])
-
-
-class _MetricRegistry(Registry[str, type[Metric]]):
-    """Registry keyed by the metric's name; registering also sets the class's `name`."""
-
-    def register(self, key: str) -> Callable[[M], M]:  # type: ignore[override]  # narrows T to metric classes
-        add = super().register(key)
-
-        def named(cls: M) -> M:
-            cls.name = key
-            return add(cls)
-
-        return named
-
-
-METRICS: Registry[str, type[Metric]] = _MetricRegistry("metric", lambda name: name)
-
-
-def load_metrics() -> Registry[str, type[Metric]]:
-    """METRICS with every module of this package imported (each registers its metrics on import)."""
-    import runner.metrics as package
-
-    for module in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
-        importlib.import_module(f"{package.__name__}.{module}")
-    return METRICS
+def load_metrics() -> dict[str, type[Metric]]:
+    """Every registered metric's class by name (each imported here, its `name` set from its option)."""
+    classes = {}
+    for option in METRICS:
+        cls = option.load()
+        cls.name = option.name
+        classes[option.name] = cls
+    return classes
 
 
 def build_metrics(cfg: EvaluationConfig) -> list[Metric]:
-    """The configured metrics, in the order named; an unknown name is a RunnerError with the nearest names."""
-    registry = load_metrics()
-    return [registry[registry.key(name)](cfg) for name in cfg.metrics]
+    """The configured metrics, in the order named, each with its own settings (`settings.<name>`, in its schema);
+    an unknown name is a RunnerError with the nearest names."""
+    classes = load_metrics()
+    return [classes[METRICS.get(name).name](cfg, metric_settings(cfg, name)) for name in cfg.metrics]

@@ -12,6 +12,7 @@ rounded in float32. On maps without ties the orders are the same.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.metrics.base import METRICS, Metric, MetricInputs
+from runner.metrics.base import Metric, MetricInputs
 from runner.metrics.curves import pixel_rank, tie_keys
 from runner.options.metric.evaluation import EvaluationConfig
 from runner.randomness import sample_generator
@@ -71,7 +72,6 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ---- map statistics ---------------------------------------------------------------------------------------------
-@METRICS.register("sparseness")
 class Sparseness(Metric):
     """Gini index of the map (Chalasani et al. 2020; Quantus Sparseness): 1 when one pixel holds all the mass,
     about 0 for a uniform map. Defined for every map (a zero map is uniform: 0)."""
@@ -85,7 +85,6 @@ class Sparseness(Metric):
         return {"": gini.float()}
 
 
-@METRICS.register("complexity")
 class Complexity(Metric):
     """Entropy of the map normalised to sum 1 (Bhatt et al. 2020; Quantus Complexity): log(H*W) for a uniform map,
     0 for one pixel. NaN for an all-zero map (no distribution), as Quantus's 0/0."""
@@ -277,7 +276,6 @@ def road_curves(
     return prob, correct, converged
 
 
-@METRICS.register("road")
 class Road(Metric):
     """ROAD (Rong et al. 2022): remove the most (MoRF) or least (LeRF) relevant p% of pixels, impute them by noisy
     linear imputation, and follow the target. Variants: `morf`, `lerf` (the curve's mean target probability; a
@@ -285,8 +283,8 @@ class Road(Metric):
     curve, which is MoRF only). Pixels of equal value in a seeded random order (`road_curves`); a constant map's
     value is set to NaN by the evaluation table (its rows flagged degenerate)."""
 
-    def __init__(self, cfg: EvaluationConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: EvaluationConfig, settings: Any = None) -> None:
+        super().__init__(cfg, settings)
         bad = [p for p in cfg.road_percentages if not 0 <= p < 100]
         if not cfg.road_percentages or bad or cfg.road_noise < 0 or cfg.road_tolerance <= 0:
             raise RunnerError(
@@ -354,15 +352,14 @@ def faithfulness_correlation_values(
     return pearson(sums, drops)
 
 
-@METRICS.register("faithfulness_correlation")
 class FaithfulnessCorrelation(Metric):
     """Faithfulness correlation (Bhatt et al. 2020; Quantus FaithfulnessCorrelation): Pearson, over random subsets
     of features, between the map's sum on the subset and the target's drop when it is replaced by the baseline.
     Subsets are drawn per sample from (seed, sample index). NaN when either side is constant over the subsets
     (a constant map, or a model indifferent to every subset)."""
 
-    def __init__(self, cfg: EvaluationConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: EvaluationConfig, settings: Any = None) -> None:
+        super().__init__(cfg, settings)
         if cfg.faithfulness_correlation_baseline not in ("black", "mean", "uniform"):
             raise RunnerError(
                 f"method.evaluation.faithfulness_correlation_baseline={cfg.faithfulness_correlation_baseline!r}:"
@@ -427,14 +424,13 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
     return drops
 
 
-@METRICS.register("region_perturbation")
 class RegionPerturbation(Metric):
     """Region perturbation (Samek et al. 2016; Quantus RegionPerturbation, order MoRF): patches replaced by the
     baseline in order of the map's mass. Variant `aopc`: the mean drop of the target over the steps (the area over
     the perturbation curve; high: faithful). Equal patch sums in a seeded random order (`region_curves`)."""
 
-    def __init__(self, cfg: EvaluationConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: EvaluationConfig, settings: Any = None) -> None:
+        super().__init__(cfg, settings)
         _baseline(torch.zeros(1, 1), cfg.region_baseline, "region_baseline")  # an unknown baseline fails now
         if cfg.region_size < 1 or cfg.region_steps < 1:
             raise RunnerError(

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.errors import RunnerError
-from runner.metrics.base import METRICS, Metric, MetricInputs
+from runner.metrics.base import Metric, MetricInputs
 from runner.stats import constant_rows
 
 
@@ -60,7 +60,6 @@ def dilate(masks: torch.Tensor, radius: int) -> torch.Tensor:
     return grown[:, 0] > 0.5
 
 
-@METRICS.register("pointing_game")
 class PointingGame(Metric):
     """1.0 when the map's maximum (any tied one) lies in the mask grown by `pointing_tolerance` px, else 0.0;
     NaN where the mask is empty or the map is constant (every pixel its maximum) or not finite."""
@@ -75,7 +74,6 @@ class PointingGame(Metric):
         return {"": _nan_where(hit, empty | constant_rows(a))}
 
 
-@METRICS.register("energy_pointing_game")
 class EnergyPointingGame(Metric):
     """Energy of the min-max scaled map inside the mask's bounding box over its total; NaN where the mask is
     empty or the map is constant (no energy to place) or not finite."""
@@ -104,7 +102,6 @@ class EnergyPointingGame(Metric):
         return {"": _nan_where(inside / total.clamp_min(1e-30), undefined)}
 
 
-@METRICS.register("relevance_mass")
 class RelevanceMass(Metric):
     """The map's mass inside the mask over its total mass (Quantus RelevanceMassAccuracy); NaN where the mask is
     empty or the map's total is 0 (nothing to place) or not finite."""
@@ -119,7 +116,6 @@ class RelevanceMass(Metric):
         return {"": _nan_where(inside / torch.where(total == 0, torch.ones_like(total), total), undefined)}
 
 
-@METRICS.register("relevance_rank")
 class RelevanceRank(Metric):
     """Share of the mask among the map's K = |mask| highest pixels (Quantus RelevanceRankAccuracy), ties at the
     K-th value counted by their expected share; NaN where the mask is empty or the map is constant (no pixel ranks

@@ -56,6 +56,7 @@ class CamConfig(MethodConfig):
 
     def check(self) -> list[str]:
         bad = super().check()
+        self.evaluation.check()
         f = self.faithfulness
         bad += [
             f"method.faithfulness.{key}={value}"

@@ -1,9 +1,17 @@
-"""TODO docstring."""
+"""What `method.evaluation` holds: the metrics to compute, their shared draws and chunking, and the built-in
+metrics' settings (one flat field per setting, prefixed by its metric); a metric with settings of its own takes them
+from `settings.<metric>`, checked against its option's schema."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import RunnerError
+from runner.options.registry import METRICS
 
 
 @dataclass
@@ -11,7 +19,9 @@ class EvaluationConfig:
     """Which metrics to compute per (sample, layer, target) and their settings (one flat field per setting,
     prefixed by its metric; defaults as the paper / Quantus 0.6.0)."""
 
-    metrics: list[str] = field(default_factory=list)  # names from METRICS; empty: no `evaluation` table
+    metrics: list[str] = field(default_factory=list)  # registered metric names; empty: no `evaluation` table
+    # A metric's own settings by its name ({my_metric: {threshold: 0.5}}), checked against its option's schema
+    settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # per-sample draws (noise, random subsets): from (seed, sample index), never from the batch
     chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
     # sparseness / complexity: no settings (map statistics)
@@ -34,3 +44,30 @@ class EvaluationConfig:
     region_softmax: bool = True  # True: the drop in the target's probability (Quantus's default)
     # localisation (runner/metrics/localisation.py): pointing_game, energy_pointing_game, relevance_mass/rank
     pointing_tolerance: int = 0  # px the mask is grown by (a disc); 0: Quantus PointingGame, 15: TorchRay's
+
+    def check(self) -> None:
+        """Each named metric exists and its `settings` fit its schema (RunnerError naming the key otherwise)."""
+        for name in self.metrics:
+            metric_settings(self, name)
+        unused = sorted(set(self.settings) - set(self.metrics))
+        if unused:
+            raise RunnerError(
+                f"method.evaluation.settings names {', '.join(unused)}, which method.evaluation.metrics does not"
+                f" compute: add it to metrics or drop its settings."
+            )
+
+
+def metric_settings(cfg: EvaluationConfig, name: str) -> Any:
+    """Metric `name`'s settings: `cfg.settings[name]` merged into its option's schema (RunnerError for an unknown
+    metric or a key its schema does not have)."""
+    schema = METRICS.get(name).schema  # raises for an unknown name, with the nearest ones
+    given = cfg.settings.get(name) or {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), {"name": name, **dict(given)})
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or ""
+        raise RunnerError(
+            f"method.evaluation.settings.{name}{'.' + key if key else ''}: {str(e).splitlines()[0]}"
+            f" (the settings of metric '{name}': {', '.join(f.name for f in fields(schema) if f.name != 'name') or 'none'})."
+        ) from None
