@@ -23,7 +23,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "foundation",
         (
             "runner.errors",
-            "runner.registry",
             "runner.randomness",
             "runner.ranking",
             "runner.stats",
@@ -53,7 +52,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # load, so that they answer in well under the second torch takes to import.
 TORCH_FREE = (
     "runner.errors",
-    "runner.registry",
     "runner.schema",
     "runner.options",
     "runner.store.layout",
