@@ -10,11 +10,13 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
 from runner.errors import RunnerError
+from runner.fingerprints import file_digest
 
 
 class HookKind(str, Enum):
@@ -88,6 +90,14 @@ class ModelConfig:
     # The output classes' names by index; replaces the source's own (weights, timm, id2label). null: the source's.
     class_names: Optional[list[str]] = None
 
+    def fingerprint(self) -> dict[str, str]:
+        """What a resume must find unchanged besides these values: the checkpoint file's contents (a hash)."""
+        if self.checkpoint:
+            file = Path(self.checkpoint).expanduser()
+            if file.is_file():
+                return {"model.checkpoint (contents)": f"sha256:{file_digest(file)}"}
+        return {}
+
 
 @dataclass
 class DataConfig:
@@ -113,6 +123,14 @@ class DataConfig:
     # One loader serves the whole run, so its workers already live from the first batch to the last; this only
     # keeps them past the end of that single pass (num_workers > 0).
     persistent_workers: bool = False
+
+    # Settings that change how fast a run goes, never what it computes: left out of the resume key.
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+
+    def fingerprint(self) -> dict[str, str]:
+        """What a resume must find unchanged besides these values (files the source reads); a source that reads
+        files says so by overriding this."""
+        return {}
 
     def check(self) -> list[str]:
         """`key=value` for each value out of range (the caller names them all in one message)."""
@@ -247,6 +265,12 @@ class RunConfig:
     # resume key holds the number, and a resume on a machine with another count names both). Part of the resume key.
     threads: Optional[int] = None
 
+    # Settings that change how fast or where a run goes, never what it computes: left out of the resume key (each
+    # group's schema lists its own; runner/store/provenance.py `speed_keys` collects them).
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = (
+        "progress", "figures", "report", "output", "device", "distributed_timeout_minutes",
+    )  # fmt: skip
+
 
 def validate(config: RunConfig) -> RunConfig:
     """Range checks the types cannot express; each failure names the key and what it accepts. Each option
@@ -256,7 +280,11 @@ def validate(config: RunConfig) -> RunConfig:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
     if config.threads < 1:
         bad.append(f"threads={config.threads}")
-    bad += [f"figures.{key}={getattr(config.figures, key)}" for key in ("dpi", "columns") if getattr(config.figures, key) < 1]
+    bad += [
+        f"figures.{key}={getattr(config.figures, key)}"
+        for key in ("dpi", "columns")
+        if getattr(config.figures, key) < 1
+    ]
     _validate_inputs(config)
     _validate_hooks(config.hooks)
     if bad:
@@ -322,5 +350,3 @@ def with_threads(config: RunConfig) -> RunConfig:
     """The config with `threads: null` resolved to this process's CPUs: the same in a plain run, a joblib worker
     and a torchrun rank on one machine (their launchers' one-thread settings are overridden by the run)."""
     return config if config.threads is not None else replace(config, threads=available_cpus())
-
-

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.distributed",
             "runner.chunks",
             "runner.frames",
+            "runner.fingerprints",
             "runner.analysis",
         ),
     ),
@@ -52,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # load, so that they answer in well under the second torch takes to import.
 TORCH_FREE = (
     "runner.errors",
+    "runner.fingerprints",
     "runner.schema",
     "runner.options",
     "runner.store.layout",

@@ -14,9 +14,9 @@ it, so `--cfg job`, `--help` and this discovery compose against the real schemas
 A small option may hold its implementation in the same module, importing torch inside its functions.
 Packages outside the runner add options through the `runner.options` entry-point group (a module to import).
 
-What central code used to know about an option, the option declares: `speed_keys` (settings that change speed
-only: left out of the resume key), `fingerprint` (a function naming the files whose contents enter the resume
-key), `tables` (the tables it writes, the main one first).
+What central code used to know about an option, the option declares: its schema's `SPEED_KEYS` (a ClassVar:
+settings that change speed only, left out of the resume key), its schema's `fingerprint()` (the files a resume
+must find unchanged: a data or model source's), and `tables` (the tables it writes, the main one first).
 """
 
 from __future__ import annotations
@@ -42,18 +42,12 @@ class Option:
     schema: type  # its config dataclass
     implementation: str | Any  # "module:attribute", imported on first use; or the object itself
     module: str  # the option module that registered it
-    speed_keys: tuple[str, ...] = ()  # its settings that change speed only (left out of the resume key)
-    fingerprint: str | Callable[[Any], dict[str, Any]] | None = None  # config -> {label: path or text} hashed
     tables: tuple[str, ...] = ()  # the tables it writes, the main one first
     family: str | None = None  # options that share an implementation's contract: "cam" (maps from a layer)
 
     def load(self) -> Any:
         """The implementation (imported here the first time: an option's torch code loads only when it runs)."""
         return resolve(self.implementation)
-
-    def fingerprint_files(self, config: Any) -> dict[str, Any]:
-        """{label: path or text} of what enters the resume key besides the config (empty when nothing does)."""
-        return resolve(self.fingerprint)(config) if self.fingerprint is not None else {}
 
     @property
     def doc(self) -> str:
@@ -87,8 +81,6 @@ class ExtensionPoint:
         implementation: str | Any,
         *,
         name: str | None = None,
-        speed_keys: tuple[str, ...] = (),
-        fingerprint: str | Callable[[Any], dict[str, Any]] | None = None,
         tables: tuple[str, ...] = (),
         family: str | None = None,
     ) -> Callable[[type[T]], type[T]]:
@@ -101,9 +93,7 @@ class ExtensionPoint:
                 raise ValueError(
                     f"{self.noun} '{key}' is registered twice ({self._options[key].module}, {schema.__module__})."
                 )
-            self._options[key] = Option(
-                self.group, key, schema, implementation, schema.__module__, speed_keys, fingerprint, tables, family
-            )
+            self._options[key] = Option(self.group, key, schema, implementation, schema.__module__, tables, family)
             return schema
 
         return add

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -54,22 +55,16 @@ def hydra_overrides() -> list[str]:
 
 # Keys that say how fast or where a run goes, or how its figures look, not what it computes: changing them does
 # not block a resume.
-SPEED_KEYS = (
-    "progress",
-    "figures",
-    "report",
-    "output",
-    "device",
-    "distributed_timeout_minutes",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.prefetch_factor",
-    "data.persistent_workers",
-    "method.score_chunk",
-    "method.faithfulness.chunk",
-    "method.evaluation.chunk",
-    "method.patching.chunk",
-)
+def speed_keys(config: Any, prefix: str = "") -> list[str]:
+    """The config's speed-only keys as flat `a.b.c` keys: each schema's `SPEED_KEYS` (a ClassVar: the settings that
+    change how fast or where a run goes, never what it computes), under the schema's place in the tree."""
+    keys = [f"{prefix}{key}" for key in getattr(type(config), "SPEED_KEYS", ())]
+    if dataclasses.is_dataclass(config):
+        for field in dataclasses.fields(config):
+            value = getattr(config, field.name)
+            if dataclasses.is_dataclass(value):
+                keys += speed_keys(value, f"{prefix}{field.name}.")
+    return keys
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -82,10 +77,11 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_values(config: RunConfig) -> dict[str, Any]:
-    """The config as flat `a.b.c` keys, without the speed-only keys (`SPEED_KEYS`)."""
+    """The config as flat `a.b.c` keys, without the speed-only keys (`speed_keys`)."""
     plain = OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
     flat = _flatten(plain)
-    return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in SPEED_KEYS)}
+    skip = speed_keys(config)
+    return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in skip)}
 
 
 def config_hash(config: RunConfig) -> str:
@@ -93,47 +89,10 @@ def config_hash(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(config_values(config), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
 def input_fingerprints(config: RunConfig) -> dict[str, str]:
-    """What the config names by path and a resume must find unchanged: the checkpoint's contents (a hash) and
-    an image folder's files (name, size and modification time of each; no hash: folders can be large) and its
-    mask side files (masks.json, *.mask.png: their contents, hashed)."""
-    found: dict[str, str] = {}
-    if config.model.checkpoint:
-        file = Path(config.model.checkpoint).expanduser()
-        if file.is_file():
-            found["model.checkpoint (contents)"] = f"sha256:{_file_digest(file)}"
-    if config.data.name == "image_folder" and config.data.root:
-        from runner.options.data.images import IMAGE_SUFFIXES
-
-        folder = Path(config.data.root).expanduser()
-        if folder.is_dir():
-            lines, count = hashlib.sha256(), 0
-            for file in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
-                stat = file.stat()
-                lines.update(f"{file.relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-                count += 1
-            found["data.root (contents)"] = f"{count} files, {lines.hexdigest()[:16]}"
-            # Localisation masks (runner/data/composites.py) change the localisation rows: their contents are hashed
-            # (small files; masks.json is no image, and an edited mask may keep its size and time).
-            from runner.options.data.images import MASK_SUFFIX, MASKS_FILE
-
-            sides = sorted(p for p in folder.rglob("*") if p.name.lower().endswith(MASK_SUFFIX) and p.is_file())
-            if (folder / MASKS_FILE).is_file():
-                sides.insert(0, folder / MASKS_FILE)
-            if sides:
-                masks = hashlib.sha256()
-                for file in sides:
-                    masks.update(f"{file.relative_to(folder)}\t{_file_digest(file)}\n".encode())
-                found["data.root masks (contents)"] = f"{len(sides)} files, {masks.hexdigest()[:16]}"
-    return found
+    """What the config names by path and a resume must find unchanged: each group's `fingerprint()` (a model's
+    checkpoint contents, an image folder's files), keyed by what it describes."""
+    return {**config.model.fingerprint(), **config.data.fingerprint()}
 
 
 def resume_key(config: RunConfig, shard_samples: int, num_samples: int) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -199,5 +199,3 @@ def find(root: Path) -> list[RunInfo | SweepInfo]:
             found.append(run_info(here))
             folders[:] = []
     return found
-
-

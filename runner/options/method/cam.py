@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import ClassVar, Optional
 
 from runner.errors import RunnerError
 from runner.options.metric.evaluation import EvaluationConfig
@@ -36,6 +36,7 @@ class FaithfulnessConfig:
     enabled: bool = False
     steps: int = 20  # deletion/insertion curve points (plus the start)
     chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)  # left out of the resume key
     seed: int = 0  # the random-map baseline and the random order of equal-saliency pixels
     insertion_blur: BlurConfig = field(default_factory=BlurConfig)
 

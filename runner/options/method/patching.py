@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ClassVar
 
 from runner.errors import RunnerError
 from runner.options.registry import METHODS
@@ -69,6 +70,8 @@ class PatchingConfig:
     top_k: int = 16  # attribution_topk: units patched exactly
     chunk: int | None = None  # patched variants per forward; null: automatic (64 on CPU, from free memory on GPU)
     reuse_prefix: bool = True  # run the unpatched prefix once per chunk, at batch 1 (falls back if the model can't)
+
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)  # left out of the resume key
     local_recompute: bool = True  # cells in a chain of local ops (VGG features): recompute only each cell's cone
     call: int = 0  # which call of a module used several times per forward is patched
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from runner.options.method.cam import CamConfig
 from runner.options.registry import METHODS
@@ -18,6 +18,8 @@ class ScoreCamConfig(CamConfig):
     # `paper` (each channel's weight is the target's softmax probability on the masked input, as Wang et al.
     # 2020 and their code) or `pytorch_grad_cam` (a softmax over channels of the target's logits)
     scorecam_weights: ScoreCamWeights = ScoreCamWeights.paper
+
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("score_chunk",)  # left out of the resume key
 
     def check(self) -> list[str]:
         bad = self.score_chunk is not None and self.score_chunk < 1

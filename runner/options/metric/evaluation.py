@@ -5,7 +5,7 @@ from `settings.<metric>`, checked against its option's schema."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -24,6 +24,7 @@ class EvaluationConfig:
     settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # per-sample draws (noise, random subsets): from (seed, sample index), never from the batch
     chunk: Optional[int] = None  # noqa: UP045 (OmegaConf) images per forward of perturbed inputs; null: forward_chunk
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)  # left out of the resume key
     # sparseness / complexity: no settings (map statistics)
     # ROAD (Rong et al. 2022; Quantus ROAD defaults)
     road_percentages: list[float] = field(default_factory=lambda: [float(p) for p in range(1, 100, 2)])
