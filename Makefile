@@ -17,13 +17,16 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check runner tests scripts
+	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q $(ARGS)
 
 # The GPU path on a CUDA machine: tests/test_gpu.py (skipped without CUDA), CPU vs GPU on the real model.
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu $(ARGS)
 
+# The import graph's layers, cycles and forbidden arrows (scripts/check_imports.py), then ruff.
 lint: $(VENV)/.installed
+	$(PY) scripts/check_imports.py
 	$(PY) -m ruff check runner tests scripts
 	$(PY) -m ruff format --check runner tests scripts
 

@@ -40,7 +40,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schema", ("runner.schema", "runner.options.registry")),
     ("options", ("runner.options",)),
     ("store", ("runner.store", "runner.results")),
-    ("sources", ("runner.runtime", "runner.configure", "runner.models", "runner.data", "runner.targets", "runner.layers")),
+    (
+        "sources",
+        ("runner.runtime", "runner.configure", "runner.models", "runner.data", "runner.targets", "runner.layers"),
+    ),
     ("viz", ("runner.viz",)),
     ("hooks", ("runner.hooks",)),
     ("metrics", ("runner.metrics",)),
@@ -72,7 +75,11 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("runner.viz", "runner.hooks", "viz draws what the store holds; it touches no hook"),
     ("runner.viz", "runner.metrics", "viz draws what the store holds; it computes no metric"),
     ("runner.store", "runner.models", "the store knows files, not models"),
-    ("runner.store", "runner.data.base", "the store knows files, not data sources (a source fingerprints its own files)"),
+    (
+        "runner.store",
+        "runner.data.base",
+        "the store knows files, not data sources (a source fingerprints its own files)",
+    ),
     ("runner.store", "runner.viz", "the store is below the pictures"),
 ]
 

@@ -29,8 +29,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
 
-
-
 def committed_shards(run: Path) -> int:
     """The shards some manifest of `run` lists as complete: what a resume skips. Part files alone can run
     ahead of the manifest by a moment (they are renamed into place just before it is replaced)."""

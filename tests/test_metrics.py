@@ -135,7 +135,9 @@ def test_road_direct_equals_cg(percent: int) -> None:
     direct, ok_direct = noisy_linear_imputation(x, removed, None, solver="direct")
     cg, ok_cg = noisy_linear_imputation(x, removed, None, tolerance=1e-12, max_iterations=5000, solver="cg")
     assert ok_direct and ok_cg
-    assert direct.dtype == x.dtype and torch.equal(direct[~removed[:, None].expand_as(x)], x[~removed[:, None].expand_as(x)])
+    assert direct.dtype == x.dtype and torch.equal(
+        direct[~removed[:, None].expand_as(x)], x[~removed[:, None].expand_as(x)]
+    )
     torch.testing.assert_close(direct, cg, atol=1e-6, rtol=0)
     assert (direct - x).abs().amax() > 1e-3  # the removed pixels did change: not two copies of x
 
@@ -284,7 +286,9 @@ def test_road_orders_tied_pixels_by_the_seeded_tie_rule(monkeypatch: pytest.Monk
     morf, lerf = removed[0][[0, 2]], removed[0][[1, 3]]  # jobs: (sample, order) = (0, MoRF), (0, LeRF), (1, ...)
     assert torch.equal(morf, rank < 128) and torch.equal(lerf, rank >= 128)
     assert morf[:, 3, 5].all() and not lerf[:, 3, 5].any()
-    assert (morf[:, :8].sum(dim=(1, 2)) < 0.75 * 128).all()  # not the top half of the image (by position: all 128 there)
+    assert (
+        morf[:, :8].sum(dim=(1, 2)) < 0.75 * 128
+    ).all()  # not the top half of the image (by position: all 128 there)
     removed.clear()
     alone = MetricInputs(model, x[1:], torch.tensor([1]), torch.tensor([9]), None, CPU, cfg.seed, chunk=8)
     road_curves(alone, maps[1:], cfg)

@@ -284,7 +284,9 @@ def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: p
 
     fake = types.SimpleNamespace(table_figures=table_figures)
     monkeypatch.setitem(sys.modules, "runner.viz.plots", fake)
-    monkeypatch.setattr(runner.viz, "plots", fake, raising=False)  # `from runner.viz import plots` reads the attribute first
+    monkeypatch.setattr(
+        runner.viz, "plots", fake, raising=False
+    )  # `from runner.viz import plots` reads the attribute first
     app.run(make_config(*NO_HOOKS, "data.count=2", f"figures.format={fmt}"), tmp_path)
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "config.yaml").write_text(f"figures: {{format: {fmt}, dpi: 40}}\n")  # what the CLI saves

@@ -335,7 +335,6 @@ def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run
     import shlex
     import shutil
 
-
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     whole = comparable(load(run, "cam"))

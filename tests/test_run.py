@@ -271,7 +271,10 @@ def test_a_cam_batch_shows_its_faithfulness_and_metric_stages_without_moving_bac
     inside = [s for s in drawn(capsys.readouterr().err) if "0/1 batches, batch 1: " in s]
     notes = [re.search(r"batch 1: (.*?) +\d+%\|", s).group(1) for s in inside]
     assert [n for i, n in enumerate(notes) if i == 0 or n != notes[i - 1]] == [
-        "faithfulness: layer 1/2", "faithfulness: layer 2/2", "metric sparseness (1/2)", "metric complexity (2/2)"
+        "faithfulness: layer 1/2",
+        "faithfulness: layer 2/2",
+        "metric sparseness (1/2)",
+        "metric complexity (2/2)",
     ]
     shares = [int(re.search(r"(\d+)%\|", s).group(1)) for s in inside]
     assert shares == sorted(shares) and shares[-1] == 50  # the metrics' stage starts at 0: the bar stays put

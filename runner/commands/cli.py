@@ -21,7 +21,11 @@ CONF = Path(__file__).resolve().parents[2] / "conf"  # the same folder as __main
 # name -> (module, function taking the remaining argv and returning an exit code, one line of help).
 # Modules are imported only when their command runs (`runner layers` builds a model: torch).
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "ls": ("runner.commands.ls", "main", "runs and sweeps under DIR (default outputs/): status, resume command, tables"),
+    "ls": (
+        "runner.commands.ls",
+        "main",
+        "runs and sweeps under DIR (default outputs/): status, resume command, tables",
+    ),
     "layers": ("runner.commands.layers", "main", "every module of the configured model: name, type, shape, CAM use"),
     "report": ("runner.viz.report", "main", "DIR/report.html: one offline HTML page of a run or a sweep"),
 }

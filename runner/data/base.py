@@ -235,5 +235,3 @@ def to_batch(
         x = x.contiguous(memory_format=torch.channels_last)
     masks = rest[0].to(device, non_blocking=non_blocking) if rest else None  # (B, H, W) bool
     return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index, masks)
-
-

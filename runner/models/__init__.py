@@ -31,6 +31,7 @@ def model_sources() -> dict[str, ModelSource]:
             _SOURCES[option.name] = source
     return {option.name: _SOURCES[option.name] for option in MODELS}
 
+
 log = logging.getLogger(__name__)
 
 

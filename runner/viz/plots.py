@@ -479,7 +479,10 @@ def _split(frame: pd.DataFrame, columns: list[str]) -> list[tuple[tuple, pd.Data
     present = [c for c in columns if c in frame.columns]
     if not present:
         return [((), frame)]
-    return [(k if isinstance(k, tuple) else (k,), g) for k, g in frame.groupby(present, sort=False, dropna=False, observed=True)]
+    return [
+        (k if isinstance(k, tuple) else (k,), g)
+        for k, g in frame.groupby(present, sort=False, dropna=False, observed=True)
+    ]
 
 
 def _panels_note(by: str | None) -> str:

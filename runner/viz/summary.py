@@ -36,5 +36,3 @@ def summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
             "display.width", 200, "display.max_rows", 60, "display.max_columns", 20, "display.precision", 4
         ):
             log.info("%s (%d rows, per layer):\n%s", table, len(frame), summary)
-
-
