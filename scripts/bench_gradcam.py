@@ -31,9 +31,8 @@ from torch import nn
 from runner.data.base import Batch
 from runner.hooks import HookSession, count_hooks, disable_inplace
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method
+from runner.methods import Runtime, build_method, method_config_class
 from runner.models import build_model
-from runner.options.method.gradcam import GradCamConfig
 from runner.rows import Ragged, to_host
 from runner.schema import ModelConfig, Precision
 
@@ -147,7 +146,7 @@ class RunnerGradcam:
 
     def __init__(self, model: nn.Module, layers: Layers, x: torch.Tensor, runtime: Runtime) -> None:
         self.model, self.x = model, x
-        self.method = build_method(GradCamConfig(), layers, runtime)
+        self.method = build_method(method_config_class("gradcam")(), layers, runtime)
         self.batch = Batch(x, torch.full((x.shape[0],), -1, device=x.device), [str(i) for i in range(x.shape[0])], 0)
         self.session = HookSession(model, []).__enter__()
         self.method.setup(self.session, x.shape[0])

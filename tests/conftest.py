@@ -175,7 +175,9 @@ def simulate_oom(monkeypatch: pytest.MonkeyPatch):
     """A call that makes GradCAM.run_batch raise CUDA out of memory for every batch of more than one sample."""
 
     def apply() -> None:
-        from runner.methods.gradcam import GradCAM
+        from runner.methods import cam_methods
+
+        GradCAM = cam_methods()["gradcam"]
 
         original = GradCAM.run_batch
 

@@ -152,12 +152,13 @@ def test_every_group_uses_the_one_extension_point_shape() -> None:
     from runner.data.base import data_config_class
     from runner.methods import method_config_class
     from runner.options.data.synthetic import SyntheticConfig
-    from runner.options.method.gradcam import GradCamConfig
+    from runner.options.method.gradcam import GradCam
     from runner.options.registry import DATA, METHODS, METRICS, MODELS, POINTS, TARGETS, ExtensionPoint
 
     assert set(POINTS) == {"model", "data", "target", "method", "metric"}
     assert all(isinstance(point, ExtensionPoint) for point in (METHODS, DATA, MODELS, METRICS, TARGETS))
-    assert method_config_class("gradcam") is GradCamConfig and data_config_class("synthetic") is SyntheticConfig
+    assert method_config_class("gradcam") is GradCam.config  # type: ignore[attr-defined]
+    assert data_config_class("synthetic") is SyntheticConfig
     assert {"gradcam", "patching", "record"} <= set(METHODS.names())
     assert set(MODELS.names()) == {"torchvision", "embedded", "target", "timm", "hf"}
     with pytest.raises(RunnerError, match=r"Unknown data source 'synthtic'\. Did you mean: synthetic\? Available: "):

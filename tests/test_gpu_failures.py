@@ -233,7 +233,9 @@ def test_process_group_ends_when_the_run_fails(
 ) -> None:
     import torch.distributed as dist
 
-    from runner.methods.gradcam import GradCAM
+    from runner.methods import cam_methods
+
+    GradCAM = cam_methods()["gradcam"]
 
     def fail(*args: object) -> None:
         raise RuntimeError("a failure in the method (simulated)")
@@ -283,7 +285,9 @@ def test_oom_split_writes_only_the_halves_sidecar_files(tmp_path: Path, monkeypa
     from safetensors.torch import load_file
 
     from runner.hooks.tensors import TensorSaver
-    from runner.methods.gradcam import GradCAM
+    from runner.methods import cam_methods
+
+    GradCAM = cam_methods()["gradcam"]
     from runner.results import load
 
     config = [*TINY_RUN, "data.count=4", "data.batch_size=4", "output.shard_batches=8",

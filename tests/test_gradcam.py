@@ -11,15 +11,14 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method
-from runner.options.method.gradcam import GradCamConfig
+from runner.methods import Runtime, build_method, method_config_class
 from runner.schema import Precision, TargetMode
 
 CPU = Runtime(torch.device("cpu"), Precision.fp32)
 
 
 def run_gradcam(model: nn.Module, x: torch.Tensor, layers: list[str], **method: object) -> dict:
-    cfg = GradCamConfig(**method)
+    cfg = method_config_class("gradcam")(**method)
     gradcam = build_method(cfg, resolve_layers(model, layers), CPU)
     batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{i}" for i in range(x.shape[0])], 0)
     with HookSession(model, []) as session:

@@ -8,8 +8,7 @@ import torch
 
 from runner.hooks import inplace_disabled
 from runner.methods import cam_methods
-from runner.methods.gradcam_elementwise import GradCAMElementWise
-from runner.options.method.gradcam_elementwise import GradCamElementWiseConfig
+from runner.options.method.gradcam_elementwise import GradCamElementWise
 from runner.stats import upsample
 from tests.conftest import TinyNet, frozen, make_config
 from tests.test_cam_family import run_method
@@ -19,8 +18,9 @@ from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget  # noqa:
 
 
 def test_registered_and_composed_from_its_one_yaml() -> None:
-    assert cam_methods()["gradcam_elementwise"] is GradCAMElementWise
-    assert type(make_config("method=gradcam_elementwise").method) is GradCamElementWiseConfig
+    method = cam_methods()["gradcam_elementwise"]
+    assert issubclass(method, GradCamElementWise) and method is cam_methods()["gradcam_elementwise"]
+    assert type(make_config("method=gradcam_elementwise").method) is GradCamElementWise.config  # type: ignore[attr-defined]
 
 
 def test_same_map_as_pytorch_grad_cam_elementwise() -> None:

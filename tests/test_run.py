@@ -131,7 +131,9 @@ def test_bad_layer_fails_before_data_is_loaded(tmp_path: Path, monkeypatch: pyte
 def test_failure_mid_run_leaves_no_results_and_no_hooks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built_models: list
 ) -> None:
-    from runner.methods.gradcam import GradCAM
+    from runner.methods import cam_methods
+
+    GradCAM = cam_methods()["gradcam"]
 
     calls = {"n": 0}
     original = GradCAM.run_batch

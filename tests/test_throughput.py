@@ -12,9 +12,11 @@ import torch
 
 import runner.app as app
 from runner.errors import RunnerError
-from runner.methods.gradcam import GradCAM
+from runner.methods import cam_methods
 from runner.store.writer import ShardedWriter
 from tests.conftest import make_config
+
+GradCAM = cam_methods()["gradcam"]
 
 TINY = [
     "model._target_=tests.conftest.TinyNet",

@@ -15,6 +15,7 @@ leading tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from runner.metrics import curves as faithfulness
 from runner.metrics.base import Metric, build_metrics
 from runner.metrics.table import evaluation_rows
 from runner.options.method.cam import CamConfig
+from runner.options.registry import Option
 from runner.randomness import per_sample_uniform
 from runner.rows import BatchOutput, Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
@@ -346,3 +348,12 @@ class CamMethod(Method):
         self._warned.add(key)
         ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
         log.warning("%s: %s (first: %s)", self.name, message, ", ".join(ids[:5]))
+
+
+@functools.cache
+def variant_method(option: Option) -> type[CamMethod]:
+    """The CAM method of a variant registered with `cam_variant`: its rule class mixed into the shared pass (one
+    class per option, so that every lookup of the option finds the same class)."""
+    rule = option.rule
+    namespace = {"name": option.name, "__module__": rule.__module__, "__doc__": rule.__doc__}
+    return type(rule.__name__, (rule, CamMethod), namespace)

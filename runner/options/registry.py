@@ -44,10 +44,14 @@ class Option:
     module: str  # the option module that registered it
     tables: tuple[str, ...] = ()  # the tables it writes, the main one first
     family: str | None = None  # options that share an implementation's contract: "cam" (maps from a layer)
+    # A rule the implementation is made from (a CAM variant's weight rule): `implementation` is then a factory
+    # called with this option, returning the implementation.
+    rule: Any = None
 
     def load(self) -> Any:
         """The implementation (imported here the first time: an option's torch code loads only when it runs)."""
-        return resolve(self.implementation)
+        found = resolve(self.implementation)
+        return found(self) if self.rule is not None else found
 
     @property
     def doc(self) -> str:
@@ -83,6 +87,7 @@ class ExtensionPoint:
         name: str | None = None,
         tables: tuple[str, ...] = (),
         family: str | None = None,
+        rule: Any = None,
     ) -> Callable[[type[T]], type[T]]:
         """Class decorator on an option's config dataclass: register it. `name`: the option's name (default: the
         dataclass's `name` field's default). A second option of the same name is a bug, refused at import."""
@@ -93,7 +98,9 @@ class ExtensionPoint:
                 raise ValueError(
                     f"{self.noun} '{key}' is registered twice ({self._options[key].module}, {schema.__module__})."
                 )
-            self._options[key] = Option(self.group, key, schema, implementation, schema.__module__, tables, family)
+            self._options[key] = Option(
+                self.group, key, schema, implementation, schema.__module__, tables, family, rule
+            )
             return schema
 
         return add

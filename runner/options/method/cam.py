@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, TypeVar
 
 from runner.errors import RunnerError
 from runner.options.metric.evaluation import EvaluationConfig
@@ -18,6 +18,9 @@ class BlurPadding(str, Enum):
     zero = "zero"
     reflect = "reflect"
     replicate = "replicate"
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,3 +86,17 @@ class CamConfig(MethodConfig):
 def cam_method_names() -> list[str]:
     """The CAM variants' names (options of family "cam"), in registration order."""
     return [option.name for option in METHODS if option.family == "cam"]
+
+
+def cam_variant(rule: type[T]) -> type[T]:
+    """Class decorator: register a CAM variant given by its rule alone. The class has a `name` and either
+    `channel_weights(self, act, grad) -> (B, C)` (the map is ReLU(sum_c w_c A_c)) or `cam(self, act, grad, ctx)
+    -> (B, H, W)`; act and grad are (B, C, H, W) tensors (use tensor methods, or import torch inside the function).
+    Its schema is CamConfig under its name (`rule.config`); the shared CAM pass runs it (runner/methods/cam.py)."""
+    name = rule.name  # type: ignore[attr-defined]
+    schema = make_dataclass(f"{rule.__name__}Config", [("name", str, field(default=name))], bases=(CamConfig,))
+    schema.__module__ = rule.__module__
+    schema.__doc__ = f"method={name}: CamConfig's settings, none of its own."
+    METHODS.option("runner.methods.cam:variant_method", tables=("cam",), family="cam", rule=rule)(schema)
+    rule.config = schema  # type: ignore[attr-defined]
+    return rule
