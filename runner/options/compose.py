@@ -56,6 +56,9 @@ def typed_config(cfg: DictConfig) -> RunConfig:
         for group in ("method", "data"):
             name = (plain.get(group) or {}).get("name")
             schema[group] = OmegaConf.structured(POINTS[group].get(str(name)).schema)  # raises for an unknown name
+        source = (plain.get("model") or {}).get("source")  # null: inferred from the name, with the shared schema
+        if source is not None:
+            schema["model"] = OmegaConf.structured(POINTS["model"].get(str(source)).schema)
         merged = OmegaConf.merge(schema, plain)
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
