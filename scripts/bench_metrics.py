@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchtools import Contender, close_all, interleaved, pick_device, report, synchronize  # noqa: E402
 
 from runner import faithfulness  # noqa: E402
+from runner.chunks import forward_chunk  # noqa: E402
 from runner.data import Batch, SkimagePhotosConfig, build_dataset  # noqa: E402
-from runner.faithfulness import forward_chunk  # noqa: E402
 from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
 from runner.methods import build_method, method_config  # noqa: E402

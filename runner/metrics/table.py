@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from runner.faithfulness import forward_chunk
+from runner.chunks import forward_chunk
 from runner.methods.base import Columns, Runtime
 from runner.metrics.base import Metric, MetricInputs
 from runner.progress import within_batch
