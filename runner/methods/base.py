@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from runner.registry import Registry
 from runner.schema import FiguresConfig, MethodConfig, Precision, TargetMode
 
 Columns = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,6 +86,22 @@ class Runtime:
         if self.precision is Precision.bf16:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+
+class OnceWarnings:
+    """One log line per run and key, naming the first samples concerned (a flag column marks every row)."""
+
+    def __init__(self, method: str, logger: logging.Logger = log) -> None:
+        self.method, self.log = method, logger
+        self.given: set[str] = set()
+
+    def __call__(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
+        """Warn with `message` the first time `key`'s `flags` (B,) has a sample set."""
+        if key in self.given or not bool(flags.any()):
+            return
+        self.given.add(key)
+        ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
+        self.log.warning("%s: %s (first: %s)", self.method, message, ", ".join(ids[:5]))
 
 
 def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:

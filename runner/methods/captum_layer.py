@@ -19,7 +19,7 @@ from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
 from runner.methods.base import BatchOutput, Columns, check_targets, forward, register, select_target_sets
-from runner.methods.cam import CamConfig, CamContext, CamMethod, to_spatial
+from runner.methods.cam import CamConfig, CamMethod, to_spatial
 
 SUPPORTED = (
     "LayerGradientXActivation",
@@ -63,14 +63,14 @@ class CaptumLayer(CamMethod):
         # and the metrics are the method's, which the user's `record` hooks must not see.
         with session.recording_paused():
             for k in range(target_sets.shape[1]):
-                parts.append(self._target_rows(model, batch, logits, probs, entries, target_sets[:, k], k))
+                parts.append(self._target_rows(model, batch, session, logits, probs, entries, target_sets[:, k], k))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
         return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(columns))
 
     def _target_rows(
-        self, model: nn.Module, batch: Batch, logits: torch.Tensor, probs: torch.Tensor, entries: list,
-        target: torch.Tensor, k: int,
+        self, model: nn.Module, batch: Batch, session: HookSession, logits: torch.Tensor, probs: torch.Tensor,
+        entries: list, target: torch.Tensor, k: int,
     ) -> Columns:  # fmt: skip
         """The rows of every layer for the k-th target of each sample (`target`, (B,)): one captum call per layer."""
         maps = []
@@ -83,5 +83,4 @@ class CaptumLayer(CamMethod):
             spatial = to_spatial(attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix)
             maps.append(spatial.sum(dim=1))  # (B, h, w), signed
         score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
-        ctx = CamContext(model, batch.x, target, self.runtime)
-        return self._rows(entries, maps, target, k, score, probs, batch, ctx)
+        return self.consume(model, batch, session, entries, maps, target, k, score, probs)

@@ -44,8 +44,8 @@ from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, Reinitialised
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, forward, gradients, register, select_targets
-from runner.methods.cam import CamConfig, CamContext, CamMethod
+from runner.methods.base import BatchOutput, Columns, Method, Runtime, register, select_targets
+from runner.methods.cam import CamConfig, CamMethod
 from runner.ranking import ranks_of_sorted
 from runner.schema import TargetMode
 from runner.stats import constant_rows, uniform_rows
@@ -322,28 +322,15 @@ class Mprt(Method):
     ) -> tuple[list[tuple[str, int]], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """(entries (layer, call), their maps each (B, H, W) prepared, degenerate (E*B,) bool: a map constant or not
         finite at the layer's resolution, the targets, the predicted classes) from one forward and one backward."""
-        method = self.inner
-        logits, x = forward(model, batch, session, self.runtime, with_grad=method.needs_gradients)
+        fwd = self.inner.forward(model, batch, session)
         if targets is None:
-            targets = select_targets(self.cfg, logits, batch)  # (B,)
-        capture = method.capture
-        for name in capture.names:
-            if not capture.outputs[name]:
-                raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
-        entries = [(n, c, a) for n in capture.names for c, a in enumerate(capture.outputs[n])]
-        score = logits.gather(1, targets[:, None]).squeeze(1)  # (B,)
-        if method.needs_gradients:
-            grads = gradients(score, [a for _, _, a in entries], x, session)
-        else:
-            grads = [None] * len(entries)
-        ctx = CamContext(model, batch.x, targets, self.runtime)
+            targets = select_targets(self.cfg, fwd.logits, batch)  # (B,)
+        small = self.inner.maps(fwd, targets, model, batch.x, session)  # each (B, h, w)
         size = batch.x.shape[-2:]
-        with session.recording_paused(), method._capture_paused():  # Score-CAM's masked forwards: not the user's
-            small = [method._map(n, a, g, ctx) for (n, _, a), g in zip(entries, grads, strict=True)]  # each (B, h, w)
         degenerate = torch.cat([constant_rows(m) for m in small])  # (E*B,) decided before upsampling
         maps = [prepare(m, size) for m in small]
-        capture.clear()  # the step's activations and graph go now, not at the next step
-        return [(n, c) for n, c, _ in entries], maps, degenerate, targets, logits.argmax(dim=1)
+        self.inner.capture.clear()  # the step's activations and graph go now, not at the next step
+        return [(n, c) for n, c, _ in fwd.entries], maps, degenerate, targets, fwd.logits.argmax(dim=1)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         entries, trained, flat, targets, predicted = self._maps(model, batch, session, None)
