@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
@@ -26,12 +26,13 @@ from torch import nn
 
 from runner import faithfulness
 from runner.columns import concat_columns
-from runner.data import Batch
-from runner.errors import RunnerError
+from runner.data import NO_LABEL, Batch
+from runner.errors import RunnerError, suggest
 from runner.faithfulness import MAX_FAITHFULNESS_STEPS, FaithfulnessConfig
 from runner.hooks import HookSession
-from runner.layers import Layer
+from runner.layers import Layer, resolve_layers
 from runner.methods.base import (
+    METHODS,
     BatchOutput,
     Columns,
     Method,
@@ -40,13 +41,15 @@ from runner.methods.base import (
     check_targets,
     forward,
     gradients,
+    library_config,
+    library_runtime,
     select_target_sets,
 )
 from runner.methods.map_evaluation import MapEvaluation
 from runner.methods.map_pictures import draw_maps
 from runner.metrics.base import EvaluationConfig
 from runner.results import Block, Ragged
-from runner.schema import MethodConfig
+from runner.schema import MethodConfig, TargetMode
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional
 
@@ -334,3 +337,65 @@ class CamMethod(Method):
         """The capture paused (keeps nothing, passes everything through); a no-op for captum, which captures nothing."""
         capture = getattr(self, "capture", None)
         return capture.paused() if capture is not None else contextlib.nullcontext()
+
+
+# ---- the library function: maps of a model and a batch, no run directory ------------------------------------------
+def cam_names() -> list[str]:
+    """The CAM variants' option names (captum, which makes no CAM pass of its own, is not one)."""
+    return [
+        config.name for config, method in METHODS.items() if issubclass(method, CamMethod) and method.name != "captum"
+    ]
+
+
+def cam_method(name: str, layers: list[Layer], runtime: Runtime, **settings: Any) -> CamMethod:
+    """The CAM variant called `name` (gradcam, gradcampp, scorecam, ...) on `layers`, its config fields `settings`
+    checked as a run checks them; a RunnerError with the nearest names for an unknown or a non-CAM method."""
+    if name not in cam_names():
+        raise RunnerError(f"'{name}' is not a CAM method: one of {', '.join(cam_names())}.{suggest(name, cam_names())}")
+    config = METHODS.key(name)
+    return METHODS[config](library_config(config, **settings), layers, runtime)  # type: ignore[return-value]
+
+
+def inner_cam(cfg: CamConfig, inner: str, layers: list[Layer], runtime: Runtime) -> CamMethod:
+    """The CAM method `inner` (a randomisation test's `method.inner`), made with `cfg`'s CAM fields (store_maps,
+    token_prefix, ...); the inner method's own fields (scorecam's score_chunk, say) keep their defaults."""
+    if inner not in cam_names():
+        raise RunnerError(f"method.inner='{inner}' must be a CAM method: {', '.join(cam_names())}.")
+    config = METHODS.key(inner)
+    shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
+    return METHODS[config](config(**shared), layers, runtime)  # type: ignore[return-value]
+
+
+def cam_maps(
+    model: nn.Module,
+    x: torch.Tensor,
+    layers: list[str],
+    method: str = "gradcam",
+    target: int | list[int] | torch.Tensor | None = None,
+    call: int = 0,
+    **settings: Any,
+) -> dict[str, torch.Tensor]:
+    """Each target layer's map (B, h, w), at the layer's own resolution, of `model` (in eval mode) on the batch `x`
+    (B, C, H, W): Grad-CAM or any CAM variant, from one forward and one backward, with no run directory.
+
+    `layers`: names or selectors as `layers.include` (e.g. ["layer4", "Conv2d"]); `target`: the class explained,
+    None for each sample's predicted class, a class id for all, or (B,) ids; `call`: which call of a module used
+    several times per forward; `settings`: the method's own config fields (e.g. scorecam_weights="paper").
+    The maps are those the `cam` table's `map` column holds. The model's weights and hooks are left as they were.
+    """
+    cam = cam_method(method, resolve_layers(model, list(layers)), library_runtime(x), **settings)
+    if cam.cfg.target is not TargetMode.predicted or cam.cfg.class_ids:
+        raise RunnerError("cam_maps: choose the class with target=..., not with the config's target fields.")
+    b = x.shape[0]
+    targets = None if target is None else torch.as_tensor(target, device=x.device).reshape(-1).expand(b)
+    with HookSession(model, []) as session:
+        cam.setup(session, b)
+        session.begin_batch(b, 0)
+        batch = Batch(x, torch.full((b,), NO_LABEL, dtype=torch.long), [str(i) for i in range(b)], 0)
+        fwd = cam.forward(model, batch, session)
+        targets = fwd.logits.argmax(dim=1) if targets is None else targets.long()
+        if bool(((targets < 0) | (targets >= fwd.logits.shape[1])).any()):
+            raise RunnerError(f"target={targets.tolist()}: outside the model's {fwd.logits.shape[1]} classes.")
+        maps = cam.maps(fwd, targets, model, x, session)
+        session.end_batch()
+    return {name: m for (name, c, _), m in zip(fwd.entries, maps, strict=True) if c == call}

@@ -32,9 +32,10 @@ layer's resolution).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
+import pandas as pd
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,20 @@ from runner.data import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, Reinitialised
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import BatchOutput, Columns, Method, Runtime, register, select_targets
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.base import (
+    BatchOutput,
+    Columns,
+    Method,
+    Runtime,
+    as_frame,
+    library_config,
+    library_runtime,
+    register,
+    run_on_batch,
+    select_targets,
+    target_fields,
+)
+from runner.methods.cam import CamConfig, CamMethod, inner_cam
 from runner.ranking import ranks_of_sorted
 from runner.schema import TargetMode
 from runner.stats import constant_rows, uniform_rows
@@ -287,10 +300,6 @@ class Mprt(Method):
     table = "mprt"
 
     def __init__(self, cfg: MprtConfig, layers: list[Layer], runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS, method_config
-
-        if cfg.inner not in CAM_METHODS:
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=mprt compares one map per sample: use target predicted, label or fixed.")
         unknown = [s for s in cfg.similarities if s not in SIMILARITIES]
@@ -304,10 +313,7 @@ class Mprt(Method):
         except ValueError:
             raise RunnerError(f"method.order={cfg.order}: one of {', '.join(o.value for o in MprtOrder)}.") from None
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = CAM_METHODS[cfg.inner]
-        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
-        self.inner_cfg = method_config(cfg.inner, **shared)
-        self.inner: CamMethod = self.inner_class(self.inner_cfg, layers, runtime)
+        self.inner: CamMethod = inner_cam(cfg, cfg.inner, layers, runtime)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         self.inner.setup(session, num_samples)  # one capture: the same layers give the trained and randomised maps
@@ -380,3 +386,23 @@ class Mprt(Method):
             "inner_method": [self.cfg.inner] * (n_steps * per_step),
         }
         return BatchOutput(predicted=predicted, tables={self.table: columns})
+
+
+def mprt(
+    model: nn.Module,
+    x: torch.Tensor,
+    layers: list[str],
+    method: str = "gradcam",
+    target: int | list[int] | torch.Tensor | None = None,
+    **settings: object,
+) -> pd.DataFrame:
+    """MPRT of `model` (in eval mode) on the batch `x` (B, C, H, W), with no run directory: the `mprt` table's rows,
+    one per (layer, call, step, similarity, sample): `value` is the similarity between the trained model's map of
+    `layer` and its map after `step` re-initialisations (`randomised_up_to` names the module of that step).
+
+    `method`: the CAM variant whose maps are compared; `target`: None for each sample's predicted class, a class id
+    for all, or (B,) ids; `settings`: MprtConfig's fields (order, randomize, max_steps, similarities, seed, ...).
+    The model's weights are re-initialised in place only while it runs, and restored (also on an error)."""
+    cfg = library_config(MprtConfig, inner=method, **target_fields(target), **settings)
+    out = run_on_batch(Mprt(cfg, resolve_layers(model, list(layers)), library_runtime(x)), model, x)
+    return as_frame(out.tables["mprt"])

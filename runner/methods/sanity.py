@@ -17,7 +17,7 @@ as Quantus's MPRT, step by step (cascading or independent) with Spearman, SSIM a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import torch
@@ -28,7 +28,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession, resettable
 from runner.layers import resolve_layers
 from runner.methods.base import BatchOutput, Columns, Method, Runtime, register
-from runner.methods.cam import CamConfig, CamMethod
+from runner.methods.cam import CamConfig, CamMethod, inner_cam
 from runner.ranking import spearman
 from runner.results import Ragged
 from runner.schema import MethodConfig, TargetMode
@@ -69,10 +69,6 @@ class Sanity(Method):
     summary_values = ("spearman",)
 
     def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
-        from runner.methods import CAM_METHODS, method_config
-
-        if cfg.inner not in CAM_METHODS:
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(CAM_METHODS)}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=sanity compares one map per sample: use target predicted, label or fixed.")
         if not cfg.randomize:
@@ -80,10 +76,8 @@ class Sanity(Method):
                 "method=sanity needs method.randomize=[...]: the layers to re-initialise, e.g. [classifier]."
             )
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = CAM_METHODS[cfg.inner]
-        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
-        self.inner_cfg = method_config(cfg.inner, **shared)
-        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))
+        self.trained: CamMethod = inner_cam(cfg, cfg.inner, layers, Runtime(runtime.device, runtime.precision))
+        self.inner_cfg = self.trained.cfg
         self.random: CamMethod | None = None
 
     def setup(self, session: HookSession, num_samples: int) -> None:

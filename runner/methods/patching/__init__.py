@@ -52,12 +52,13 @@ from runner.methods.patching.config import (
     PatchMode,
     PatchUnit,
 )
-from runner.methods.patching.method import Patching  # registers the method
+from runner.methods.patching.method import Patching, activation_patching  # registers the method
 from runner.methods.patching.rows import PATCHING_SCHEMA
 from runner.methods.patching.units import Units, enumerate_units
 
 __all__ = [
     "PATCHING_SCHEMA",
+    "activation_patching",
     "CorruptionConfig",
     "CorruptionKind",
     "PatchDirection",
