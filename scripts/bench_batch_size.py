@@ -2,7 +2,7 @@
 
     cd scripts && ../.venv/bin/python bench_batch_size.py [--size 224] [--device cpu]
 
-The default chunk of perturbed forwards (runner.metrics.curves.forward_chunk) follows from it: on a 2-core CPU a
+The default chunk of perturbed forwards (runner.chunks.forward_chunk) follows from it: on a 2-core CPU a
 batch of 64 images at 224 px ran 2.5x slower per image than one of 8 (benchmarks/RESULTS.md, issue 14).
 """
 

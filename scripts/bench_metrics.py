@@ -35,6 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchtools import Contender, close_all, interleaved, pick_device, report, synchronize  # noqa: E402
 
+from runner.chunks import forward_chunk  # noqa: E402
 from runner.data.base import Batch, build_dataset  # noqa: E402
 from runner.hooks import HookSession  # noqa: E402
 from runner.layers import resolve_layers  # noqa: E402
@@ -44,10 +45,9 @@ from runner.metrics import (  # noqa: E402
     MetricInputs,
     load_metrics,
 )
-from runner.metrics.curves import forward_chunk  # noqa: E402
 from runner.metrics.faithfulness_family import noisy_linear_imputation  # noqa: E402
 from runner.models import build_model  # noqa: E402
-from runner.options.data.skimage_photos import SkimagePhotosConfig
+from runner.options.data.skimage_photos import SkimagePhotosConfig  # noqa: E402
 from runner.runtime import Runtime
 from runner.schema import ModelConfig, Precision  # noqa: E402
 from runner.stats import upsample

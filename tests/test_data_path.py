@@ -106,18 +106,17 @@ def test_the_config_default_is_null() -> None:
 
 # ---- 3. picture work only while pictures are drawn --------------------------------------------------------------
 def test_pictures_upsample_only_the_maps_drawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import runner.metrics.curves as faithfulness
     import runner.viz.pictures as pictures
 
     upsampled: list[int] = []  # the samples of each upsample call
-    upsample = faithfulness.upsample
+    upsample = pictures.upsample
 
     def counting_upsample(m: torch.Tensor, size: torch.Size) -> torch.Tensor:
         upsampled.append(m.shape[0])
         return upsample(m, size)
 
     drawn: list[tuple[int, list[int]]] = []  # (batch's first sample, samples of each map handed over)
-    monkeypatch.setattr(faithfulness, "upsample", counting_upsample)
+    monkeypatch.setattr(pictures, "upsample", counting_upsample)
     monkeypatch.setattr(
         pictures,
         "write_overlays",

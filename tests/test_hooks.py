@@ -323,3 +323,34 @@ def test_mprt_forwards_do_not_reach_record_hooks(tmp_path) -> None:
     result = app.run(config, tmp_path / "out")
     hooks = pd.read_parquet(result.tables["hooks"])
     assert len(hooks) == 2 and hooks["call"].tolist() == [0, 0]
+
+
+def test_reinitialise_is_a_reversible_edit_the_session_owns() -> None:
+    """Re-initialised in place from a forked seed; `remove()` and the session's close restore the same tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(2, 3, 6, 6))  # materialise the lazy layer, move the batch-norm statistics
+    conv, bn = model[0], model[1]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight, running_mean = conv.weight, bn.running_mean
+    rng = torch.get_rng_state()
+    with HookSession(model, []) as session:
+        edit = session.reinitialise([conv, bn], seed=5)
+        assert torch.equal(torch.get_rng_state(), rng)  # a forked random state
+        expected = nn.Conv2d(3, 4, 3)
+        torch.manual_seed(5)
+        expected.reset_parameters()
+        assert torch.equal(conv.weight, expected.weight) and (bn.running_mean == 0).all()
+        edit.remove()
+        edit.remove()  # idempotent
+        assert conv.weight is weight and bn.running_mean is running_mean  # the same tensors, values put back
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        with pytest.raises(RuntimeError, match="boom"):
+            with HookSession(model, []) as inner:
+                inner.reinitialise([conv], seed=1)
+                inner.reinitialise([conv], seed=2)  # stacked edits come off last first
+                raise RuntimeError("boom")
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        session.reinitialise([model[3]], seed=3)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # closed: restored
+    assert session._handles == []

@@ -13,6 +13,7 @@ from scipy.ndimage import gaussian_filter
 from scipy.stats import spearmanr
 from torch import nn
 
+from runner import chunks
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
@@ -294,10 +295,10 @@ def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_s
     """On a CPU a batch of 64 images at 224 px ran 2.5x slower per image than one of 8 (benchmarks/RESULTS.md):
     with no chunk set, deletion/insertion and the evaluation metrics forward at most 8 such images at once."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device descriptor; no GPU needed
-    assert faithfulness.forward_chunk(None, cpu, (224, 224)) == 8
-    assert faithfulness.forward_chunk(None, cpu, (32, 32)) == 392  # small images: the same pixels per forward
-    assert faithfulness.forward_chunk(None, cuda, (224, 224)) == 64
-    assert faithfulness.forward_chunk(5, cpu, (224, 224)) == 5
+    assert chunks.forward_chunk(None, cpu, (224, 224)) == 8
+    assert chunks.forward_chunk(None, cpu, (32, 32)) == 392  # small images: the same pixels per forward
+    assert chunks.forward_chunk(None, cuda, (224, 224)) == 64
+    assert chunks.forward_chunk(5, cpu, (224, 224)) == 5
     model = TinyNet().eval()
     sizes: list[int] = []
     model.register_forward_hook(lambda _m, inputs, _o: sizes.append(inputs[0].shape[0]))

@@ -22,7 +22,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from runner.data.base import Batch
-from runner.hooks import HookSession, inplace_disabled
+from runner.hooks import HookSession, count_hooks, inplace_disabled
 from runner.layers import resolve_layers
 from runner.methods import build_method
 from runner.metrics import curves as faithfulness
@@ -164,13 +164,24 @@ def test_sanity_spearman_equals_scipy(effnet: nn.Module, photos: torch.Tensor) -
     cfg = SanityConfig(randomize=["_conv_head", "_bn1", "_fc"])
     method = build_method(cfg, resolve_layers(effnet, layers), CPU)
     batch = Batch(photos, torch.full((2,), -1), ["chelsea", "coffee"], 0)
+    before = {k: v.clone() for k, v in effnet.state_dict().items()}
     with HookSession(effnet, []) as session:
         method.setup(session, 2)
         session.begin_batch(2, 0)
         rows = method.run_batch(effnet, batch, session).tables["sanity"]
+    assert all(torch.equal(before[k], v) for k, v in effnet.state_dict().items())
+    # The run's model is the trained one again; the randomised model rebuilt by hand: the listed layers' modules
+    # reset in order after one seed (method.faithfulness.seed).
+    assert count_hooks(effnet) == 0
     trained = run_method(effnet, photos, layers, name="gradcam")
     targets = trained["target"][:2].tolist()
-    randomised = run_method(method.copy, photos, layers, name="gradcam", target=TargetMode.fixed, class_ids=targets)
+    clone = copy.deepcopy(effnet)
+    torch.manual_seed(cfg.faithfulness.seed)
+    for name in cfg.randomize:
+        for sub in clone.get_submodule(name).modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+    randomised = run_method(clone, photos, layers, name="gradcam", target=TargetMode.fixed, class_ids=targets)
     rhos = []
     for layer in layers:
         for a, b in zip(maps_of(trained, layer), maps_of(randomised, layer), strict=True):

@@ -11,6 +11,8 @@ The runner and its methods register no hook themselves; they ask the session (`H
     activations are handed on to the model as a clone;
   - turns `inplace=True` off on the model's modules while full backward hooks are registered
     (torch refuses an in-place op on their outputs), held as one more removable handle (inplace.py);
+  - re-initialises modules in place for randomisation tests (MPRT, sanity) as a reversible edit, one more
+    handle whose removal restores the original values (edits.py);
   - keeps state per batch only (`end_batch` returns it and drops it);
   - draws `add_noise` noise per sample, keyed by (hook seed, sample index, layer, role, call), so a sample's
     noise does not depend on the batch size, an OOM split or a resume (runner/randomness.py);
@@ -23,6 +25,7 @@ outlives the call (tests/test_experiments.py checks with `count_hooks`).
 
 from __future__ import annotations
 
+from runner.hooks.edits import Reinitialised, resettable
 from runner.hooks.inplace import InplaceOff, disable_inplace, inplace_disabled, restore_inplace
 from runner.hooks.session import Capture, HookSession, Replacement, count_hooks
 from runner.hooks.spec_hooks import GRADIENT_KINDS, HOOKS_SCHEMA, BoundHook, SpecHooks, keyed_noise, map_tensors
@@ -37,6 +40,7 @@ __all__ = [
     "Capture",
     "HookSession",
     "InplaceOff",
+    "Reinitialised",
     "Replacement",
     "SpecHooks",
     "TensorSaver",
@@ -45,5 +49,6 @@ __all__ = [
     "inplace_disabled",
     "keyed_noise",
     "map_tensors",
+    "resettable",
     "restore_inplace",
 ]

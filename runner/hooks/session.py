@@ -1,7 +1,8 @@
 """The hook session: handle lifetime, call counting, and the captures and replacements methods ask for.
 
 Spec hooks and their rows are runner/hooks/spec_hooks.py, tensor saving runner/hooks/tensors.py, in-place
-switching runner/hooks/inplace.py; the session holds all their handles in one list and removes them on one path.
+switching runner/hooks/inplace.py, reversible model edits runner/hooks/edits.py; the session holds all their
+handles in one list and removes them on one path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from runner.errors import RunnerError
+from runner.hooks.edits import Reinitialised
 from runner.hooks.inplace import InplaceOff
 from runner.hooks.spec_hooks import GRADIENT_KINDS, BoundHook, SpecHooks, map_tensors
 from runner.hooks.tensors import TensorSaver
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class Removable(Protocol):
-    """What the session holds: a hook's RemovableHandle, or the in-place switch."""
+    """What the session holds: a hook's RemovableHandle, the in-place switch, or a model edit."""
 
     def remove(self) -> None: ...
 
@@ -110,7 +112,7 @@ class HookSession:
 
     def close(self) -> None:
         """Remove every handle (hooks and the in-place switch), drop every tensor held."""
-        for handle in reversed(self._handles):  # last in, first out: the in-place switch goes last
+        for handle in reversed(list(self._handles)):  # last in, first out: the in-place switch goes last
             handle.remove()
         self._handles.clear()
         for capture in self._captures:
@@ -235,6 +237,19 @@ class HookSession:
             return replacement.value
 
         return swap
+
+    # ---- reversible model edits ---------------------------------------------------------------------
+    def reinitialise(self, modules: list[nn.Module], seed: int) -> Reinitialised:
+        """Re-initialise `modules` in place, in order, after seeding a forked random state with `seed` (each by its
+        `reset_parameters`; the run's random state is untouched). The edit's `remove()` restores the original
+        values; whatever is still in place when the session closes is restored then, also after an error."""
+        edit = Reinitialised(modules, seed, on_remove=self._forget)
+        self._handles.append(edit)
+        return edit
+
+    def _forget(self, handle: Removable) -> None:
+        """Drop a handle removed before the session closes (MPRT makes and removes edits at every step)."""
+        self._handles = [h for h in self._handles if h is not handle]
 
     # ---- call counting --------------------------------------------------------------------------
     def _count_calls(self, name: str, module: nn.Module) -> None:

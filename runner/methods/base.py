@@ -4,19 +4,26 @@ gradient pass that also drives the session's backward and tensor hooks."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
+import pandas as pd
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import Dataset
 
 from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
-from runner.rows import BatchOutput
+from runner.rows import BatchOutput, Columns, to_host
 from runner.runtime import Runtime
-from runner.schema import MethodConfig, TargetMode
+from runner.schema import MethodConfig, Precision, TargetMode
+
+log = logging.getLogger(__name__)
 
 
 class Method:
@@ -45,6 +52,78 @@ class Method:
 
     def finish(self, out: Path) -> None:
         """Called after every batch ran and the tables are written: raise RunnerError if the run failed a check."""
+
+
+def run_on_batch(
+    method: Method, model: nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None,
+    dataset: Dataset | None = None,
+) -> BatchOutput:  # fmt: skip
+    """A method's tables for one batch `x` (B, C, H, W) of `model`, as the run loop would make them but with no run
+    directory, no Hydra and no hooks of the user's: a hook session opened around it and closed (also on an error),
+    so the model comes back as it was. `labels` (B,) for target=label; `dataset` for methods that pair samples.
+    What the library functions (cam_maps, mprt, activation_patching) run their method through."""
+    b = x.shape[0]
+    labels = torch.full((b,), NO_LABEL, dtype=torch.long) if labels is None else labels
+    batch = Batch(x, labels, [str(i) for i in range(b)], 0)
+    if dataset is not None:
+        method.prepare(dataset)
+    with HookSession(model, []) as session:
+        method.setup(session, b)
+        session.begin_batch(b, 0)
+        out = method.run_batch(model, batch, session)
+        session.end_batch()
+    return out
+
+
+def target_fields(target: int | Sequence[int] | torch.Tensor | None) -> dict[str, Any]:
+    """A library caller's `target` as method config fields: None the predicted class (the default), a class id
+    for every sample, or one class id per sample."""
+    if target is None:
+        return {}
+    ids = torch.as_tensor(target).reshape(-1).tolist()
+    return {"target": TargetMode.fixed, "class_ids": [int(i) for i in ids]}
+
+
+C = TypeVar("C", bound=MethodConfig)
+
+
+def library_config(config: type[C], **fields: Any) -> C:
+    """A method's config from a library caller's keyword fields, checked as a run checks it: strings become their
+    enums, a key the config lacks or an out-of-range value is one RunnerError naming it."""
+    try:
+        built = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config), fields))
+    except OmegaConfBaseException as e:
+        raise RunnerError(f"{config.__name__}: {str(e).splitlines()[0]}") from None
+    bad = built.check()  # type: ignore[union-attr]
+    if bad:
+        raise RunnerError(f"Out of range: {', '.join(bad)}.")
+    return built  # type: ignore[return-value]
+
+
+def library_runtime(x: torch.Tensor) -> Runtime:
+    """How a library call runs: on the input's device, in float32, with no pictures."""
+    return Runtime(x.device, Precision.fp32)
+
+
+def as_frame(columns: Columns) -> pd.DataFrame:
+    """A method's columns (tensors, lists, blocks) as a pandas frame on the host, one row per table row."""
+    return pd.DataFrame(to_host(columns))
+
+
+class OnceWarnings:
+    """One log line per run and key, naming the first samples concerned (a flag column marks every row)."""
+
+    def __init__(self, method: str, logger: logging.Logger = log) -> None:
+        self.method, self.log = method, logger
+        self.given: set[str] = set()
+
+    def __call__(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
+        """Warn with `message` the first time `key`'s `flags` (B,) has a sample set."""
+        if key in self.given or not bool(flags.any()):
+            return
+        self.given.add(key)
+        ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
+        self.log.warning("%s: %s (first: %s)", self.method, message, ", ".join(ids[:5]))
 
 
 def targets_by_name(cfg: MethodConfig, model_names: list[str] | None) -> MethodConfig:

@@ -18,29 +18,37 @@ import contextlib
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import pyarrow as pa
 import torch
 from torch import nn
 
-from runner.data.base import Batch
-from runner.errors import RunnerError
+from runner.data.base import NO_LABEL, Batch
+from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
-from runner.layers import Layer
-from runner.methods.base import Method, check_targets, forward, gradients, select_target_sets
+from runner.layers import Layer, resolve_layers
+from runner.methods.base import (
+    Method,
+    OnceWarnings,
+    check_targets,
+    forward,
+    gradients,
+    library_config,
+    library_runtime,
+    select_target_sets,
+)
+from runner.methods.map_evaluation import MapEvaluation
+from runner.methods.map_pictures import draw_maps
 from runner.metrics import curves as faithfulness
-from runner.metrics.base import Metric, build_metrics
-from runner.metrics.table import evaluation_rows
-from runner.options.method.cam import CamConfig
-from runner.options.registry import Option
-from runner.randomness import per_sample_uniform
+from runner.options.method.cam import CamConfig, cam_method_names
+from runner.options.registry import METHODS, Option
 from runner.rows import BatchOutput, Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
-from runner.schema import MapScale
-from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields, upsample
+from runner.schema import TargetMode
+from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
 from runner.tables import declare, optional
-from runner.viz import pictures
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,15 @@ class CamContext:
     x: torch.Tensor  # (B, C, H, W) the input batch
     target: torch.Tensor  # (B,) the class explained
     runtime: Runtime
+
+
+@dataclass
+class CamForward:
+    """One forward of a batch with a CAM method's capture on: what each target's maps are made from."""
+
+    logits: torch.Tensor  # (B, K) float32
+    x: torch.Tensor  # the input as the forward took it (requiring grad where gradient hooks must fire everywhere)
+    entries: list[tuple[str, int, torch.Tensor]]  # (layer, call, activation), every call of every target layer
 
 
 def to_spatial(
@@ -77,7 +94,7 @@ def to_spatial(
     )
 
 
-# The `cam` table's own columns (`CamMethod._rows`; faithfulness.evaluate's metrics; captum's method name).
+# The `cam` table's own columns (`CamMethod.rows`; faithfulness.evaluate's metrics; captum's method name).
 CAM_SCHEMA = declare(
     "cam",
     [
@@ -101,7 +118,8 @@ CAM_SCHEMA = declare(
 
 
 class CamMethod(Method):
-    """Base of the CAM family: capture, gradient pass per target, maps, rows, faithfulness, pictures."""
+    """Base of the CAM family: capture, one gradient pass per target, maps and rows. What consumes the maps runs
+    after the rows: evaluation (runner/methods/map_evaluation.py) and pictures (runner/methods/map_pictures.py)."""
 
     name = "cam"
     table = "cam"  # every CAM method (and captum) writes the same table: a sweep over methods is one table
@@ -115,10 +133,8 @@ class CamMethod(Method):
     def __init__(self, cfg: CamConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
         self.module_types = {name: type(module).__name__ for name, module in layers}
-        self._warned: set[str] = set()  # which once-per-run warnings were given
-        # Built here so that an unknown metric name fails before the first batch, with the nearest names.
-        self.metrics: list[Metric] = build_metrics(cfg.evaluation) if cfg.evaluation.metrics else []
-        self._evaluation: list[Columns] = []  # this batch's `evaluation` rows, one part per target
+        self.warn = OnceWarnings(self.name, log)  # which once-per-run warnings were given
+        self.evaluation = MapEvaluation(cfg.faithfulness, cfg.evaluation, runtime, self.warn)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         check_targets(self.cfg, num_samples)
@@ -142,40 +158,37 @@ class CamMethod(Method):
         return torch.relu(torch.einsum("bc,bchw->bhw", self.channel_weights(act, grad), act))
 
     # ---- the pass -------------------------------------------------------------------------------
-    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+    def forward(self, model: nn.Module, batch: Batch, session: HookSession) -> CamForward:
+        """The user's forward of `batch` with the capture on (after `setup`): logits and every captured call."""
         logits, x = forward(model, batch, session, self.runtime, with_grad=self.needs_gradients)
-        target_sets = select_target_sets(self.cfg, logits, batch)  # (B, K)
         for name in self.capture.names:
             if not self.capture.outputs[name]:
                 raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
         entries = [(n, c, a) for n in self.capture.names for c, a in enumerate(self.capture.outputs[n])]
-        probs = logits.detach().softmax(dim=1)
-        parts: list[Columns] = []
-        for k in range(target_sets.shape[1]):
-            target = target_sets[:, k]  # (B,)
-            score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
-            if self.needs_gradients:
-                last = k == target_sets.shape[1] - 1
-                grads = gradients(score, [a for _, _, a in entries], x, session, retain_graph=not last)
-            else:
-                grads = [None] * len(entries)
-            ctx = CamContext(model, batch.x, target, self.runtime)
-            # Past the user's forward and backward: Score-CAM's masked inputs, faithfulness and the metrics run
-            # forwards of their own, which the user's `record` hooks and the capture must not see.
-            with session.recording_paused(), self._capture_paused():
-                maps = [self._map(name, act, grad, ctx) for (name, _, act), grad in zip(entries, grads, strict=True)]
-                parts.append(self._rows(entries, maps, target, k, score, probs, batch, ctx))
-        return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(concat_columns(parts)))
+        return CamForward(logits, x, entries)
 
-    def _tables(self, columns: Columns) -> dict[str, Columns]:
-        """The batch's tables: this method's, and `evaluation` when metrics are configured (its parts then reset)."""
-        tables = {self.table: columns}
-        if self._evaluation:
-            tables["evaluation"] = concat_columns(self._evaluation)
-            self._evaluation = []
-        return tables
+    def maps(
+        self, fwd: CamForward, target: torch.Tensor, model: nn.Module, x: torch.Tensor, session: HookSession,
+        retain_graph: bool = False,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Each entry's map (B, h, w) at its layer's resolution for the classes `target` (B,): one backward of the
+        target's logits to every captured activation (`retain_graph` for a later target), then `cam` per entry.
+        `x` is the batch's input (B, C, H, W), which Score-CAM masks."""
+        if self.needs_gradients:
+            score = fwd.logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            grads = gradients(score, [a for _, _, a in fwd.entries], fwd.x, session, retain_graph=retain_graph)
+        else:
+            grads = [None] * len(fwd.entries)
+        ctx = CamContext(model, x, target, self.runtime)
+        # Past the user's forward and backward: Score-CAM's masked inputs run forwards of their own, which the
+        # user's `record` hooks and the capture must not see.
+        with session.recording_paused(), self._capture_paused():
+            return [
+                self.layer_map(name, act, grad, ctx) for (name, _, act), grad in zip(fwd.entries, grads, strict=True)
+            ]
 
-    def _map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
+    def layer_map(self, name: str, act: torch.Tensor, grad: torch.Tensor | None, ctx: CamContext) -> torch.Tensor:
+        """The map (B, h, w) of layer `name` from its activation and gradient (token outputs put on their grid)."""
         module_type = self.module_types[name]
         a = to_spatial(act.detach().float(), name, module_type, self.name, self.cfg.token_prefix, self.spatial_hint)
         if self.needs_gradients and grad is None:
@@ -183,31 +196,81 @@ class CamMethod(Method):
         g = None if grad is None else to_spatial(grad.float(), name, module_type, self.name, self.cfg.token_prefix)
         return self.cam(a, g, ctx)  # (B, h, w)
 
-    def _rows(
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        fwd = self.forward(model, batch, session)
+        target_sets = select_target_sets(self.cfg, fwd.logits, batch)  # (B, K)
+        probs = fwd.logits.detach().softmax(dim=1)
+        parts: list[Columns] = []
+        for k in range(target_sets.shape[1]):
+            target = target_sets[:, k]  # (B,)
+            last = k == target_sets.shape[1] - 1
+            maps = self.maps(fwd, target, model, batch.x, session, retain_graph=not last)
+            score = fwd.logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            parts.append(self.consume(model, batch, session, fwd.entries, maps, target, k, score, probs))
+        return BatchOutput(predicted=fwd.logits.argmax(dim=1), tables=self._tables(concat_columns(parts)))
+
+    def consume(
+        self, model: nn.Module, batch: Batch, session: HookSession, entries: list[tuple[str, int, Any]],
+        maps: list[torch.Tensor], target: torch.Tensor, target_rank: int, score: torch.Tensor, probs: torch.Tensor,
+    ) -> Columns:  # fmt: skip
+        """One target's rows, then what consumes its maps: evaluation (faithfulness columns beside the rows, the
+        `evaluation` table's rows kept for `_tables`) and, for a batch's first target, pictures. Their forwards
+        are the method's own: the user's `record` hooks and the capture do not see them."""
+        columns = self.rows(entries, maps, target, target_rank, score, probs, batch)
+        names = [(name, call) for name, call, _ in entries]
+        with session.recording_paused(), self._capture_paused():
+            block = self.evaluation.evaluate(model, batch, names, maps, target, target_rank, probs)
+        if block is not None:
+            columns["faithfulness"] = block
+        if target_rank == 0:
+            grid = self.cfg.feature_grid_layer
+            feature_grid = None
+            if grid is not None and self.runtime.pictures_dir is not None:
+                act = dict((name, a) for name, _, a in entries)[grid]  # (B, ...)
+                spatial = to_spatial(
+                    act.detach().float(), grid, self.module_types[grid], self.name, self.cfg.token_prefix
+                )
+                feature_grid = (grid, spatial)
+            draw_maps(
+                self.runtime, batch, self.name, [name for name, _, _ in entries], maps, target, score, probs,
+                self.cfg.pictures_max, feature_grid,
+            )  # fmt: skip
+        return columns
+
+    def _tables(self, columns: Columns) -> dict[str, Columns]:
+        """The batch's tables: this method's, and `evaluation` when metrics are configured (its parts then reset)."""
+        tables = {self.table: columns}
+        evaluation = self.evaluation.take_table()
+        if evaluation is not None:
+            tables["evaluation"] = evaluation
+        return tables
+
+    def rows(
         self,
-        entries: list[tuple[str, int, torch.Tensor]],
+        entries: list[tuple[str, int, Any]],
         maps: list[torch.Tensor],
         target: torch.Tensor,
         target_rank: int,
         score: torch.Tensor,
         probs: torch.Tensor,
         batch: Batch,
-        ctx: CamContext,
     ) -> Columns:
+        """The `cam` table's rows of one target, one per (entry, sample): the target, its score and probability,
+        the map's size and statistics, flags, and the map itself (`store_maps`)."""
         b = target.shape[0]
         n = len(entries)
         sizes = [(m.shape[1], m.shape[2]) for m in maps]
         # All logits equal (a zero-initialised head, say) <=> uniform probabilities: every class is the
         # "prediction", the one explained is arbitrary. Rows are flagged and their faithfulness is NaN.
         flat_logits = constant_rows(probs)  # (B,)
-        self._warn_once(
+        self.warn(
             "constant_logits", flat_logits, batch,
             "all logits are equal, so the class explained is arbitrary (random or untrained weights?);"
             " rows flagged constant_logits, faithfulness NaN",
         )  # fmt: skip
         # A constant map (all zero, say) or one with NaN/inf ranks no pixel: flagged, and NaN metrics.
         degenerate = [faithfulness.degenerate_maps(m) for m in maps]  # each (B,)
-        self._warn_once(
+        self.warn(
             "degenerate", torch.stack(degenerate).any(dim=0), batch,
             "a map is constant (all zero, say) or not finite at some layer; rows flagged degenerate,"
             " their faithfulness and evaluation metrics NaN",
@@ -231,123 +294,12 @@ class CamMethod(Method):
             columns["map"] = Ragged(
                 torch.cat([m.reshape(-1) for m in maps]), [h * w for h, w in sizes for _ in range(b)]
             )
-        size = batch.x.shape[-2:]
-        saliency: list[torch.Tensor] | None = None
-        if self.cfg.faithfulness.enabled or self.metrics:
-            saliency, random_saliency, random_flat = self._saliency(maps, batch)
-        if self.cfg.faithfulness.enabled:
-            metrics = faithfulness.evaluate(
-                ctx.model, batch.x, saliency, random_saliency, target, probs, self.cfg.faithfulness, self.runtime,
-                sample_indices=range(batch.first_index, batch.first_index + b), degenerate=degenerate,
-                undefined=flat_logits, random_degenerate=random_flat,
-            )  # fmt: skip
-            columns["faithfulness"] = metrics
-        if self.metrics:
-            if target_rank == 0:  # a batch's first target: drop parts of an attempt that failed (OOM back-off)
-                self._evaluation = []
-            self._evaluation.append(
-                self._evaluate(
-                    entries, saliency, random_saliency, target, target_rank, batch, ctx, degenerate, random_flat
-                )
-            )
-        # Pictures show the data set's first pictures_max samples, a batch's leading ones: only their maps are
-        # upsampled for them, and a batch past the last picture does no picture work at all.
-        drawn = 0
-        if self.runtime.pictures_dir is not None and target_rank == 0:
-            drawn = pictures.drawn_count(batch, self.cfg.pictures_max)
-        if drawn:
-            figures = self.runtime.figures
-            # Faithfulness's maps are scaled per map; a scale shared by the layers needs the maps before that.
-            shown = saliency
-            if shown is None or figures.map_scale is not MapScale.per_map:
-                shown = pictures.scaled_maps([m[:drawn] for m in maps], size, figures.map_scale)  # (drawn, H, W)
-            explained = pictures.Explained(
-                target[:drawn].tolist(), score[:drawn].detach().float().tolist(),
-                probs.gather(1, target[:drawn, None])[:, 0].tolist(), self.runtime.class_names,
-            )  # fmt: skip
-            pictures.write_overlays(
-                self.runtime.pictures_dir, batch, [name for name, _, _ in entries], shown, self.name,
-                self.cfg.pictures_max, explained, sizes, figures,
-            )  # fmt: skip
-            grid = self.cfg.feature_grid_layer
-            if grid is not None:
-                act = dict((name, a) for name, _, a in entries)[grid][:drawn]  # (drawn, ...)
-                pictures.write_feature_grid(
-                    self.runtime.pictures_dir,
-                    batch,
-                    grid,
-                    to_spatial(act.detach().float(), grid, self.module_types[grid], self.name, self.cfg.token_prefix),
-                    self.cfg.pictures_max,
-                    figures=figures,
-                )
         return columns
-
-    def _saliency(
-        self, maps: list[torch.Tensor], batch: Batch
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Each layer's map and its random baseline, upsampled to the input: each (B, H, W) in [0, 1]; and whether
-        each random map is constant at its resolution (B,) (a 1x1 layer's: no more an order than its own map).
-
-        One random map per sample and resolution, shared by the layers of that resolution, so that layers are
-        compared with the same baseline (by faithfulness and by the evaluation metrics alike). Drawn from (seed,
-        sample index, resolution), never from the batch: the same sample gets the same baseline at any batch
-        size, after an OOM split and on resume."""
-        size = batch.x.shape[-2:]
-        indices = range(batch.first_index, batch.first_index + batch.x.shape[0])
-        by_shape: dict[tuple[int, ...], torch.Tensor] = {}
-        for m in maps:
-            h, w = m.shape[1:]
-            if (h, w) not in by_shape:
-                by_shape[(h, w)] = per_sample_uniform(
-                    (h, w), self.cfg.faithfulness.seed, indices, f"faithfulness.random_map.{h}x{w}", m.device
-                )  # (B, h, w)
-        saliency = [upsample(m.detach(), size) for m in maps]
-        random_saliency = [upsample(by_shape[tuple(m.shape[1:])], size) for m in maps]
-        random_flat = [faithfulness.degenerate_maps(by_shape[tuple(m.shape[1:])]) for m in maps]
-        return saliency, random_saliency, random_flat
-
-    def _evaluate(
-        self,
-        entries: list[tuple[str, int, torch.Tensor]],
-        saliency: list[torch.Tensor],
-        random_saliency: list[torch.Tensor],
-        target: torch.Tensor,
-        target_rank: int,
-        batch: Batch,
-        ctx: CamContext,
-        degenerate: list[torch.Tensor],
-        random_degenerate: list[torch.Tensor],
-    ) -> Columns:
-        """The `evaluation` rows of one target: each metric on each layer's map and on its random map (`_saliency`);
-        a `degenerate` (B,) map's values NaN and flagged, a constant random map's random values NaN."""
-        if batch.masks is not None and any(m.needs_masks for m in self.metrics):
-            # A box smaller than a pixel at the model's input size vanishes when the mask is resized with the photo.
-            empty = ~batch.masks.flatten(1).any(dim=1)  # (B,)
-            self._warn_once(
-                "empty_mask", empty, batch,
-                f"a localisation mask is empty at the model's input size {tuple(batch.x.shape[-2:])} (a box smaller"
-                " than a pixel after resizing vanishes, or the side file gives none); their localisation values NaN",
-            )  # fmt: skip
-        with self._capture_paused(), torch.no_grad():  # the metrics' perturbed forwards keep nothing
-            return evaluation_rows(
-                self.metrics, [(name, call) for name, call, _ in entries], saliency, random_saliency, ctx.model,
-                batch.x, target, target_rank, batch.first_index, self.runtime, self.cfg.evaluation.seed,
-                masks=batch.masks, chunk=self.cfg.evaluation.chunk, degenerate=degenerate,
-                random_degenerate=random_degenerate,
-            )  # fmt: skip
 
     def _capture_paused(self) -> contextlib.AbstractContextManager[None]:
         """The capture paused (keeps nothing, passes everything through); a no-op for captum, which captures nothing."""
         capture = getattr(self, "capture", None)
         return capture.paused() if capture is not None else contextlib.nullcontext()
-
-    def _warn_once(self, key: str, flags: torch.Tensor, batch: Batch, message: str) -> None:
-        """One log line per run (the flag column marks every row) naming the first samples concerned."""
-        if key in self._warned or not bool(flags.any()):
-            return
-        self._warned.add(key)
-        ids = [s for s, f in zip(batch.sample_ids, flags.tolist(), strict=False) if f]
-        log.warning("%s: %s (first: %s)", self.name, message, ", ".join(ids[:5]))
 
 
 @functools.cache
@@ -357,3 +309,63 @@ def variant_method(option: Option) -> type[CamMethod]:
     rule = option.rule
     namespace = {"name": option.name, "__module__": rule.__module__, "__doc__": rule.__doc__}
     return type(rule.__name__, (rule, CamMethod), namespace)
+
+
+# ---- the library function: maps of a model and a batch, no run directory ------------------------------------------
+def cam_names() -> list[str]:
+    """The CAM variants' option names (family "cam"; captum, which makes no CAM pass of its own, is not one)."""
+    return cam_method_names()
+
+
+def cam_method(name: str, layers: list[Layer], runtime: Runtime, **settings: Any) -> CamMethod:
+    """The CAM variant called `name` (gradcam, gradcampp, scorecam, ...) on `layers`, its config fields `settings`
+    checked as a run checks them; a RunnerError with the nearest names for an unknown or a non-CAM method."""
+    if name not in cam_names():
+        raise RunnerError(f"'{name}' is not a CAM method: one of {', '.join(cam_names())}.{suggest(name, cam_names())}")
+    option = METHODS.get(name)
+    return option.load()(library_config(option.schema, **settings), layers, runtime)  # type: ignore[no-any-return]
+
+
+def inner_cam(cfg: CamConfig, inner: str, layers: list[Layer], runtime: Runtime) -> CamMethod:
+    """The CAM method `inner` (a randomisation test's `method.inner`), made with `cfg`'s CAM fields (store_maps,
+    token_prefix, ...); the inner method's own fields (scorecam's score_chunk, say) keep their defaults."""
+    if inner not in cam_names():
+        raise RunnerError(f"method.inner='{inner}' must be a CAM method: {', '.join(cam_names())}.")
+    option = METHODS.get(inner)
+    shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
+    return option.load()(option.schema(**shared), layers, runtime)  # type: ignore[no-any-return]
+
+
+def cam_maps(
+    model: nn.Module,
+    x: torch.Tensor,
+    layers: list[str],
+    method: str = "gradcam",
+    target: int | list[int] | torch.Tensor | None = None,
+    call: int = 0,
+    **settings: Any,
+) -> dict[str, torch.Tensor]:
+    """Each target layer's map (B, h, w), at the layer's own resolution, of `model` (in eval mode) on the batch `x`
+    (B, C, H, W): Grad-CAM or any CAM variant, from one forward and one backward, with no run directory.
+
+    `layers`: names or selectors as `layers.include` (e.g. ["layer4", "Conv2d"]); `target`: the class explained,
+    None for each sample's predicted class, a class id for all, or (B,) ids; `call`: which call of a module used
+    several times per forward; `settings`: the method's own config fields (e.g. scorecam_weights="paper").
+    The maps are those the `cam` table's `map` column holds. The model's weights and hooks are left as they were.
+    """
+    cam = cam_method(method, resolve_layers(model, list(layers)), library_runtime(x), **settings)
+    if cam.cfg.target is not TargetMode.predicted or cam.cfg.class_ids:
+        raise RunnerError("cam_maps: choose the class with target=..., not with the config's target fields.")
+    b = x.shape[0]
+    targets = None if target is None else torch.as_tensor(target, device=x.device).reshape(-1).expand(b)
+    with HookSession(model, []) as session:
+        cam.setup(session, b)
+        session.begin_batch(b, 0)
+        batch = Batch(x, torch.full((b,), NO_LABEL, dtype=torch.long), [str(i) for i in range(b)], 0)
+        fwd = cam.forward(model, batch, session)
+        targets = fwd.logits.argmax(dim=1) if targets is None else targets.long()
+        if bool(((targets < 0) | (targets >= fwd.logits.shape[1])).any()):
+            raise RunnerError(f"target={targets.tolist()}: outside the model's {fwd.logits.shape[1]} classes.")
+        maps = cam.maps(fwd, targets, model, x, session)
+        session.end_batch()
+    return {name: m for (name, c, _), m in zip(fwd.entries, maps, strict=True) if c == call}

@@ -15,7 +15,7 @@ from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession, inplace_disabled
 from runner.methods.base import check_targets, forward, select_target_sets
-from runner.methods.cam import CamContext, CamMethod, to_spatial
+from runner.methods.cam import CamMethod, to_spatial
 from runner.rows import BatchOutput, Columns, concat_columns
 
 SUPPORTED = (
@@ -52,14 +52,14 @@ class CaptumLayer(CamMethod):
         # and the metrics are the method's, which the user's `record` hooks must not see.
         with session.recording_paused():
             for k in range(target_sets.shape[1]):
-                parts.append(self._target_rows(model, batch, logits, probs, entries, target_sets[:, k], k))
+                parts.append(self._target_rows(model, batch, session, logits, probs, entries, target_sets[:, k], k))
         columns = concat_columns(parts)
         columns["captum_method"] = [self.cfg.captum] * len(columns["layer"])
         return BatchOutput(predicted=logits.argmax(dim=1), tables=self._tables(columns))
 
     def _target_rows(
-        self, model: nn.Module, batch: Batch, logits: torch.Tensor, probs: torch.Tensor, entries: list,
-        target: torch.Tensor, k: int,
+        self, model: nn.Module, batch: Batch, session: HookSession, logits: torch.Tensor, probs: torch.Tensor,
+        entries: list, target: torch.Tensor, k: int,
     ) -> Columns:  # fmt: skip
         """The rows of every layer for the k-th target of each sample (`target`, (B,)): one captum call per layer."""
         maps = []
@@ -72,5 +72,4 @@ class CaptumLayer(CamMethod):
             spatial = to_spatial(attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix)
             maps.append(spatial.sum(dim=1))  # (B, h, w), signed
         score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
-        ctx = CamContext(model, batch.x, target, self.runtime)
-        return self._rows(entries, maps, target, k, score, probs, batch, ctx)
+        return self.consume(model, batch, session, entries, maps, target, k, score, probs)

@@ -1,9 +1,9 @@
 """Model parameter randomisation test (MPRT; Adebayo et al. 2018, as Quantus 0.6.0's `MPRT`), per target layer.
 
-A copy of the model has its parameterised modules (those with `reset_parameters`, Quantus's set; `method.randomize`
+The model has its parameterised modules (those with `reset_parameters`, Quantus's set; `method.randomize`
 narrows them) re-initialised one at a time, in reverse model order (`order=top_down`, cascading: each step keeps
 the earlier steps' re-initialisations), in model order (`bottom_up`, cascading) or each alone on the trained weights
-(`independent`). At every step one forward and one backward of the copy give the maps of *all* target layers
+(`independent`). At every step one forward and one backward of the randomised model give the maps of *all* target layers
 (the CAM method `method.inner`), and each is compared with the trained model's map of the same layer, sample and
 class by each of `method.similarities`. A map that stays similar while the weights it claims to explain are
 destroyed explains the input, not the model.
@@ -22,19 +22,19 @@ all layers' maps as one stack per step, with the trained side (ranks, top pixels
   - topk_intersection: the share of the top `topk_fraction` pixels of the trained map that are also among the top
     pixels of the randomised one (ties broken by pixel order); NaN when either map is constant.
 Re-initialisation follows Quantus: each module is reset right after `torch.manual_seed(seed + 1)` (in a forked RNG:
-the run's random state is untouched), so on the CPU the same seed gives Quantus's weights. The run's model never
-changes; the copy's capture hooks belong to the run's hook session, removed with it.
+the run's random state is untouched), so on the CPU the same seed gives Quantus's weights. The modules are
+re-initialised in the run's own model, as reversible edits its hook session owns (runner/hooks/edits.py): undone
+at the end of every batch, and by the session on an error, so the model is the trained one outside a batch.
 `method=sanity` (runner/methods/sanity.py) keeps the old single-step check (listed layers at once, Spearman at the
 layer's resolution).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
+import pandas as pd
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
@@ -42,11 +42,18 @@ from torch import nn
 
 from runner.data.base import Batch
 from runner.errors import RunnerError, suggest
-from runner.hooks import HookSession
+from runner.hooks import HookSession, Reinitialised
 from runner.layers import Layer, resolve_layers
-from runner.methods.base import Method, forward, gradients, select_targets
-from runner.methods.cam import CamContext, CamMethod
-from runner.options.method.cam import CamConfig
+from runner.methods.base import (
+    Method,
+    as_frame,
+    library_config,
+    library_runtime,
+    run_on_batch,
+    select_targets,
+    target_fields,
+)
+from runner.methods.cam import CamMethod, inner_cam
 from runner.options.method.mprt import MprtConfig, MprtOrder
 from runner.ranking import ranks_of_sorted
 from runner.rows import BatchOutput, Columns
@@ -260,10 +267,6 @@ class Mprt(Method):
     table = "mprt"
 
     def __init__(self, cfg: MprtConfig, layers: list[Layer], runtime: Runtime) -> None:
-        from runner.methods import cam_methods, method_config
-
-        if cfg.inner not in cam_methods():
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(cam_methods())}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=mprt compares one map per sample: use target predicted, label or fixed.")
         unknown = [s for s in cfg.similarities if s not in SIMILARITIES]
@@ -277,101 +280,60 @@ class Mprt(Method):
         except ValueError:
             raise RunnerError(f"method.order={cfg.order}: one of {', '.join(o.value for o in MprtOrder)}.") from None
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = cam_methods()[cfg.inner]
-        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
-        self.inner_cfg = method_config(cfg.inner, **shared)
-        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, runtime)
-        self.random: CamMethod | None = None
-        self.copy: nn.Module | None = None
+        self.inner: CamMethod = inner_cam(cfg, cfg.inner, layers, runtime)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
-        self.trained.setup(session, num_samples)
-        self.copy = self._copy(session.model)
-        steps = parameterised_modules(self.copy, self.cfg.randomize)
+        self.inner.setup(session, num_samples)  # one capture: the same layers give the trained and randomised maps
+        steps = parameterised_modules(session.model, self.cfg.randomize)
         if self.order is MprtOrder.top_down:
             steps = steps[::-1]
         self.steps = steps[: self.cfg.max_steps]
-        # The trained weights to restore: the run's own tensors (never changed), no second copy in memory.
-        self.trained_state = session.model.state_dict()
-        layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
-        self.random = self.inner_class(self.inner_cfg, layers, self.runtime)
-        self.random.setup(session, num_samples)  # its capture hooks are on the copy, held by the session
         log.info("mprt: %d steps (%s) from %s", len(self.steps), self.order.value, self.steps[0][0])
 
-    def finish(self, out: Path) -> None:
-        """Drop the copy (its capture hooks go with the session)."""
-        self.copy = self.random = None
-
-    @staticmethod
-    def _copy(model: nn.Module) -> nn.Module:
-        clone = copy.deepcopy(model)
-        for module in clone.modules():  # the copy must not carry the session's hooks (or their captures) along
-            module._forward_hooks.clear()
-            module._forward_pre_hooks.clear()
-            module._backward_hooks.clear()
-            module._backward_pre_hooks.clear()
-        for p in clone.parameters():
-            p.requires_grad_(False)
-        return clone.eval()
-
-    def _reset(self, module: nn.Module) -> None:
-        """Re-initialise `module` as Quantus does (seed + 1 before each), leaving the run's random state as it was."""
-        device = self.runtime.device
-        devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.cfg.seed + 1)
-            module.reset_parameters()  # type: ignore[operator]
-
     def _maps(
-        self, method: CamMethod, model: nn.Module, batch: Batch, session: HookSession, targets: torch.Tensor | None
+        self, model: nn.Module, batch: Batch, session: HookSession, targets: torch.Tensor | None
     ) -> tuple[list[tuple[str, int]], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """(entries (layer, call), their maps each (B, H, W) prepared, degenerate (E*B,) bool: a map constant or not
         finite at the layer's resolution, the targets, the predicted classes) from one forward and one backward."""
-        logits, x = forward(model, batch, session, self.runtime, with_grad=method.needs_gradients)
+        fwd = self.inner.forward(model, batch, session)
         if targets is None:
-            targets = select_targets(self.cfg, logits, batch)  # (B,)
-        capture = method.capture
-        for name in capture.names:
-            if not capture.outputs[name]:
-                raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
-        entries = [(n, c, a) for n in capture.names for c, a in enumerate(capture.outputs[n])]
-        score = logits.gather(1, targets[:, None]).squeeze(1)  # (B,)
-        if method.needs_gradients:
-            grads = gradients(score, [a for _, _, a in entries], x, session)
-        else:
-            grads = [None] * len(entries)
-        ctx = CamContext(model, batch.x, targets, self.runtime)
+            targets = select_targets(self.cfg, fwd.logits, batch)  # (B,)
+        small = self.inner.maps(fwd, targets, model, batch.x, session)  # each (B, h, w)
         size = batch.x.shape[-2:]
-        with session.recording_paused(), method._capture_paused():  # Score-CAM's masked forwards: not the user's
-            small = [method._map(n, a, g, ctx) for (n, _, a), g in zip(entries, grads, strict=True)]  # each (B, h, w)
         degenerate = torch.cat([constant_rows(m) for m in small])  # (E*B,) decided before upsampling
         maps = [prepare(m, size) for m in small]
-        capture.clear()  # the step's activations and graph go now, not at the next step
-        return [(n, c) for n, c, _ in entries], maps, degenerate, targets, logits.argmax(dim=1)
+        self.inner.capture.clear()  # the step's activations and graph go now, not at the next step
+        return [(n, c) for n, c, _ in fwd.entries], maps, degenerate, targets, fwd.logits.argmax(dim=1)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        assert self.random is not None and self.copy is not None
-        entries, trained, flat, targets, predicted = self._maps(self.trained, model, batch, session, None)
+        entries, trained, flat, targets, predicted = self._maps(model, batch, session, None)
         b, sims = targets.shape[0], list(self.cfg.similarities)
         # All layers' maps as one (E*B, H, W) stack: each step compares them in one call, against a reference
         # computed once per batch (the trained maps' ranks, top pixels and SSIM windows).
         ref = reference(torch.cat(trained), sims, self.cfg.topk_fraction)
         values: list[torch.Tensor] = []  # per step: (E, K, B)
         degenerate: list[torch.Tensor] = []  # per step: (E, K, B) bool
+        # The steps re-initialise the run's model in place, as edits the session owns: cascading, each step's edit
+        # stays on top of the earlier ones; independent, the previous step's is undone first. All are undone
+        # before the batch ends (and by the session, should this raise), so every batch starts from the trained
+        # weights. Quantus seeds seed + 1 before each module.
+        edits: list[Reinitialised] = []
         try:
-            with session.recording_paused():  # the copy's forwards are the method's own, not the user's
-                for step, (_, module) in enumerate(self.steps):
-                    if step == 0 or self.order is MprtOrder.independent:
-                        self.copy.load_state_dict(self.trained_state)
-                    self._reset(module)
-                    _, randomised, flat_random, _, _ = self._maps(self.random, self.copy, batch, session, targets)
+            with session.recording_paused():  # the randomised forwards are the method's own, not the user's
+                for _, module in self.steps:
+                    if self.order is MprtOrder.independent and edits:
+                        edits.pop().remove()
+                    edits.append(session.reinitialise([module], self.cfg.seed + 1))
+                    _, randomised, flat_random, _, _ = self._maps(model, batch, session, targets)
                     # A constant map (either side) ranks nothing: every similarity NaN, the row flagged.
                     undefined = (flat | flat_random)[None].expand(len(sims), -1)  # (K, E*B)
                     scores = torch.where(undefined, torch.nan, compare(ref, torch.cat(randomised), sims))  # (K, E*B)
                     values.append(scores.view(len(sims), len(entries), b).transpose(0, 1))
                     degenerate.append(undefined.reshape(len(sims), len(entries), b).transpose(0, 1))
         finally:
-            self.random.capture.clear()
+            for edit in reversed(edits):
+                edit.remove()
+            self.inner.capture.clear()
         n_steps, n_layers, n_sims = len(self.steps), len(entries), len(self.cfg.similarities)
         per_step = n_layers * n_sims * b  # rows of one step, ordered (layer, similarity, sample)
         module_types = {name: type(m).__name__ for name, m in self.layers}
@@ -391,3 +353,23 @@ class Mprt(Method):
             "inner_method": [self.cfg.inner] * (n_steps * per_step),
         }
         return BatchOutput(predicted=predicted, tables={self.table: columns})
+
+
+def mprt(
+    model: nn.Module,
+    x: torch.Tensor,
+    layers: list[str],
+    method: str = "gradcam",
+    target: int | list[int] | torch.Tensor | None = None,
+    **settings: object,
+) -> pd.DataFrame:
+    """MPRT of `model` (in eval mode) on the batch `x` (B, C, H, W), with no run directory: the `mprt` table's rows,
+    one per (layer, call, step, similarity, sample): `value` is the similarity between the trained model's map of
+    `layer` and its map after `step` re-initialisations (`randomised_up_to` names the module of that step).
+
+    `method`: the CAM variant whose maps are compared; `target`: None for each sample's predicted class, a class id
+    for all, or (B,) ids; `settings`: MprtConfig's fields (order, randomize, max_steps, similarities, seed, ...).
+    The model's weights are re-initialised in place only while it runs, and restored (also on an error)."""
+    cfg = library_config(MprtConfig, inner=method, **target_fields(target), **settings)
+    out = run_on_batch(Mprt(cfg, resolve_layers(model, list(layers)), library_runtime(x)), model, x)
+    return as_frame(out.tables["mprt"])

@@ -1,7 +1,7 @@
 """Model-randomisation sanity check (Adebayo et al. 2018), per layer.
 
-A copy of the model has the layers in `method.randomize` (and everything inside them)
-re-initialised; the inner CAM method (`method.inner`) computes maps on both models for the same
+The layers in `method.randomize` (and everything inside them) are re-initialised in the run's model, as a
+reversible edit its hook session owns (undone before the batch ends); the inner CAM method (`method.inner`) computes maps on both models for the same
 inputs and targets; each row holds the Spearman rank correlation between the two maps of one
 (sample, layer). A map that does not change when the weights it claims to explain are destroyed
 (correlation near 1) explains the input, not the model.
@@ -17,7 +17,6 @@ as Quantus's MPRT, step by step (cascading or independent) with Spearman, SSIM a
 from __future__ import annotations
 
 import copy
-from dataclasses import fields
 
 import pyarrow as pa
 import torch
@@ -25,11 +24,10 @@ from torch import nn
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
-from runner.hooks import HookSession
+from runner.hooks import HookSession, resettable
 from runner.layers import resolve_layers
 from runner.methods.base import Method
-from runner.methods.cam import CamMethod
-from runner.options.method.cam import CamConfig
+from runner.methods.cam import CamMethod, inner_cam
 from runner.options.method.sanity import SanityConfig
 from runner.ranking import spearman
 from runner.rows import BatchOutput, Columns, Ragged
@@ -61,10 +59,6 @@ class Sanity(Method):
     summary_values = ("spearman",)
 
     def __init__(self, cfg: SanityConfig, layers, runtime: Runtime) -> None:
-        from runner.methods import cam_methods, method_config
-
-        if cfg.inner not in cam_methods():
-            raise RunnerError(f"method.inner='{cfg.inner}' must be a CAM method: {', '.join(cam_methods())}.")
         if cfg.target is TargetMode.topk:
             raise RunnerError("method=sanity compares one map per sample: use target predicted, label or fixed.")
         if not cfg.randomize:
@@ -72,44 +66,34 @@ class Sanity(Method):
                 "method=sanity needs method.randomize=[...]: the layers to re-initialise, e.g. [classifier]."
             )
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.inner_class = cam_methods()[cfg.inner]
-        shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
-        self.inner_cfg = method_config(cfg.inner, **shared)
-        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))
+        self.trained: CamMethod = inner_cam(cfg, cfg.inner, layers, Runtime(runtime.device, runtime.precision))
+        self.inner_cfg = self.trained.cfg
         self.random: CamMethod | None = None
 
     def setup(self, session: HookSession, num_samples: int) -> None:
-        self.num_samples = num_samples
         self.trained.setup(session, num_samples)
-
-    def _randomised_copy(self, model: nn.Module) -> nn.Module:
-        clone = copy.deepcopy(model)
-        for module in clone.modules():  # the copy must not carry the session's hooks along
-            module._forward_hooks.clear()
-            module._forward_pre_hooks.clear()
-            module._backward_hooks.clear()
-        torch.manual_seed(self.cfg.faithfulness.seed)
-        for _, module in resolve_layers(clone, self.cfg.randomize, where="method.randomize"):
-            for sub in module.modules():
-                if hasattr(sub, "reset_parameters"):
-                    sub.reset_parameters()
-                if isinstance(sub, nn.modules.batchnorm._BatchNorm):
-                    sub.reset_running_stats()
-        for p in clone.parameters():
-            p.requires_grad_(False)
-        return clone.eval()
+        # Every resettable module in (and below) the listed layers, in order; one seed before the first.
+        self.modules = resettable(
+            m for _, m in resolve_layers(session.model, self.cfg.randomize, where="method.randomize")
+        )
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        if self.random is None:
-            self.copy = self._randomised_copy(model)
-            layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
-            self.random = self.inner_class(self.inner_cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
-            self.random.setup(session, self.num_samples)
         trained_output = self.trained.run_batch(model, batch, session)
         trained = trained_output.tables[self.trained.table]
         # The randomised model explains the trained model's targets, so both maps answer the same question.
-        self.random.cfg = _with_fixed_targets(self.inner_cfg, trained["target"], batch)
-        randomised = self.random.run_batch(self.copy, batch, session).tables[self.random.table]
+        fixed = _with_fixed_targets(self.inner_cfg, trained["target"], batch)
+        self.trained.capture.clear()  # the randomised forward's activations must not follow the trained ones
+        # The listed layers re-initialised in the run's model as an edit the session owns, undone before the batch
+        # ends (by the session, should this raise); the randomised forward is the method's own, not the user's.
+        edit = session.reinitialise(self.modules, self.cfg.faithfulness.seed)
+        cfg, self.trained.cfg = self.trained.cfg, fixed
+        try:
+            with session.recording_paused():
+                randomised = self.trained.run_batch(model, batch, session).tables[self.trained.table]
+        finally:
+            self.trained.cfg = cfg
+            edit.remove()
+            self.trained.capture.clear()
         a, b = trained["map"], randomised["map"]
         assert isinstance(a, Ragged) and isinstance(b, Ragged)
         rho = torch.stack(

@@ -20,26 +20,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from runner.chunks import chunked_forward, forward_chunk, indices, target_scores
 from runner.methods.cam import CamContext, CamMethod
-from runner.metrics.curves import forward_chunk
 from runner.schema import ScoreCamWeights
 from runner.stats import upsample
-
-
-@torch.no_grad()
-def target_outputs(
-    model: nn.Module, images: torch.Tensor, target: torch.Tensor, chunk: int, runtime, probability: bool
-) -> torch.Tensor:
-    """(N,) the target's softmax probability (or logit) for images (N, C, H, W), in batched forwards of `chunk`."""
-    out = []
-    for start in range(0, images.shape[0], chunk):
-        with runtime.autocast():
-            logits = model(images[start : start + chunk]).float()  # (n, K)
-        scores = logits.softmax(dim=1) if probability else logits
-        out.append(scores.gather(1, target[start : start + chunk, None]).squeeze(1))
-    return torch.cat(out)
 
 
 def pytorch_grad_cam_masks(maps: torch.Tensor, size: tuple[int, int] | torch.Size) -> torch.Tensor:
@@ -60,14 +45,16 @@ class ScoreCAM(CamMethod):
         paper = ScoreCamWeights(self.cfg.scorecam_weights) is ScoreCamWeights.paper
         maps = act.reshape(b * c, h, w)
         sample = torch.arange(b, device=act.device).repeat_interleave(c)  # (B*C,) which sample each mask is for
-        scores = []
-        chunk = forward_chunk(self.cfg.score_chunk, act.device, size)  # small on a CPU (runner/metrics/curves.py)
-        for start in range(0, b * c, chunk):  # masks are built per chunk: all B*C at input size would not fit
-            idx = torch.arange(start, min(start + chunk, b * c), device=act.device)
+        chunk = forward_chunk(self.cfg.score_chunk, act.device, size)  # small on a CPU (runner/chunks.py)
+
+        def masked(span: range) -> torch.Tensor:  # masks are built per chunk: all B*C at input size would not fit
+            idx = indices(span, act.device)
             masks = upsample(maps[idx], size) if paper else pytorch_grad_cam_masks(maps[idx], size)  # (n, H, W)
-            masked = ctx.x[sample[idx]] * masks[:, None]  # (n, C_in, H, W)
-            scores.append(target_outputs(ctx.model, masked, ctx.target[sample[idx]], chunk, ctx.runtime, paper))
-        scores = torch.cat(scores).reshape(b, c)  # (B, C)
+            return ctx.x[sample[idx]] * masks[:, None]  # (n, C_in, H, W)
+
+        per_mask = ctx.target[sample]  # (B*C,) the class each masked input is scored for
+        scores = chunked_forward(ctx.model, masked, chunk, ctx.runtime, target_scores(per_mask, paper), total=b * c)
+        scores = scores.reshape(b, c)  # (B, C)
         if paper:
             flat = maps.flatten(1)
             constant = (flat.amax(dim=1) == flat.amin(dim=1)).reshape(b, c)  # (B, C) no mask to apply

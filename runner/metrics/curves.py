@@ -27,29 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.chunks import chunked_forward, forward_chunk, indices, target_scores
 from runner.errors import RunnerError
 from runner.options.method.cam import BlurConfig, BlurPadding, FaithfulnessConfig
 from runner.progress import within_batch
 from runner.randomness import sample_generator
 from runner.rows import Block
 from runner.stats import constant_rows
-
-# Images per forward when scoring perturbed inputs and no chunk is set. On a CPU a large batch spills the caches:
-# EfficientNet-Lite0 at 224 px on 2 cores ran 33-36 img/s at batch 1-8, 23 at 16, 14 at 64 (benchmarks/RESULTS.md,
-# 2026-11-23), so a CPU chunk holds at most 8 images' worth of 224 px pixels; an accelerator
-# gains from large batches.
-CPU_CHUNK_PIXELS = 8 * 224 * 224
-ACCELERATOR_CHUNK = 64
-
-
-def forward_chunk(chunk: int | None, device: torch.device, image_size: tuple[int, int] | torch.Size) -> int:
-    """Images per batched forward: `chunk` when set, else by device (CPU: CPU_CHUNK_PIXELS of input)."""
-    if chunk is not None:
-        return chunk
-    if device.type != "cpu":
-        return ACCELERATOR_CHUNK
-    return max(1, CPU_CHUNK_PIXELS // (int(image_size[0]) * int(image_size[1])))
-
 
 METRICS = ("deletion_auc", "insertion_auc", "avg_drop", "increase")
 COLUMNS = [*METRICS, *(f"random_{m}" for m in METRICS)]
@@ -125,15 +109,9 @@ def pixel_rank(saliency: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-@torch.no_grad()
 def probabilities(model: nn.Module, images: torch.Tensor, target: torch.Tensor, chunk: int, runtime) -> torch.Tensor:
     """Softmax probability of `target` (N,) for images (N, C, H, W), in batched forwards of `chunk`."""
-    out = []
-    for start in range(0, images.shape[0], chunk):
-        with runtime.autocast():
-            logits = model(images[start : start + chunk]).float()
-        out.append(logits.softmax(dim=1).gather(1, target[start : start + chunk, None]).squeeze(1))
-    return torch.cat(out)
+    return chunked_forward(model, images, chunk, runtime, target_scores(target))
 
 
 @torch.no_grad()
@@ -160,17 +138,18 @@ def curve_aucs(
     zeros, blur = torch.zeros_like(x), blurred(x, cfg.insertion_blur)
     curves = {}
     for mode in ("deletion", "insertion"):
-        probs = []
-        for start in range(0, b * (steps + 1), chunk):
-            idx = torch.arange(start, min(start + chunk, b * (steps + 1)), device=x.device)
+
+        def images(span: range, mode: str = mode) -> torch.Tensor:  # a chunk's perturbed inputs, built as it runs
+            idx = indices(span, x.device)
             sample, step = idx // (steps + 1), idx % (steps + 1)
             changed = (rank[sample] < counts[step][:, None]).reshape(-1, 1, h, w)  # (n, 1, H, W)
             if mode == "deletion":
-                images = torch.where(changed, zeros[sample], x[sample])
-            else:
-                images = torch.where(changed, x[sample], blur[sample])
-            probs.append(probabilities(model, images, target[sample], chunk, runtime))
-        curve = torch.cat(probs).reshape(b, steps + 1)  # (B, S)
+                return torch.where(changed, zeros[sample], x[sample])
+            return torch.where(changed, x[sample], blur[sample])
+
+        per_image = target.repeat_interleave(steps + 1)  # (B*S,) the target of each perturbed input
+        probs = chunked_forward(model, images, chunk, runtime, target_scores(per_image), total=b * (steps + 1))
+        curve = probs.reshape(b, steps + 1)  # (B, S)
         curves[mode] = torch.trapezoid(curve, fractions, dim=1)
     return curves["deletion"], curves["insertion"]
 

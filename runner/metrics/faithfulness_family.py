@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.chunks import chunked_forward, spans
 from runner.errors import RunnerError
 from runner.metrics.base import Metric, MetricInputs
 from runner.metrics.curves import pixel_rank, tie_keys
@@ -47,14 +48,9 @@ def _max_normalised(maps: torch.Tensor) -> torch.Tensor:
     return torch.where(top > 0, maps / torch.where(top > 0, top, 1), maps)
 
 
-@torch.no_grad()
 def _logits(model: nn.Module, images: torch.Tensor, runtime: Runtime, chunk: int) -> torch.Tensor:
     """(N, K) float32 logits of `images` (N, C, H, W), in forwards of at most `chunk` images."""
-    out = []
-    for part in images.split(chunk):
-        with runtime.autocast():
-            out.append(model(part).float())
-    return torch.cat(out)
+    return chunked_forward(model, images, chunk, runtime)
 
 
 def _score(logits: torch.Tensor, target: torch.Tensor, softmax: bool) -> torch.Tensor:
@@ -242,8 +238,8 @@ def road_curves(
     prob = torch.empty(n, 2, len(percentages), device=inputs.x.device)
     correct = torch.empty_like(prob)
     converged = True
-    for start in range(0, len(jobs), inputs.chunk):
-        part = jobs[start : start + inputs.chunk]
+    for span in spans(len(jobs), inputs.chunk):
+        part = jobs[span.start : span.stop]
         i = torch.tensor([job[0] for job in part], device=inputs.x.device)
         k = torch.tensor([int(d * percentages[job[2]] / 100) for job in part], device=inputs.x.device)[:, None]
         lerf = torch.tensor([job[1] == 1 for job in part], device=inputs.x.device)[:, None]
@@ -335,8 +331,8 @@ def faithfulness_correlation_values(
     drops = torch.empty(n, runs, device=inputs.x.device)
     kind = cfg.faithfulness_correlation_baseline
     jobs = [(i, r) for i in range(n) for r in range(runs)]
-    for start in range(0, len(jobs), inputs.chunk):
-        part = jobs[start : start + inputs.chunk]
+    for span in spans(len(jobs), inputs.chunk):
+        part = jobs[span.start : span.stop]
         i = torch.tensor([a for a, _ in part], device=inputs.x.device)
         r = torch.tensor([b for _, b in part], device=inputs.x.device)
         images = inputs.x[i].flatten(1).clone()  # (J, CHW)
@@ -413,8 +409,8 @@ def region_curves(inputs: MetricInputs, maps: torch.Tensor, cfg: EvaluationConfi
     base = _score(_logits(inputs.model, inputs.x, inputs.runtime, inputs.chunk), inputs.target, cfg.region_softmax)
     drops = torch.empty(n, steps, device=inputs.x.device)
     jobs = [(i, k) for i in range(n) for k in range(1, steps + 1)]
-    for start in range(0, len(jobs), inputs.chunk):
-        part = jobs[start : start + inputs.chunk]
+    for span in spans(len(jobs), inputs.chunk):
+        part = jobs[span.start : span.stop]
         i = torch.tensor([a for a, _ in part], device=inputs.x.device)
         k = torch.tensor([b for _, b in part], device=inputs.x.device)
         gone = (patch_rank[i] < k[:, None, None])[:, None]  # (J, 1, H, W)

@@ -11,8 +11,8 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from runner.chunks import forward_chunk
 from runner.metrics.base import Metric, MetricInputs
-from runner.metrics.curves import forward_chunk
 from runner.progress import within_batch
 from runner.rows import Columns
 from runner.runtime import Runtime

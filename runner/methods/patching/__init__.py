@@ -37,12 +37,12 @@ The package, one concern a module:
   cone.py         that cone: a cell carried through a chain of local ops (VGG's features) as crops
   attribution.py  first-order estimates of every unit
   rows.py         the `patching` table: its declared columns, degenerate flags, row building
-  method.py       the method class (registered): one batch of pairs through all of the above
+  method.py       the method class (its option: runner/options/method/patching.py): one batch of pairs
 """
 
 from __future__ import annotations
 
-from runner.methods.patching.method import Patching  # registers the method
+from runner.methods.patching.method import Patching, activation_patching
 from runner.methods.patching.rows import PATCHING_SCHEMA
 from runner.methods.patching.units import Units, enumerate_units
 from runner.options.method.patching import (
@@ -58,6 +58,7 @@ from runner.options.method.patching import (
 
 __all__ = [
     "PATCHING_SCHEMA",
+    "activation_patching",
     "CorruptionConfig",
     "CorruptionKind",
     "PatchDirection",

@@ -15,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from runner.chunks import spans
 from runner.hooks import Capture, HookSession, Replacement
 from runner.methods.patching.cone import Cone
 from runner.methods.patching.metric import metric
@@ -62,8 +63,8 @@ class ExactEngine:
         chunk = self._chunk(base)
         cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
         with self.capture.paused():  # the variants' forwards need no capture
-            for start in range(0, len(order), chunk):
-                picked = order[start : start + chunk]
+            for span in spans(len(order), chunk):
+                picked = order[span.start : span.stop]
                 if cone is not None:  # only the patched cell's cone is recomputed through the local chain
                     chain, replacement = cone
                     # under autocast as the model's own forward: bf16 activations meet the convs' fp32 weights
@@ -77,7 +78,7 @@ class ExactEngine:
                 n = variants.shape[0]
                 out.append(metric(self.p.metric, logits, target.expand(n), contrast.expand(n)))
                 if self.site is not None:  # a long batch moves the run's bar chunk by chunk
-                    done, (site, sites) = start + len(picked), self.site
+                    done, (site, sites) = span.stop, self.site
                     within_batch((site + done / len(order)) / sites, f"patching {name}: {done}/{len(order)} variants")
         return torch.cat(out)
 

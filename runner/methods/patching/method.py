@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Any
 
+import pandas as pd
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from runner.data.base import Batch
+from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.layers import Layer
-from runner.methods.base import Method, check_targets, select_targets
+from runner.layers import Layer, resolve_layers
+from runner.methods.base import (
+    Method,
+    as_frame,
+    check_targets,
+    library_config,
+    library_runtime,
+    run_on_batch,
+    select_targets,
+    target_fields,
+)
 from runner.methods.patching.attribution import estimate_maps, unit_estimates
 from runner.methods.patching.corruption import corrupt
 from runner.methods.patching.engine import ExactEngine
@@ -28,7 +39,12 @@ from runner.methods.patching.rows import (
     unit_columns,
 )
 from runner.methods.patching.units import Units, enumerate_units
-from runner.options.method.patching import PatchDirection, PatchingMethodConfig, PatchMode, PatchUnit
+from runner.options.method.patching import (
+    PatchDirection,
+    PatchingMethodConfig,
+    PatchMode,
+    PatchUnit,
+)
 from runner.ranking import spearman
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
@@ -63,8 +79,19 @@ class Patching(Method):
 
     # ---- one batch of pairs --------------------------------------------------------------------
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        b = batch.x.shape[0]
         corrupted, corrupted_ids = corrupt(batch, self.p.corruption, self.dataset)
+        return self.run_pairs(model, batch, corrupted, corrupted_ids, session)
+
+    def run_pairs(
+        self, model: nn.Module, batch: Batch, corrupted: torch.Tensor, corrupted_ids: list[str], session: HookSession
+    ) -> BatchOutput:
+        """The `patching` rows of the pairs (batch.x[i], corrupted[i]) (`corrupted_ids` name the corrupted inputs)."""
+        b = batch.x.shape[0]
+        if corrupted.shape != batch.x.shape:
+            raise RunnerError(
+                f"Patching pairs: the corrupted inputs are {tuple(corrupted.shape)}, the clean ones"
+                f" {tuple(batch.x.shape)}; give one corrupted input per clean one, of the same size."
+            )
         both = torch.cat([batch.x, corrupted])  # (2B, C, H, W)
         attribution = self.p.mode is not PatchMode.exact
         session.new_forward()
@@ -188,3 +215,34 @@ class Patching(Method):
             rows[0]["rank_correlation"] = torch.full((units.count,), float("nan"), device=device)
         rows.append(exact)
         return rows
+
+
+def activation_patching(
+    model: nn.Module,
+    clean: torch.Tensor,
+    layers: list[str],
+    corrupted: torch.Tensor | None = None,
+    target: int | list[int] | torch.Tensor | None = None,
+    **settings: Any,
+) -> pd.DataFrame:
+    """Activation patching of `model` (in eval mode) on the clean batch `clean` (B, C, H, W), with no run directory:
+    the `patching` table's rows, one per (direction, sample, layer, unit): `patched` is the metric with that unit's
+    activation patched in, `restoration` = (patched - corrupted) / (clean - corrupted), `clean` and `corrupted`
+    the unpatched runs' metrics.
+
+    `corrupted`: the corrupted half of each pair (B, C, H, W); None: made from `clean` by `settings`'
+    `corruption` (CorruptionConfig, default Gaussian noise). `target`: None for each sample's predicted class, a
+    class id for all, or (B,) ids. `settings`: PatchingConfig's fields (units, grid, metric, directions, mode, ...).
+    The model's hooks are removed before it returns."""
+    cfg = library_config(PatchingMethodConfig, patching=settings, **target_fields(target))
+    method = Patching(cfg, resolve_layers(model, list(layers)), library_runtime(clean))
+    if corrupted is None:
+        return as_frame(run_on_batch(method, model, clean).tables["patching"])
+    b = clean.shape[0]
+    batch = Batch(clean, torch.full((b,), NO_LABEL, dtype=torch.long), [str(i) for i in range(b)], 0)
+    with HookSession(model, []) as session:
+        method.setup(session, b)
+        session.begin_batch(b, 0)
+        out = method.run_pairs(model, batch, corrupted, [f"corrupted {i}" for i in range(b)], session)
+        session.end_batch()
+    return as_frame(out.tables["patching"])
