@@ -84,7 +84,7 @@ CAM_SCHEMA = declare(
         pa.field("call", pa.int32()),
         pa.field("target", pa.int64()),
         pa.field("target_rank", pa.int64()),
-        pa.field("score", pa.float32()),  # the target's logit
+        pa.field("score", pa.float32()),  # the target's score (target=logit, the default: the class's logit)
         pa.field("probability", pa.float32()),
         pa.field("map_height", pa.int64()),
         pa.field("map_width", pa.int64()),
@@ -151,7 +151,7 @@ class CamMethod(Method):
         parts: list[Columns] = []
         for k in range(target_sets.shape[1]):
             target = target_sets[:, k]  # (B,)
-            score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            score = self.runtime.target.score(logits, target, batch.masks)  # (B,) the target's score (run's `target`)
             if self.needs_gradients:
                 last = k == target_sets.shape[1] - 1
                 grads = gradients(score, [a for _, _, a in entries], x, session, retain_graph=not last)

@@ -335,7 +335,7 @@ class Mprt(Method):
             if not capture.outputs[name]:
                 raise RunnerError(f"Layer '{name}' was never called in the forward pass; pick a layer the model uses.")
         entries = [(n, c, a) for n in capture.names for c, a in enumerate(capture.outputs[n])]
-        score = logits.gather(1, targets[:, None]).squeeze(1)  # (B,)
+        score = self.runtime.target.score(logits, targets, batch.masks)  # (B,) the run's target
         if method.needs_gradients:
             grads = gradients(score, [a for _, _, a in entries], x, session)
         else:

@@ -75,7 +75,7 @@ class Sanity(Method):
         self.inner_class = cam_methods()[cfg.inner]
         shared = {f.name: getattr(cfg, f.name) for f in fields(CamConfig) if f.name != "name"}
         self.inner_cfg = method_config(cfg.inner, **shared)
-        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision))
+        self.trained: CamMethod = self.inner_class(self.inner_cfg, layers, Runtime(runtime.device, runtime.precision, target=runtime.target))
         self.random: CamMethod | None = None
 
     def setup(self, session: HookSession, num_samples: int) -> None:
@@ -103,7 +103,7 @@ class Sanity(Method):
         if self.random is None:
             self.copy = self._randomised_copy(model)
             layers = [(name, self.copy.get_submodule(name)) for name, _ in self.layers]
-            self.random = self.inner_class(self.inner_cfg, layers, Runtime(self.runtime.device, self.runtime.precision))
+            self.random = self.inner_class(self.inner_cfg, layers, Runtime(self.runtime.device, self.runtime.precision, target=self.runtime.target))
             self.random.setup(session, self.num_samples)
         trained_output = self.trained.run_batch(model, batch, session)
         trained = trained_output.tables[self.trained.table]
