@@ -120,7 +120,19 @@ def config_error(error: Exception) -> str:
         return config_error_line(cause)  # names the key, and the option it belongs to
     text = str(error).split("Config search path")[0]  # Hydra's search path: internals
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return "Config error: " + " ".join(lines)
+    hint = _option_suggestion(text)
+    return "Config error: " + " ".join(lines) + (f".{hint}" if hint else "")
+
+
+def _option_suggestion(text: str) -> str:
+    """' Did you mean: x?' for Hydra's "Could not find 'group/name'" among the options it lists ('' otherwise)."""
+    import re
+
+    from runner.errors import suggest
+
+    missing = re.search(r"Could not find '[^'/]+/([^']+)'", text)
+    listed = re.search(r"Available options in '[^']+':\s*(.*)", text, re.DOTALL)
+    return suggest(missing.group(1), listed.group(1).split()) if missing and listed else ""
 
 
 def resolver_error(error: BaseException) -> str | None:

@@ -40,6 +40,7 @@ from runner.progress import run_progress
 from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
+from runner.targets import build_target
 from runner.viz.summary import HOOK_SUMMARY_VALUES, summarise
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ def _say_where(out: Path, report_written: bool) -> None:
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
     """`run` once this process (or its rank 0) holds the output directory's lock."""
     runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures)
+    runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
 
     bundle = build_model(config.model)
     runtime.class_names = bundle.categories  # pictures title the class explained by its name

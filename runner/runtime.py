@@ -1,5 +1,4 @@
-"""How passes run: device, autocast precision, and where pictures go. Foundation: imports no runner package
-but the schema's enums."""
+"""How passes run: device, autocast precision, the score they differentiate, and where pictures go."""
 
 from __future__ import annotations
 
@@ -11,17 +10,21 @@ from typing import Any
 import torch
 
 from runner.schema import FiguresConfig, Precision
+from runner.targets.base import Target
+from runner.targets.classifier import Logit
 
 
 @dataclass
 class Runtime:
-    """How passes run (device, autocast precision), where pictures go (None: no pictures) and how they look."""
+    """How passes run (device, autocast precision), where pictures go (None: no pictures) and how they look, and
+    the target: what score of the model's output a method takes for the class it explains (the logit by default)."""
 
     device: torch.device
     precision: Precision
     pictures_dir: Path | None = None
     figures: FiguresConfig = field(default_factory=FiguresConfig)  # dpi, format, map scale, columns
     class_names: list[str] | None = None  # the model's class names (pictures' titles); None: unknown
+    target: Target = field(default_factory=Logit)  # the run's `target` (runner/targets/)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision is Precision.bf16:

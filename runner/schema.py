@@ -206,6 +206,22 @@ class MethodConfig:
 
 
 @dataclass
+class TargetConfig:
+    """What every target shares: its name. A target says what score a method differentiates for the class that
+    `method.target` chose (the class's logit, its probability, ...); each target's own fields live in its config
+    in runner/options/target/<name>.py, its code in runner/targets/."""
+
+    # One of the registered targets: logit, probability, logit_difference, binary, raw, segmentation_region,
+    # multi_label, callable
+    name: str = "logit"
+
+    def check(self) -> list[str]:
+        """`key=value` for each value out of range (the caller names them all in one message); a target with
+        rules of its own extends this, and raises RunnerError for a rule that needs its own words."""
+        return []
+
+
+@dataclass
 class OutputConfig:
     # Where results go; null means Hydra's run directory. A directory that holds an unfinished run of
     # the same config is resumed: its complete shards are kept and skipped.
@@ -248,6 +264,9 @@ class RunConfig:
     hooks: Optional[list[HookSpec]] = None
     for_model: ForModelConfig = field(default_factory=ForModelConfig)
     method: MethodConfig = MISSING
+    # What score the method differentiates for the class `method.target` chose (conf/target/*.yaml): the class's
+    # logit by default. Typed as the group's base, merged with the chosen target's own schema like data and method.
+    target: TargetConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
     figures: FiguresConfig = field(default_factory=FiguresConfig)
     report: bool = False  # write report.html into the run's folder at the end (`runner report DIR` does it later)
@@ -275,7 +294,7 @@ class RunConfig:
 def validate(config: RunConfig) -> RunConfig:
     """Range checks the types cannot express; each failure names the key and what it accepts. Each option
     checks its own fields (`check()` beside its schema); what spans groups is checked here."""
-    bad = config.method.check() + config.data.check()
+    bad = config.method.check() + config.data.check() + config.target.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
     if config.threads < 1:

@@ -103,7 +103,7 @@ CAM_SCHEMA = declare(
         pa.field("call", pa.int32()),
         pa.field("target", pa.int64()),
         pa.field("target_rank", pa.int64()),
-        pa.field("score", pa.float32()),  # the target's logit
+        pa.field("score", pa.float32()),  # the target's score (target=logit, the default: the class's logit)
         pa.field("probability", pa.float32()),
         pa.field("map_height", pa.int64()),
         pa.field("map_width", pa.int64()),
@@ -169,13 +169,14 @@ class CamMethod(Method):
 
     def maps(
         self, fwd: CamForward, target: torch.Tensor, model: nn.Module, x: torch.Tensor, session: HookSession,
-        retain_graph: bool = False,
+        retain_graph: bool = False, masks: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """Each entry's map (B, h, w) at its layer's resolution for the classes `target` (B,): one backward of the
-        target's logits to every captured activation (`retain_graph` for a later target), then `cam` per entry.
-        `x` is the batch's input (B, C, H, W), which Score-CAM masks."""
+        target's score (the run's `target`: the logit by default) to every captured activation (`retain_graph` for a
+        later target), then `cam` per entry. `x` is the batch's input (B, C, H, W), which Score-CAM masks; `masks`
+        the batch's localisation masks, for a target that scores a region."""
         if self.needs_gradients:
-            score = fwd.logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            score = self.runtime.target.score(fwd.logits, target, masks)  # (B,)
             grads = gradients(score, [a for _, _, a in fwd.entries], fwd.x, session, retain_graph=retain_graph)
         else:
             grads = [None] * len(fwd.entries)
@@ -204,8 +205,8 @@ class CamMethod(Method):
         for k in range(target_sets.shape[1]):
             target = target_sets[:, k]  # (B,)
             last = k == target_sets.shape[1] - 1
-            maps = self.maps(fwd, target, model, batch.x, session, retain_graph=not last)
-            score = fwd.logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+            maps = self.maps(fwd, target, model, batch.x, session, retain_graph=not last, masks=batch.masks)
+            score = self.runtime.target.score(fwd.logits, target, batch.masks)  # (B,) the run's target
             parts.append(self.consume(model, batch, session, fwd.entries, maps, target, k, score, probs))
         return BatchOutput(predicted=fwd.logits.argmax(dim=1), tables=self._tables(concat_columns(parts)))
 

@@ -17,6 +17,8 @@ from runner.hooks import HookSession, inplace_disabled
 from runner.methods.base import check_targets, forward, select_target_sets
 from runner.methods.cam import CamMethod, to_spatial
 from runner.rows import BatchOutput, Columns, concat_columns
+from runner.targets import Target
+from runner.targets.classifier import Logit
 
 SUPPORTED = (
     "LayerGradientXActivation",
@@ -63,13 +65,35 @@ class CaptumLayer(CamMethod):
     ) -> Columns:  # fmt: skip
         """The rows of every layer for the k-th target of each sample (`target`, (B,)): one captum call per layer."""
         maps = []
+        scored = self._scored(model, batch, target)
         for name, module in self.layers:
-            method = self.attribution(model, module)
+            method = self.attribution(scored.forward if scored else model, module)
             # captum replaces layer outputs with leaf tensors; an in-place op after the layer would fail.
             with self.runtime.autocast(), inplace_disabled(model):
-                attr = method.attribute(batch.x, target=target, **self.cfg.captum_kwargs)
+                if scored is None:  # the logit: captum picks the class's output itself
+                    attr = method.attribute(batch.x, target=target, **self.cfg.captum_kwargs)
+                else:  # any other target: captum differentiates the target's score, one per sample
+                    attr = method.attribute(batch.x, additional_forward_args=scored.args, **self.cfg.captum_kwargs)
             attr = attr[0] if isinstance(attr, tuple) else attr
             spatial = to_spatial(attr.detach().float(), name, self.module_types[name], self.name, self.cfg.token_prefix)
             maps.append(spatial.sum(dim=1))  # (B, h, w), signed
-        score = logits.gather(1, target[:, None]).squeeze(1)  # (B,)
+        score = self.runtime.target.score(logits, target, batch.masks)  # (B,) the run's target
         return self.consume(model, batch, session, entries, maps, target, k, score, probs)
+
+    def _scored(self, model: nn.Module, batch: Batch, target: torch.Tensor) -> _Scored | None:
+        """The forward captum differentiates when the run's target is not the logit (None when it is)."""
+        if isinstance(self.runtime.target, Logit):
+            return None
+        args = (target,) if batch.masks is None else (target, batch.masks)
+        return _Scored(model, self.runtime.target, args)
+
+
+class _Scored:
+    """model(x) -> the target's (B,) score; the classes (and masks) go in captum's `additional_forward_args`, which
+    captum repeats as it repeats the inputs (integrated gradients' steps), so each copy keeps its sample's class."""
+
+    def __init__(self, model: nn.Module, target: Target, args: tuple[torch.Tensor, ...]) -> None:
+        self.model, self.target, self.args = model, target, args
+
+    def forward(self, x: torch.Tensor, classes: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.target.score(self.model(x).float(), classes, masks)

@@ -31,5 +31,5 @@ class Record(Method):
         logits, x = forward(model, batch, session, self.runtime, with_grad=False)
         if session.needs_input_grad:
             targets = select_targets(self.cfg, logits, batch)
-            gradients(logits.gather(1, targets[:, None]), [], x, session)
+            gradients(self.runtime.target.score(logits, targets, batch.masks), [], x, session)
         return BatchOutput(predicted=logits.argmax(dim=1))

@@ -66,7 +66,9 @@ class Sanity(Method):
                 "method=sanity needs method.randomize=[...]: the layers to re-initialise, e.g. [classifier]."
             )
         self.cfg, self.layers, self.runtime = cfg, layers, runtime
-        self.trained: CamMethod = inner_cam(cfg, cfg.inner, layers, Runtime(runtime.device, runtime.precision))
+        self.trained: CamMethod = inner_cam(
+            cfg, cfg.inner, layers, Runtime(runtime.device, runtime.precision, target=runtime.target)
+        )
         self.inner_cfg = self.trained.cfg
         self.random: CamMethod | None = None
 

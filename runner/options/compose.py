@@ -47,13 +47,13 @@ def typed_config(cfg: DictConfig) -> RunConfig:
     """The typed config of a composed DictConfig, each group's node merged into its chosen option's own schema.
 
     Through a plain container: a key added with `+key=...` bypasses Hydra's check, and OmegaConf's to_object
-    would silently drop it; merging plain values into the schema refuses it instead. The schema's method and data
-    are the named options' own, so a key of another option is refused too."""
+    would silently drop it; merging plain values into the schema refuses it instead. The schema's method, data and
+    target are the named options' own, so a key of another option is refused too."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     try:
         schema = OmegaConf.structured(RunConfig)
         assert isinstance(plain, dict)
-        for group in ("method", "data"):
+        for group in ("method", "data", "target"):
             name = (plain.get(group) or {}).get("name")
             schema[group] = OmegaConf.structured(POINTS[group].get(str(name)).schema)  # raises for an unknown name
         source = (plain.get("model") or {}).get("source")  # null: inferred from the name, with the shared schema
