@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-gpu lint clean
+.PHONY: run test test-gpu lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(VENV)/.installed
 	$(PY) scripts/check_imports.py
 	$(PY) -m ruff check runner tests scripts
 	$(PY) -m ruff format --check runner tests scripts
+
+# docs/reference/*.md from the registries and the declared table schemas (tests/test_reference_docs.py checks them).
+docs: $(VENV)/.installed
+	$(PY) scripts/gen_reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

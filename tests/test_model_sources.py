@@ -280,7 +280,7 @@ def test_model_class_names_from_the_command_line() -> None:
     assert make_config("model.class_names=[tabby,tiger]").model.class_names == ["tabby", "tiger"]
 
 
-# ---- 5. each "Your own model" command of the README in one command: no hooks=[], the model's own input size --------
+# ---- 5. each command of docs/models.md in one command: no hooks=[], the model's own input size ---------------------
 NET = """import torch
 from torch import nn
 

@@ -1,14 +1,15 @@
-"""Every command in README.md runs as written, at tiny size: the shell commands of its ```bash blocks (backslash
-continuations joined, comments dropped), the commands named inline in its prose and in its YAML's header
-comments, and its Python snippets that read results, run against real tiny runs and sweeps made here.
+"""Every command in README.md and docs/*.md runs as written, at tiny size: the shell commands of their ```bash blocks
+(backslash continuations joined, comments dropped), the commands named inline in their prose and in their YAML's
+header comments, and their Python snippets that read results, run against real tiny runs and sweeps made here.
+(docs/reference/ is generated from the code and holds no commands.)
 
 A command runs in a scratch working directory (its `outputs/`, the user's files of the README's placeholders) with
 `debug=tiny` appended to every run (32 px, two samples) and its own output folder, in this process where the CLI
 allows (tests/conftest.py::run_cli; a subprocess costs 5-8 s). Placeholders map to files built here offline
 (`PLACEHOLDERS`, one comment each). A command that needs what this machine cannot have (weights from a hub) must
 stop with the runner's own one-line message and exit 2 (`OFFLINE`); a command with no runner code to test
-(`pip install`, a SLURM launcher, a benchmark) is listed with its reason (`NOT_RUN`). Every README command is in
-exactly one of: run (exit 0), `OFFLINE`, `NOT_RUN`: a new command cannot go untested.
+(`pip install`, a SLURM launcher, a benchmark) is listed with its reason (`NOT_RUN`). Every command of those files is
+in exactly one of: run (exit 0), `OFFLINE`, `NOT_RUN`: a new command cannot go untested.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The files whose commands run here: the README first, then the hand-written docs (not the generated reference).
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 # How a shell command starts; inline code spans that start so are commands too.
 COMMAND_START = re.compile(r"^(python -m runner|python scripts/|scripts/|runner(\s|$)|torchrun|make |pip )")
 # Flags after which the runner only prints (no run, so no debug=tiny and no output folder).
@@ -48,6 +51,11 @@ class Snippet:
     kind: str  # "command" or "python"
     line: int
     text: str
+    source: str = "README.md"  # the file, relative to the checkout
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
 
     @property
     def key(self) -> str:
@@ -98,20 +106,21 @@ def shell_commands(lines: list[str], first: int) -> Iterator[Snippet]:
             yield Snippet("command", start, text)
 
 
-def readme_snippets(text: str | None = None) -> list[Snippet]:
-    """Every command and Python snippet of the README, in its order, each once (the first place it appears)."""
+def readme_snippets(text: str | None = None, source: str = "README.md") -> list[Snippet]:
+    """Every command and Python snippet of a Markdown text (the README's by default), in its order, each once (the
+    first place it appears)."""
     text = README.read_text() if text is None else text
     found: list[Snippet] = []
     fenced = set()
     for lang, first, lines in fenced_blocks(text):
         fenced.update(range(first - 1, first + len(lines) + 1))
         if lang in ("bash", "sh", "shell"):
-            found += shell_commands(lines, first)
+            found += [Snippet(s.kind, s.line, s.text, source) for s in shell_commands(lines, first)]
         elif lang == "python":
-            found.append(Snippet("python", first, "\n".join(lines)))
+            found.append(Snippet("python", first, "\n".join(lines), source))
         elif lang == "yaml":  # an experiment file's header comment names the command that runs it
             found += [
-                Snippet("command", n, line.lstrip("# ").strip())
+                Snippet("command", n, line.lstrip("# ").strip(), source)
                 for n, line in enumerate(lines, first)
                 if line.startswith("#") and COMMAND_START.match(line.lstrip("# "))
             ]
@@ -120,7 +129,7 @@ def readme_snippets(text: str | None = None) -> list[Snippet]:
             continue
         for span in re.findall(r"`([^`]+)`", line):
             if COMMAND_START.match(span):
-                found.append(Snippet("command", number, " ".join(span.split())))
+                found.append(Snippet("command", number, " ".join(span.split()), source))
     found.sort(key=lambda s: s.line)
     unique: dict[tuple[str, str], Snippet] = {}
     for snippet in found:
@@ -128,7 +137,21 @@ def readme_snippets(text: str | None = None) -> list[Snippet]:
     return list(unique.values())
 
 
-SNIPPETS = readme_snippets()
+def documented_snippets() -> list[Snippet]:
+    """Every command and Python snippet of README.md and docs/*.md, each once (where it first appears)."""
+    unique: dict[tuple[str, str], Snippet] = {}
+    for path in DOCUMENTS:
+        for snippet in readme_snippets(path.read_text(), str(path.relative_to(ROOT))):
+            unique.setdefault((snippet.kind, snippet.text), snippet)
+    return list(unique.values())
+
+
+def documents_text() -> str:
+    """README.md and docs/*.md, one after the other."""
+    return "\n".join(path.read_text() for path in DOCUMENTS)
+
+
+SNIPPETS = documented_snippets()
 
 # Commands that need what no test machine has: each must stop with the runner's own one-line message (this
 # text in it) and exit 2. The test makes the machine offline: HF_HUB_OFFLINE=1, empty caches, no download.
@@ -177,6 +200,8 @@ NOT_RUN = {
     "scripts/bench_metrics.py": "a benchmark (minutes of timing)",
     "scripts/bench_metrics.py --imputation-only": "a benchmark (minutes of timing)",
     "@dataclass": "a source listing of runner/methods/gradcam_elementwise.py, not a snippet to run",
+    "make docs": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs the generator in-process)",
+    "python scripts/gen_reference.py": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs it)",
 }  # fmt: skip
 
 
@@ -227,7 +252,7 @@ class Workspace:
         transformers.ViTForImageClassification(config).save_pretrained(vit)
         transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vit)
 
-        for lang, _, lines in fenced_blocks(README.read_text()):  # the experiment files the README shows
+        for lang, _, lines in fenced_blocks(documents_text()):  # the experiment files the docs show
             if lang == "yaml" and lines[0] == "# @package _global_":
                 name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("name:"))
                 (self.root / "conf" / "experiment").mkdir(parents=True, exist_ok=True)
@@ -455,8 +480,21 @@ PLACEHOLDERS: list[tuple[str, Callable[[Workspace], str]]] = [
     ),
 ]
 METHOD_SWEEP = "python -m runner -m experiment=gradcam_effnet method=gradcam,layercam,hirescam"
-# Commands that read what another README command writes, beyond the paths above: that one runs first.
-PREREQUISITES = {"runner ls": ["python -m runner"]}  # ls lists the runs under outputs/
+# The README's worked example: its folder, outputs/example, is a relative path the snippets read as written.
+EXAMPLE = "python -m runner experiment=gradcam_effnet data.image_size=64 hydra.run.dir=outputs/example"
+EXAMPLE_LOAD = 'from runner.results import load\ncam = load("outputs/example")'
+# Commands and snippets (by key) that read what another command writes, beyond the paths above: that one runs first.
+PREREQUISITES = {
+    "runner ls": ["python -m runner"],  # ls lists the runs under outputs/
+    "runner report outputs/example": [EXAMPLE],
+    "from runner.results import load": [EXAMPLE],
+}
+# Python snippets (by key) that go on from an earlier one (its variables), named by the start of its text: that one
+# runs first, in the same namespace.
+CONTINUES = {
+    'cam.groupby("layer")[["deletion_auc", "random_deletion_auc", "insertion_auc", "random_insertion_auc"]].mean()'
+    ".round(3)": EXAMPLE_LOAD,
+}
 
 
 def substitute(text: str, ws: Workspace) -> str:
@@ -486,13 +524,16 @@ def test_every_readme_command_is_run_or_listed_with_a_reason() -> None:
     keys = [s.key for s in SNIPPETS]
     assert not [k for k in NOT_RUN if offline_message(k)]
     stale = [k for k in NOT_RUN if k not in keys] + [p for p in OFFLINE if not any(re.fullmatch(p, k) for k in keys)]
-    assert not stale, f"listed but not in the README (any more): {stale}"
-    text = README.read_text()
+    assert not stale, f"listed but not in README.md or docs/*.md (any more): {stale}"
+    text = documents_text()
     unused = [p for p, _ in PLACEHOLDERS if p not in text] + [c for c in PREREQUISITES if c not in keys]
-    assert not unused, f"placeholders or prerequisites of text the README no longer has: {unused}"
-    for lang, first, lines in fenced_blocks(README.read_text()):  # a command in an untagged block would be missed
-        if lang not in ("bash", "sh", "shell", "python", "yaml"):
-            assert not any(COMMAND_START.match(line) for line in lines), f"tag the block at line {first} ```bash"
+    unused += [k for k in CONTINUES if k not in keys] + [v for v in CONTINUES.values() if v not in text]
+    assert not unused, f"placeholders or prerequisites of text the docs no longer have: {unused}"
+    for path in DOCUMENTS:  # a command in an untagged block would be missed
+        for lang, first, lines in fenced_blocks(path.read_text()):
+            if lang not in ("bash", "sh", "shell", "python", "yaml"):
+                bad = any(COMMAND_START.match(line) for line in lines)
+                assert not bad, f"tag the block at {path.name}:{first} ```bash"
 
 
 def test_extraction_joins_continuations_and_drops_comments() -> None:
@@ -518,13 +559,13 @@ RUN = [s for s in SNIPPETS if s.key not in NOT_RUN]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("snippet", RUN, ids=[f"L{s.line}" for s in RUN])
+@pytest.mark.parametrize("snippet", RUN, ids=[s.where for s in RUN])
 def test_readme_command_runs_as_written(snippet: Snippet, workspace: Workspace) -> None:
     if snippet.kind == "python":
         run_snippet(snippet, workspace)
         return
     done = workspace.run(snippet.text)
-    said = f"{snippet.text}\n(line {snippet.line}) exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    said = f"{snippet.text}\n({snippet.where}) exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     message = offline_message(snippet.text)
     if message is not None:
         assert done.returncode == 2, said
@@ -549,11 +590,17 @@ def check_output(command: str, done: subprocess.CompletedProcess, ws: Workspace,
         assert (ws.output_of(METHOD_SWEEP) / "per_layer_deletion_auc.png").is_file(), said
 
 
-def run_snippet(snippet: Snippet, ws: Workspace) -> None:
-    """A Python snippet of the README, its paths substituted, in the workspace."""
+def run_snippet(snippet: Snippet, ws: Workspace, namespace: dict | None = None) -> None:
+    """A Python snippet of the docs, its paths substituted, in the workspace (after the commands it reads and the
+    snippet it goes on from)."""
+    namespace = {"__name__": "readme"} if namespace is None else namespace
+    for before in PREREQUISITES.get(snippet.key, []):
+        ws.run(before)
+    if snippet.key in CONTINUES:
+        run_snippet(next(s for s in SNIPPETS if s.text.startswith(CONTINUES[snippet.key])), ws, namespace)
     code = substitute(snippet.text, ws)
     with ws.inside():
         try:
-            exec(compile(code, f"README.md:{snippet.line}", "exec"), {"__name__": "readme"})
+            exec(compile(code, snippet.where, "exec"), namespace)
         except Exception:
-            pytest.fail(f"README line {snippet.line}:\n{code}\n{traceback.format_exc()}")
+            pytest.fail(f"{snippet.where}:\n{code}\n{traceback.format_exc()}")

@@ -251,7 +251,7 @@ def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> Non
     if browser is None:
         if os.environ.get("RUNNER_REQUIRE_BROWSER"):  # CI (.ci/run) installs one: its absence is a failure there
             pytest.fail("RUNNER_REQUIRE_BROWSER is set but no chromium, chromium-browser or google-chrome is on PATH")
-        pytest.skip("no chromium, chromium-browser or google-chrome on PATH (README: Tests, to install one)")
+        pytest.skip("no chromium, chromium-browser or google-chrome on PATH (docs/testing.md says how to install one)")
     shot = tmp_path / "shot.png"
     screenshot(cam_run / "report.html", shot, browser, tmp_path / "profile")
     assert shot.is_file(), "chromium wrote no screenshot"

@@ -1,5 +1,5 @@
 """Each table's declared schema (runner/tables.py and the modules that build rows) is what real runs write,
-the writer refuses a batch that departs from it, and README.md's Outputs section lists the same columns."""
+the writer refuses a batch that departs from it, and docs/outputs.md lists the same columns."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_an_undeclared_column_fails_a_real_run_and_leaves_no_table(tmp_path: Pat
     assert not list(tmp_path.rglob("*.parquet"))
 
 
-# ---- README.md's column lists ------------------------------------------------------------------------------------
+# ---- docs/outputs.md's column lists -------------------------------------------------------------------------------
 def outside_parentheses(text: str) -> str:
     """`text` without its parenthesised parts (nested ones too)."""
     depth, kept = 0, []
@@ -178,11 +178,11 @@ def outside_parentheses(text: str) -> str:
     return "".join(kept)
 
 
-def readme_columns() -> tuple[list[str], dict[str, list[str]]]:
-    """(the ID columns, {table: its own columns}) as README.md's Outputs section lists them: backticked names
+def documented_columns() -> tuple[list[str], dict[str, list[str]]]:
+    """(the ID columns, {table: its own columns}) as docs/outputs.md's Tables section lists them: backticked names
     outside parentheses, in the paragraph on identifier columns and in one bullet per table."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Outputs\n") :]
+    text = (ROOT / "docs" / "outputs.md").read_text()
+    section = text[text.index("\n## Tables\n") :]
     section = section[: section.index("\n## ", 1)]
     ids = section[section.index("identifier columns") : section.index("then its own columns")]
     tables = {}
@@ -192,14 +192,14 @@ def readme_columns() -> tuple[list[str], dict[str, list[str]]]:
     return re.findall(r"`([^`]+)`", outside_parentheses(ids)), tables
 
 
-def test_readme_lists_each_tables_declared_columns() -> None:
-    ids, tables = readme_columns()
+def test_docs_list_each_tables_declared_columns() -> None:
+    ids, tables = documented_columns()
     assert [c for c in ids if not c.startswith(SWEEP_PREFIX)] == [f.name for f in ID_FIELDS]
     assert [c for c in ids if c.startswith(SWEEP_PREFIX)] == ["sweep.<key>"]  # the open part is documented
     assert set(tables) == set(declared())
     for table, columns in tables.items():
-        assert len(columns) == len(set(columns)), f"README lists a {table} column twice"
+        assert len(columns) == len(set(columns)), f"docs/outputs.md lists a {table} column twice"
         assert set(columns) == set(declared()[table].names), (
-            f"{table}: README only {set(columns) - set(declared()[table].names)},"
+            f"{table}: docs/outputs.md only {set(columns) - set(declared()[table].names)},"
             f" schema only {set(declared()[table].names) - set(columns)}"
         )

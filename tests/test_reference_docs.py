@@ -1,0 +1,82 @@
+"""docs/reference/*.md are what scripts/gen_reference.py makes from the registries and the declared table schemas:
+a method, option, field or column added, removed or renamed without `make docs` fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def generator() -> ModuleType:
+    """scripts/gen_reference.py as a module (scripts/ is not a package), imported in this process."""
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gen() -> ModuleType:
+    return generator()
+
+
+@pytest.fixture(scope="module")
+def pages(gen: ModuleType) -> dict[Path, str]:
+    return gen.render()
+
+
+def test_committed_reference_is_what_the_code_generates(gen: ModuleType, pages: dict[Path, str]) -> None:
+    stale = [str(p.relative_to(ROOT)) for p in gen.stale(pages)]
+    assert not stale, f"stale generated docs: {stale}; run `make docs` (python scripts/gen_reference.py) and commit"
+
+
+def test_reference_lists_every_registered_option_and_table(pages: dict[Path, str]) -> None:
+    import runner.methods  # noqa: F401  (every method module: its table is declared)
+    from runner.data import DATA_SOURCES
+    from runner.methods import METHODS
+    from runner.metrics import load_metrics
+    from runner.models import MODEL_SOURCES
+    from runner.tables import declared
+
+    methods, options, tables = (
+        pages[ROOT / "docs" / "reference" / n] for n in ("methods.md", "options.md", "tables.md")
+    )
+    for config in METHODS:
+        assert f"## `{config().name}`" in methods and f"### `method={config().name}`" in options
+    for config in DATA_SOURCES:
+        assert f"### `data={config().name}`" in options
+    for name in MODEL_SOURCES.names():
+        assert f"| `{name}` |" in options
+    for name in load_metrics().names():
+        assert f"### `{name}`" in options
+    assert "`road_noise` | `float` | `0.01` |" in options  # a metric's own setting, with type and default
+    for table, schema in declared().items():
+        section = tables[tables.index(f"## `{table}`") :]
+        for column in schema.names:
+            assert f"| `{column}` |" in section, f"{table}.{column}"
+
+
+def test_check_names_a_stale_file_and_exits_1(
+    gen: ModuleType,
+    pages: dict[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    monkeypatch.setattr(gen, "REFERENCE", tmp_path)
+    monkeypatch.setattr(gen, "ROOT", tmp_path.parent)
+    monkeypatch.setattr(gen, "render", lambda: {tmp_path / p.name: text for p, text in pages.items()})
+    assert gen.main([]) == 0  # writes all three
+    assert gen.main(["--check"]) == 0
+    (tmp_path / "tables.md").write_text("edited by hand\n")
+    assert gen.main(["--check"]) == 1
+    assert "tables.md" in capsys.readouterr().err
+    assert (tmp_path / "tables.md").read_text() == "edited by hand\n"  # --check writes nothing
