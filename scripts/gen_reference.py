@@ -48,30 +48,26 @@ class Collected:
 
 def collect() -> Collected:
     """Every registry and declared schema the reference lists. The one place that knows where they live."""
-    import runner.data as data
-    import runner.methods as methods
-    import runner.models as models
     import runner.tables as tables
-    from runner.metrics import EvaluationConfig, load_metrics
-    from runner.schema import DataConfig, MethodConfig, ModelConfig, RunConfig
+    from runner.options.metric.evaluation import EvaluationConfig
+    from runner.options.registry import POINTS
+    from runner.schema import DataConfig, MethodConfig, ModelConfig, RunConfig, TargetConfig
 
-    metrics = load_metrics()
     metric_fields = [f.name for f in dataclasses.fields(EvaluationConfig)]
+    shared = {"model": ModelConfig, "data": DataConfig, "target": TargetConfig, "method": MethodConfig}
     groups: dict[str, tuple[type | None, list[Option]]] = {
-        "model": (
-            ModelConfig,
-            [Option(name, type(source), None) for name, source in models.MODEL_SOURCES.items()],
-        ),
-        "data": (DataConfig, [Option(c().name, build, c) for c, build in data.DATA_SOURCES.items()]),
-        "method": (MethodConfig, [Option(c().name, impl, c) for c, impl in methods.METHODS.items()]),
-        "method.evaluation.metrics": (
-            EvaluationConfig,
-            [
-                Option(name, cls, None, [f for f in metric_fields if metric_settings(name, f)])
-                for name, cls in metrics.items()
-            ],
-        ),
+        group: (base, [Option(o.name, o.load(), None if o.schema is base else o.schema) for o in POINTS[group]])
+        for group, base in shared.items()
     }
+    groups["method.evaluation.metrics"] = (
+        EvaluationConfig,
+        [
+            Option(o.name, o.load(), o.schema, [f for f in metric_fields if metric_settings(o.name, f)])
+            for o in POINTS["metric"]
+        ],
+    )
+    for option in POINTS["method"]:  # every method's tables are declared once its module is imported
+        option.load()
 
     def when(column: Any) -> str | None:
         return column.metadata[tables.WHEN].decode() if tables.is_optional(column) else None
@@ -359,11 +355,37 @@ def render_tables(c: Collected) -> str:
     return "\n".join(out)
 
 
+def example_diff(example: Path) -> str:
+    """An example extension (docs/examples/extending/NAME/, laid out as the checkout) as the diff that adds it: every
+    file a new one, nothing else changed."""
+    out = []
+    for file in sorted(p for p in example.rglob("*") if p.is_file()):
+        path = file.relative_to(example).as_posix()
+        lines = file.read_text().splitlines()
+        out += [f"diff --git a/{path} b/{path}", "new file mode 100644", "--- /dev/null", f"+++ b/{path}",
+                f"@@ -0,0 +1,{len(lines)} @@"] + [f"+{line}" for line in lines]  # fmt: skip
+    return "\n".join(out)
+
+
+EXAMPLE_BLOCK = re.compile(r"(<!-- example: (\w+) -->\n).*?(<!-- end of example -->)", re.S)
+
+
+def render_extending(text: str) -> str:
+    """docs/extending.md with each `<!-- example: NAME -->` block filled with that example's diff."""
+    examples = ROOT / "docs" / "examples" / "extending"
+    return EXAMPLE_BLOCK.sub(
+        lambda m: f"{m.group(1)}```diff\n{example_diff(examples / m.group(2))}\n```\n{m.group(3)}", text
+    )
+
+
 def render() -> dict[Path, str]:
-    """{file: its contents} for every generated reference file."""
+    """{file: its contents} for every generated reference file (and docs/extending.md's example diffs)."""
     collected = collect()
     pages = {"methods.md": render_methods, "options.md": render_options, "tables.md": render_tables}
-    return {REFERENCE / name: make(collected).rstrip("\n") + "\n" for name, make in pages.items()}
+    out = {REFERENCE / name: make(collected).rstrip("\n") + "\n" for name, make in pages.items()}
+    extending = ROOT / "docs" / "extending.md"
+    out[extending] = render_extending(extending.read_text())
+    return out
 
 
 def stale(pages: dict[Path, str]) -> list[Path]:

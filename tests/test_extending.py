@@ -47,7 +47,7 @@ def table(out: Path, name: str) -> pd.DataFrame:
 
 def test_every_example_adds_only_new_files_and_keeps_the_import_contract(tmp_path: Path) -> None:
     examples = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
-    assert {"cam_variant", "metric", "model_source", "data_source"} <= set(examples)
+    assert set(examples) == {"cam_variant", "metric", "model_source", "data_source", "target"}
     for example in examples:
         scratch = scratch_with(example, tmp_path / example)
         checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_imports.py"), str(scratch / "runner")],
@@ -107,3 +107,15 @@ def test_a_data_source_in_its_own_module(tmp_path: Path) -> None:
     assert set(cam["label"]) <= {0, 1}
     bad = run(scratch, "data=checkerboards", "data.squares=0", out=tmp_path / "bad")
     assert bad.returncode == 2 and "data.squares=0" in bad.stderr
+
+
+def test_a_target_with_its_own_setting(tmp_path: Path) -> None:
+    scratch = scratch_with("target", tmp_path)
+    scores = {}
+    for scale in (1, 2):
+        out = tmp_path / f"out{scale}"
+        done = run(scratch, "target=margin", f"target.scale={scale}", out=out)
+        assert done.returncode == 0, done.stderr[-2000:]
+        scores[scale] = table(out, "cam").sort_values(["sample", "layer", "call"])["score"].to_numpy()
+    assert abs(scores[2] - 2 * scores[1]).max() < 1e-5 * abs(scores[1]).max()  # the setting reached the score
+    assert (scores[1] != 0).any()

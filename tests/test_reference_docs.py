@@ -39,23 +39,22 @@ def test_committed_reference_is_what_the_code_generates(gen: ModuleType, pages: 
 
 
 def test_reference_lists_every_registered_option_and_table(pages: dict[Path, str]) -> None:
-    import runner.methods  # noqa: F401  (every method module: its table is declared)
-    from runner.data import DATA_SOURCES
-    from runner.methods import METHODS
-    from runner.metrics import load_metrics
-    from runner.models import MODEL_SOURCES
+    from runner.options.registry import DATA, METHODS, METRICS, MODELS, TARGETS
     from runner.tables import declared
 
     methods, options, tables = (
         pages[ROOT / "docs" / "reference" / n] for n in ("methods.md", "options.md", "tables.md")
     )
-    for config in METHODS:
-        assert f"## `{config().name}`" in methods and f"### `method={config().name}`" in options
-    for config in DATA_SOURCES:
-        assert f"### `data={config().name}`" in options
-    for name in MODEL_SOURCES.names():
+    for option in METHODS:
+        option.load()  # its module declares its table
+        assert f"## `{option.name}`" in methods and f"### `method={option.name}`" in options
+    for name in DATA.names():
+        assert f"### `data={name}`" in options
+    for name in TARGETS.names():
+        assert f"### `target={name}`" in options
+    for name in MODELS.names():
         assert f"| `{name}` |" in options
-    for name in load_metrics().names():
+    for name in METRICS.names():
         assert f"### `{name}`" in options
     assert "`road_noise` | `float` | `0.01` |" in options  # a metric's own setting, with type and default
     for table, schema in declared().items():
