@@ -41,7 +41,7 @@ from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
 from runner.targets import build_target
-from runner.viz.summary import HOOK_SUMMARY_VALUES, summarise
+from runner.viz.summary import summarise
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     distributed.barrier()
     tables = writer.tables()
     if rank == 0:
-        summarise(tables, (*HOOK_SUMMARY_VALUES, *method.summary_values))
+        summarise(tables, {method.table: method.summary_values})
     return RunResult(out, tables)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -54,11 +55,39 @@ SWEEP_TYPES = (pa.bool_(), pa.int64(), pa.float64(), pa.string())
 WHEN = b"when"  # field metadata of an optional column: the config under which it is written
 
 
+@dataclass(frozen=True)
+class Presentation:
+    """How a table is summarised and drawn, declared with its columns: the console summary at the end of a run and
+    the report's summary group by `keys` (beside `layer`) and average `values` (empty: every float column);
+    `figures` ("module:function", (frame, by, FiguresConfig) -> [(caption, Figure)]) draws its standard figures;
+    `section` ("module:function") writes its report section instead of the standard one. The writer keeps it in the
+    run's manifest, so a report reads it without importing the code that declared the table."""
+
+    keys: tuple[str, ...] = ()
+    values: tuple[str, ...] = ()
+    figures: str | None = None
+    section: str | None = None
+    shown: tuple[str, ...] = ()  # keys shown even when they hold one value (they say what the number is)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"keys": list(self.keys), "values": list(self.values), "figures": self.figures,
+                "section": self.section, "shown": list(self.shown)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, found: Mapping[str, Any] | None) -> Presentation:
+        """The presentation a manifest holds; the plain default (every float column, no figures) when it has none."""
+        if not found:
+            return cls()
+        return cls(tuple(found.get("keys") or ()), tuple(found.get("values") or ()), found.get("figures"),
+                   found.get("section"), tuple(found.get("shown") or ()))  # fmt: skip
+
+
 class SchemaError(TypeError):
     """A batch's columns differ from its table's declared schema: a bug in the code that built the rows."""
 
 
 _DECLARED: dict[str, tuple[pa.Schema, str]] = {}  # table -> (its own columns, the declaring module)
+_PRESENTED: dict[str, Presentation] = {}  # table -> how it is summarised and drawn
 
 
 def optional(name: str, type_: pa.DataType, when: str) -> pa.Field:
@@ -71,8 +100,9 @@ def is_optional(field: pa.Field) -> bool:
     return bool(field.metadata) and WHEN in field.metadata
 
 
-def declare(table: str, fields: Sequence[pa.Field]) -> pa.Schema:
-    """Declare `table`'s own columns (after the ID and swept columns), in the order they are written."""
+def declare(table: str, fields: Sequence[pa.Field], presentation: Presentation | None = None) -> pa.Schema:
+    """Declare `table`'s own columns (after the ID and swept columns), in the order they are written, and how it is
+    summarised and drawn."""
     schema = pa.schema(fields)
     if "layer" in schema.names and LAYER_INDEX.name not in schema.names:  # a layer's position comes with its name
         schema = schema.insert(schema.get_field_index("layer") + 1, LAYER_INDEX)
@@ -86,7 +116,13 @@ def declare(table: str, fields: Sequence[pa.Field]) -> pa.Schema:
     if known is not None and not known[0].equals(schema, check_metadata=True):
         raise SchemaError(f"table '{table}' is declared twice, differently (in {known[1]} and {owner})")
     _DECLARED[table] = (schema, owner)
+    _PRESENTED[table] = presentation or Presentation()
     return schema
+
+
+def presentation(table: str) -> Presentation:
+    """How a declared table is summarised and drawn (the plain default for one declared without)."""
+    return _PRESENTED.get(table, Presentation())
 
 
 def declared() -> dict[str, pa.Schema]:

@@ -274,8 +274,11 @@ def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: p
 
     seen: list[tuple[str, str | None, str]] = []
 
-    def table_figures(table: str, frame: object, by: str | None = None, figures: object = None) -> list:
+    def table_figures(
+        table: str, frame: object, by: str | None = None, figures: object = None, builder: str | None = None
+    ) -> list:
         seen.append((table, by, figures.format.value))  # type: ignore[union-attr]
+        assert builder == "runner.viz.plots:cam_figures"  # the cam table's declared figures, read from its manifest
         fig, ax = pyplot().subplots()
         ax.plot([0, 1], [1, 0])
         return [(f"The {table} figure.", fig)]

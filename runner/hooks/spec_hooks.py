@@ -25,7 +25,7 @@ from runner.layers import Layer
 from runner.randomness import per_sample_normal
 from runner.schema import HookAction, HookKind, HookSpec, check_hook_spec
 from runner.stats import per_sample_stats, stat_fields
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 GRADIENT_KINDS = (HookKind.backward, HookKind.tensor)
 
@@ -43,6 +43,7 @@ HOOKS_SCHEMA = declare(
         pa.field("tensor_key", pa.string()),
         *stat_fields(),
     ],
+    Presentation(keys=("hook", "role", "call"), values=("mean", "std", "min", "max", "frac_zero")),
 )
 
 

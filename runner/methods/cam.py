@@ -48,7 +48,7 @@ from runner.rows import BatchOutput, Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
 from runner.schema import TargetMode
 from runner.stats import STAT_NAMES, constant_rows, per_sample_stats, stat_fields
-from runner.tables import declare, optional
+from runner.tables import Presentation, declare, optional
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,21 @@ CAM_SCHEMA = declare(
         *(optional(c, pa.float32(), "method.faithfulness.enabled=true") for c in faithfulness.COLUMNS),
         optional("captum_method", pa.string(), "method=captum"),
     ],
+    Presentation(
+        keys=("method", "call"),
+        # scale-free columns first: a raw map's cam_max is the layer's own scale and compares no layers
+        values=(
+            "score",
+            "cam_frac_zero",
+            "deletion_auc",
+            "insertion_auc",
+            "avg_drop",
+            "random_deletion_auc",
+            "random_insertion_auc",
+            "random_avg_drop",
+        ),  # fmt: skip
+        figures="runner.viz.plots:cam_figures",
+    ),
 )
 
 

@@ -45,7 +45,7 @@ from runner.options.method.patching import (
 from runner.ranking import spearman
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 # The `cam_vs_patching` table's own columns (`CamVsPatching.run_batch`): one row per (sample, direction, layer,
 # CAM method).
@@ -66,6 +66,12 @@ CAM_VS_PATCHING_SCHEMA = declare(
         pa.field("degenerate", pa.bool_()),
         pa.field("degenerate_reason", pa.string()),
     ],
+    Presentation(
+        keys=("cam_method", "direction"),
+        values=("spearman",),
+        figures="runner.viz.plots:cam_vs_patching_figures",
+        shown=("cam_method",),
+    ),
 )
 
 

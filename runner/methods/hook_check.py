@@ -20,7 +20,7 @@ from runner.methods.base import Method, forward
 from runner.options.method.hook_check import HookCheckConfig
 from runner.rows import BatchOutput
 from runner.runtime import Runtime
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 # The `hook_check` table's own columns (`HookCheck.run_batch`): one row per (sample, layer, call).
 HOOK_CHECK_SCHEMA = declare(
@@ -32,6 +32,7 @@ HOOK_CHECK_SCHEMA = declare(
         pa.field("max_abs_diff", pa.float32()),
         pa.field("passed", pa.bool_()),  # max_abs_diff <= method.tolerance
     ],
+    Presentation(keys=("call",), values=("max_abs_diff",)),
 )
 
 

@@ -60,7 +60,7 @@ from runner.rows import BatchOutput, Columns
 from runner.runtime import Runtime
 from runner.schema import TargetMode
 from runner.stats import constant_rows, uniform_rows
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ MPRT_SCHEMA = declare(
         pa.field("degenerate", pa.bool_()),  # either map is constant at the layer's resolution or not finite: NaN
         pa.field("inner_method", pa.string()),
     ],
+    Presentation(
+        keys=("similarity", "step", "randomised_up_to"),
+        values=("value",),
+        figures="runner.viz.plots:mprt_figures",
+        shown=("similarity", "step", "randomised_up_to"),
+    ),
 )
 
 

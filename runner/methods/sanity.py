@@ -33,7 +33,7 @@ from runner.ranking import spearman
 from runner.rows import BatchOutput, Columns, Ragged
 from runner.runtime import Runtime
 from runner.schema import MethodConfig, TargetMode
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 # The `sanity` table's own columns (`Sanity.run_batch`): one row per (sample, layer, call).
 SANITY_SCHEMA = declare(
@@ -50,6 +50,7 @@ SANITY_SCHEMA = declare(
         pa.field("inner_method", pa.string()),
         pa.field("randomized", pa.string()),  # method.randomize, comma-joined
     ],
+    Presentation(keys=("randomized", "inner_method"), values=("spearman",)),
 )
 
 

@@ -16,7 +16,7 @@ from runner.metrics.base import Metric, MetricInputs
 from runner.progress import within_batch
 from runner.rows import Columns
 from runner.runtime import Runtime
-from runner.tables import declare
+from runner.tables import Presentation, declare
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ EVALUATION_SCHEMA = declare(
         pa.field("random_value", pa.float32()),  # the same metric on the layer's random map
         pa.field("degenerate", pa.bool_()),  # the map is constant at the layer's resolution or not finite: value NaN
     ],
+    Presentation(
+        keys=("metric", "variant"),
+        values=("value", "random_value"),
+        figures="runner.viz.plots:evaluation_figures",
+        shown=("metric", "variant"),
+    ),
 )
 
 _skipped: set[str] = set()  # metrics already reported as skipped for want of masks (one log line each)

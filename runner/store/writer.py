@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from runner.errors import RunnerError
 from runner.store.layout import LOCK_NAME, METADATA_KEY, part_path, read_manifest, shard_problems, temp_name
-from runner.tables import SchemaError, conform
+from runner.tables import SchemaError, conform, presentation
 
 try:
     import fcntl
@@ -350,6 +350,9 @@ class ShardedWriter:
                 writer.commit()
                 committed.append(writer.path)
             self._manifest["shards"][str(self._shard)] = {name: w.rows for name, w in self._open.items()}
+            # How each table is summarised and drawn (declared with it): `runner report` reads it from here.
+            presented = self._manifest.setdefault("tables", {})
+            presented.update({name: presentation(name).as_dict() for name in self._open if name not in presented})
             self._save()
         except BaseException:
             for path in committed:  # a shard is all of its tables or none of them

@@ -84,15 +84,25 @@ def mprt_figure(
 
 
 def table_figures(
-    table: str, frame: pd.DataFrame, by: str | None = None, figures: FiguresConfig | None = None
+    table: str,
+    frame: pd.DataFrame,
+    by: str | None = None,
+    figures: FiguresConfig | None = None,
+    builder: str | None = None,
 ) -> list[tuple[str, Figure]]:
-    """The standard figures of one results table as (caption, Figure); [] for what cannot be drawn."""
-    builder = _BUILDERS.get(table)
+    """The standard figures of one results table as (caption, Figure); [] for what cannot be drawn. `builder`: the
+    table's figures as its declaration names them ("module:function", runner.tables.Presentation.figures), else
+    those of the declared table `table` in this process."""
+    from runner.options.registry import resolve
+    from runner.tables import presentation
+
+    reference = builder or presentation(table).figures
+    builder = resolve(reference) if reference else None
     if builder is None or frame is None or frame.empty or "layer" not in frame.columns:
         return []
     if by is not None and by not in frame.columns:
         by = None  # a column the table lacks compares nothing; draw the pooled figure
-    return builder(frame, by, figures or FiguresConfig())
+    return builder(frame, by, figures or FiguresConfig())  # type: ignore[operator]
 
 
 # --- per-layer curves ---------------------------------------------------------------------------------------
@@ -293,7 +303,7 @@ def _step_ticks(ax: Any, fig: Any, raw: pd.DataFrame, cols: int) -> None:
 # --- the standard figures of each table ---------------------------------------------------------------------
 
 
-def _cam(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+def cam_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """deletion/insertion AUC per layer (those present with values), else the share of the map at zero."""
     values = [v for v in ("deletion_auc", "insertion_auc") if v in frame.columns and frame[v].notna().any()]
     values = values or ([CAM_HEADLINE] if CAM_HEADLINE in frame.columns else [])
@@ -308,7 +318,7 @@ def _cam(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tu
     return out
 
 
-def _evaluation(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+def evaluation_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One figure per (metric, variant): the metric's value per layer beside its random-map value."""
     if "value" not in frame.columns:
         return []
@@ -323,7 +333,7 @@ def _evaluation(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> 
     return out
 
 
-def _mprt_table(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+def mprt_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One MPRT figure per similarity present."""
     if not {"step", "value"} <= set(frame.columns):
         return []
@@ -364,7 +374,7 @@ def effect_words(direction: str | None, unit: str | None) -> str:
     return f"{what} restoration (1: the clean activation restores the clean output)"
 
 
-def _patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+def patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Per (direction, unit): `patching_effects` per layer, restoration where denoising, the drop where noising."""
     if "restoration" not in frame.columns:
         return []
@@ -382,7 +392,7 @@ def _patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> li
     return out
 
 
-def _cam_vs_patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+def cam_vs_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Spearman's rho between each CAM method's map and the patching effects, per layer, by cam_method."""
     if "spearman" not in frame.columns:
         return []
@@ -396,15 +406,6 @@ def _cam_vs_patching(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
                     f"{f' ({name})' if name else ''}, 95% bootstrap band{_panels_note(by)}"
                     f"{_n_note(summary, part, 'spearman')}.", fig))  # fmt: skip
     return out
-
-
-_BUILDERS = {
-    "cam": _cam,
-    "evaluation": _evaluation,
-    "mprt": _mprt_table,
-    "patching": _patching,
-    "cam_vs_patching": _cam_vs_patching,
-}
 
 
 # --- helpers ------------------------------------------------------------------------------------------------

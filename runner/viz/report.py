@@ -28,9 +28,11 @@ from typing import Any
 import pandas as pd
 
 from runner.errors import RunnerError
+from runner.options.registry import resolve
 from runner.schema import FigureFormat, FiguresConfig
 from runner.store.layout import check_manifests, read_manifest, read_yaml
 from runner.store.runs import RunInfo, SweepInfo, find, is_run, run_info
+from runner.tables import Presentation
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +43,6 @@ PICTURE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg")  # what an <img> shows; a P
 
 # Per table: the columns that label a summary row besides the layer (kept where present), and the measured
 # columns summarised (those present with a value). A table not named here: its float columns.
-SUMMARY_SPEC: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "cam": (
-        ("method", "call"),
-        (
-            "cam_frac_zero",  # scale-free; a raw map's cam_max compares no layers (its scale is the layer's own)
-            "deletion_auc",
-            "insertion_auc",
-            "avg_drop",
-            "random_deletion_auc",
-            "random_insertion_auc",
-            "random_avg_drop",
-        ),
-    ),  # fmt: skip
-    "evaluation": (("metric", "variant"), ("value", "random_value")),
-    "mprt": (("similarity", "step", "randomised_up_to"), ("value",)),
-    "patching": (("direction", "patch_method", "unit", "metric"), ("effect",)),  # plots.patching_effects' rows
-    "cam_vs_patching": (("cam_method", "direction"), ("spearman",)),
-    "sanity": (("randomized", "inner_method"), ("spearman",)),
-    "hook_check": (("call",), ("max_abs_diff",)),
-    "hooks": (("hook", "role", "call"), ("mean", "std", "min", "max", "frac_zero")),
-}
-# Label columns shown even when they hold one value (they say what the number is).
-ALWAYS_SHOWN = {"metric", "variant", "similarity", "cam_method", "step", "randomised_up_to"}
 # Id and bookkeeping columns never summarised as values.
 NOT_VALUES = {"sample", "label", "predicted", "target", "target_rank", "layer_index", "call", "step", "channel",
               "y", "x", "token", "grid_h", "grid_w", "n_cells", "contrast", "map_height", "map_width"}  # fmt: skip
@@ -181,16 +160,34 @@ def provenance_of(directory: Path) -> dict[str, Any]:
 
 
 # ---- summaries --------------------------------------------------------------------------------------------------
-def summary_columns(table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+def presentation_of(directory: Path, table: str) -> Presentation:
+    """How `table` of the run (or sweep) in `directory` is summarised and drawn, as its manifest keeps it (the
+    declaration the run wrote: runner.tables.Presentation); the plain default for a table none declares."""
+    manifests = [directory / "manifest.json", *sorted(directory.glob("*/manifest.json"))]
+    for manifest in manifests:
+        if manifest.is_file():
+            try:
+                found = read_manifest(manifest).get("tables", {}).get(table)
+            except RunnerError:
+                continue
+            if found:
+                return Presentation.from_dict(found)
+    return Presentation()
+
+
+def summary_columns(
+    table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = (), shown: Presentation | None = None
+) -> tuple[list[str], list[str]]:
     """(group columns, value columns) of a table's per-layer summary: the layer first, then its labels."""
-    keys, values = SUMMARY_SPEC.get(table, ((), ()))
+    shown = shown or Presentation()
+    keys, values = shown.keys, shown.values
     if not values:
         values = tuple(
             c for c in frame.columns
             if pd.api.types.is_float_dtype(frame[c]) and c not in NOT_VALUES and not c.startswith("sweep.")
         )  # fmt: skip
     group = ["layer"] if "layer" in frame.columns else []
-    group += [k for k in keys if k in frame.columns and (k in ALWAYS_SHOWN or frame[k].nunique(dropna=False) > 1)]
+    group += [k for k in keys if k in frame.columns and (k in shown.shown or frame[k].nunique(dropna=False) > 1)]
     group += [k for k in extra_keys if k in frame.columns and k not in group]
     group = [k for k in group if not any(_same_partition(frame, k, e) for e in extra_keys if e in frame and e != k)]
     measured = [v for v in values if v in frame.columns and frame[v].notna().any()]
@@ -204,12 +201,14 @@ def _same_partition(frame: pd.DataFrame, a: str, b: str) -> bool:
     return len(pairs) == pairs[a].nunique() == pairs[b].nunique()
 
 
-def summary_frame(table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = ()) -> pd.DataFrame:
+def summary_frame(
+    table: str, frame: pd.DataFrame, extra_keys: Iterable[str] = (), shown: Presentation | None = None
+) -> pd.DataFrame:
     """Per layer (model order) and label: for each measured column, n samples, the mean and its 95% interval."""
     from runner.analysis import summarise
     from runner.frames import layers_in_model_order
 
-    group, values = summary_columns(table, frame, extra_keys)
+    group, values = summary_columns(table, frame, extra_keys, shown)
     merged: pd.DataFrame | None = None
     for value in values:
         part = summarise(frame, value, by=group, n_boot=1000)
@@ -270,7 +269,9 @@ def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
 
 
 # ---- figures ----------------------------------------------------------------------------------------------------
-def figure_html(table: str, frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> str:
+def figure_html(
+    table: str, frame: pd.DataFrame, by: str | None, figures: FiguresConfig, shown: Presentation | None = None
+) -> str:
     """The table's standard figures (runner.viz.plots.table_figures), each embedded as a data URI with its caption."""
     try:
         from runner.viz import plots
@@ -279,9 +280,11 @@ def figure_html(table: str, frame: pd.DataFrame, by: str | None, figures: Figure
     from runner.viz.figure_style import save
 
     # The page embeds PNG or SVG; a PDF cannot be shown in a browser's <img>, so the page draws PNGs then.
-    shown = replace(figures, format=FigureFormat.png if figures.format == FigureFormat.pdf else figures.format)
+    page_figures = replace(figures, format=FigureFormat.png if figures.format == FigureFormat.pdf else figures.format)
     try:
-        drawn = plots.table_figures(table, frame, by=by, figures=shown)
+        drawn = plots.table_figures(
+            table, frame, by=by, figures=page_figures, builder=(shown or Presentation()).figures
+        )
     except Exception as e:  # a figure that cannot be drawn must not cost the page its tables
         log.warning("report: the figures of table %s could not be drawn: %s", table, e)
         return f"<p>The figures of this table could not be drawn ({_e(type(e).__name__)}: {_e(e)}).</p>"
@@ -290,7 +293,7 @@ def figure_html(table: str, frame: pd.DataFrame, by: str | None, figures: Figure
     out = []
     with tempfile.TemporaryDirectory(prefix="runner-report-") as tmp:
         for i, (caption, fig) in enumerate(drawn):
-            path = save(fig, Path(tmp) / f"{table}-{i}", shown)
+            path = save(fig, Path(tmp) / f"{table}-{i}", page_figures)
             mime = "image/svg+xml" if path.suffix == ".svg" else "image/png"
             data = base64.b64encode(path.read_bytes()).decode("ascii")
             out.append(
@@ -377,14 +380,15 @@ def _tables_html(page: Page, directory: Path, tables: list[str], by: list[str], 
         page.add(f"<p>{len(frame)} rows; {samples} samples; {layers} layers, listed in model order.</p>")
         present = [c for c in by if c in frame.columns]
         compare = _compare_column(frame, present)
-        if table == "patching" and "restoration" in frame.columns:
-            _patching_html(page, frame, present, compare, figures)
+        shown = presentation_of(directory, table)
+        if shown.section:  # a table whose declaration names a section of its own
+            resolve(shown.section)(page, frame, present, compare, figures, shown)
             continue
         try:
-            page.add(summary_html(summary_frame(table, frame, present), SUMMARY_CAPTION))
+            page.add(summary_html(summary_frame(table, frame, present, shown), SUMMARY_CAPTION))
         except RunnerError as e:
             page.add(f"<p>No summary: {_e(e)}</p>")
-        page.add(figure_html(table, frame, compare, figures))
+        page.add(figure_html(table, frame, compare, figures, shown))
 
 
 SUMMARY_CAPTION = (
@@ -393,12 +397,22 @@ SUMMARY_CAPTION = (
 )
 
 
-def _patching_html(
-    page: Page, frame: pd.DataFrame, present: list[str], compare: str | None, figures: FiguresConfig
+def patching_section(
+    page: Page,
+    frame: pd.DataFrame,
+    present: list[str],
+    compare: str | None,
+    figures: FiguresConfig,
+    shown: Presentation,
 ) -> None:
-    """The patching table, one summary and one figure per direction, both of the same statistic
+    """The patching table's section (its declaration names it), one summary and one figure per direction, both of
+    the same statistic
     (plots.patching_effects: the whole layer's or the strongest unit's restoration, or drop where noising), and
     the pairs left out of the means counted."""
+    if "restoration" not in frame.columns:  # no restoration to summarise: the standard section
+        page.add(summary_html(summary_frame("patching", frame, present, shown), SUMMARY_CAPTION))
+        page.add(figure_html("patching", frame, compare, figures, shown))
+        return
     from runner.viz.plots import effect_words, left_out_pairs, patching_effects
 
     for why, n in left_out_pairs(frame).items():
@@ -413,13 +427,13 @@ def _patching_html(
         caption = (f"{(direction or 'patching').capitalize()}: per layer in model order, the mean over pairs of {words}, its 95%"
                    " bootstrap interval in brackets; n: the pairs each mean is over.")  # fmt: skip
         try:
-            summary = summary_frame("patching", part, present)
+            summary = summary_frame("patching", part, present, shown)
             summary.columns = [c.replace("effect:", f"{label}:", 1) for c in summary.columns]
             page.add(summary_html(summary, caption))
         except RunnerError as e:
             page.add(f"<p>No summary: {_e(e)}</p>")
         rows = frame if direction is None else frame[frame["direction"] == direction]
-        page.add(figure_html("patching", rows, compare, figures))
+        page.add(figure_html("patching", rows, compare, figures, shown))
 
 
 def _compare_column(frame: pd.DataFrame, present: list[str]) -> str | None:

@@ -9,23 +9,20 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from runner.frames import with_layer_order
+from runner.tables import presentation
 
 log = logging.getLogger(__name__)
 
-# What the console summary reports: per layer (and hook, role, call), the mean of these columns where present:
-# the hooks table's, and those the method declares (`Method.summary_values`).
-SUMMARY_KEYS = ("direction", "patch_method", "layer", "hook", "role", "call", "metric", "variant")
-# A metric table's own measured columns (the evaluation table: a metric's value and its random-map baseline).
-METRIC_SUMMARY_VALUES = ("value", "random_value")
-HOOK_SUMMARY_VALUES = ("mean", "std", "frac_zero")
 
-
-def summarise(paths: dict[str, Path], summary_values: tuple[str, ...]) -> None:
-    """Log each table's per-layer means of `summary_values` (those the table has), layers in model order."""
+def summarise(paths: dict[str, Path], extra_values: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Log each table's per-layer means of its declared summary values (runner.tables.Presentation; `extra_values`
+    adds columns per table, a method's `summary_values`), by layer and the declared keys, layers in model order."""
     for table, path in paths.items():
         present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
-        keys = [k for k in SUMMARY_KEYS if k in present]
-        values = [v for v in (*summary_values, *METRIC_SUMMARY_VALUES) if v in present]
+        shown = presentation(table)
+        keys = [k for k in ("layer", *shown.keys) if k in present]
+        wanted = dict.fromkeys((*(extra_values or {}).get(table, ()), *shown.values))
+        values = [v for v in wanted if v in present]
         if not values:
             log.info("%s: %d rows", table, sum(pq.read_metadata(p).num_rows for p in path.glob("part-*.parquet")))
             continue

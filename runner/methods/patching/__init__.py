@@ -28,8 +28,8 @@ definition), `constant_logits` (every logit of the clean or corrupted run equal:
 divides by clean - corrupted, so it is NaN, never a number from float noise, for self_pair,
 target_is_contrast and zero_span rows; `patched` is still reported.
 
-The package, one concern a module:
-  config.py       the option's schema (PatchingMethodConfig, PatchingConfig, CorruptionConfig, the enums)
+The option's schema (PatchingMethodConfig, PatchingConfig, CorruptionConfig, the enums) is
+runner/options/method/patching.py. The package, one concern a module:
   corruption.py   the corrupted half of each pair
   units.py        a layer's units and their masks
   metric.py       what a run is measured by

@@ -13,7 +13,7 @@ from runner.data.base import Batch
 from runner.methods.patching.units import Units
 from runner.options.method.patching import PatchDirection, PatchMetric
 from runner.rows import Columns
-from runner.tables import declare, optional
+from runner.tables import Presentation, declare, optional
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,12 @@ PATCHING_SCHEMA = declare(
         pa.field("small_span", pa.bool_()),  # |clean - corrupted| below method.patching.min_span: restoration NaN
         optional("rank_correlation", pa.float32(), "method.patching.mode=attribution_topk"),
     ],
+    Presentation(
+        keys=("direction", "patch_method", "unit", "metric"),
+        values=("effect",),  # plots.patching_effects' rows
+        figures="runner.viz.plots:patching_figures",
+        section="runner.viz.report:patching_section",
+    ),
 )
 
 # Why a pair's rows are degenerate, and the one-line warning for each (logged once per run).
