@@ -19,7 +19,6 @@ from runner.results import load
 from runner.schema import FiguresConfig
 from runner.viz import figure_style
 from runner.viz.plots import left_out_pairs, mprt_figure, patching_effects, per_layer_figure, table_figures
-
 from tests.conftest import make_config
 
 for _option in METHODS:  # each method's module declares its tables and their figures (runner.tables.Presentation)
