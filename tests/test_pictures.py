@@ -186,3 +186,16 @@ def test_noising_heatmap_draws_the_drop(tmp_path: Path, saved: list[tuple[Path, 
     np.testing.assert_allclose(shown, 1 - frame["restoration"].to_numpy(), rtol=0, atol=1e-5)
     bar = next(a for a in fig.axes if a.get_label() == "<colorbar>")
     assert bar.get_ylabel() == "drop (1 - restoration)"
+
+
+# ---- a patching heatmap of all-NaN restorations is still drawn -------------------------------------------------------
+def test_heatmap_of_all_nan_restorations_is_written(tmp_path: Path) -> None:
+    batch = Batch(torch.zeros(1, 3, 8, 8), torch.tensor([-1]), ["cat"], 0)
+    columns = {
+        "restoration": torch.full((4,), float("nan")),
+        "sample_index": torch.zeros(4, dtype=torch.long),
+        "patch_method": ["exact"] * 4, "direction": ["denoising"] * 4, "layer": ["l"] * 4,
+        "grid_h": [2] * 4, "grid_w": [2] * 4, "y": [0, 0, 1, 1], "x": [0, 1, 0, 1], "corrupted_id": ["cat"] * 4,
+    }  # fmt: skip
+    pictures.write_patching_heatmaps(tmp_path, batch, columns, limit=4)
+    assert (tmp_path / "000000_cat_patching_denoising.png").stat().st_size > 0

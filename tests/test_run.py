@@ -19,6 +19,7 @@ from runner.hooks import count_hooks
 from runner.results import read_metadata
 from runner.schema import available_cpus
 from tests.conftest import TinyNet, make_config
+from tests.test_cli import SMALL_VGG
 
 VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,3 +320,11 @@ def test_bar_warnings_and_last_lines_in_a_real_process(tmp_path: Path) -> None:
         f"[INFO] report: runner report {tmp_path}",
         f'[INFO] tables: from runner.results import load; load("{tmp_path}")',
     ]
+
+
+# ---- an input the model cannot take is refused before anything is written --------------------------------------------
+def test_probe_rejects_an_input_the_model_cannot_take(tmp_path: Path) -> None:
+    config = make_config(*SMALL_VGG, "data.image_size=16")
+    with pytest.raises(RunnerError, match="too small for the model's downsampling"):
+        app.run(config, tmp_path)
+    assert not list(tmp_path.rglob("*.parquet*"))
