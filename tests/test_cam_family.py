@@ -157,6 +157,7 @@ def test_sanity_needs_layers_to_randomise() -> None:
         run_method(frozen(TinyNet()), torch.randn(1, 3, 8, 8), ["features.2"], name="sanity")
 
 
+@pytest.mark.slow
 def test_gradcam_beats_random_maps_on_the_embedded_model(tmp_path: Path) -> None:
     """Deletion AUC (lower is better) at the last conv layer, real weights and photos, vs. random maps."""
     config = make_config(
@@ -168,6 +169,7 @@ def test_gradcam_beats_random_maps_on_the_embedded_model(tmp_path: Path) -> None
     assert frame["deletion_auc"].between(0, 1).all() and frame["avg_drop"].between(0, 1).all()
 
 
+@pytest.mark.slow
 def test_pictures_are_written(tmp_path: Path) -> None:
     config = make_config("data.photos=[chelsea]", "data.image_size=64", "hooks=[]", "method.pictures=true",
                          "method.feature_grid_layer=_conv_head")  # fmt: skip

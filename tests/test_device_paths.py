@@ -222,6 +222,7 @@ def test_eigencam_equals_the_full_svd_on_efficientnet(effnet: nn.Module, photos:
         assert_same_map(eigencam(acts[layer].float()), old_eigencam(acts[layer].float()))
 
 
+@pytest.mark.slow
 def test_eigencam_equals_the_full_svd_and_pytorch_grad_cam_on_vgg16(vgg16: nn.Module) -> None:
     """VGG16 (random init), 64 px: features.5 is 32x32 with 128 channels, .21 8x8 with 512, .28 4x4 with 512."""
     pytest.importorskip("pytorch_grad_cam", reason="the dev extra installs grad-cam")

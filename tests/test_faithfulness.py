@@ -182,6 +182,7 @@ def test_insertion_blur_is_configurable() -> None:
     assert float(faithfulness.blurred(x, BlurConfig())[0, 0, 0, 0]) < 0.9  # zero padding darkens the border
 
 
+@pytest.mark.slow
 def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
     """On a CPU a batch of 64 images at 224 px ran 2.5x slower per image than one of 8 (benchmarks/RESULTS.md):
     with no chunk set, deletion/insertion and the evaluation metrics forward at most 8 such images at once."""

@@ -74,6 +74,7 @@ def small_vgg() -> nn.Module:
     return frozen(torchvision.models.vgg16(weights=None))
 
 
+@pytest.mark.slow
 def test_identity_patch_leaves_logits_unchanged(small_vgg: nn.Module) -> None:
     x = torch.randn(2, 3, 32, 32)
     columns = patch(small_vgg, x, ["features.16", "features.23"], corruption=CorruptionConfig(kind=CorruptionKind.none))
@@ -119,6 +120,7 @@ def test_patching_with_the_corrupted_runs_own_activation_gives_zero(small_vgg: n
     torch.testing.assert_close(patched, reference[target].expand(units.count), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_name", "layer", "units", "local"),
     [
@@ -198,6 +200,7 @@ def test_cells_need_spatial_layers() -> None:
         patch(frozen(TinyNet()), torch.randn(1, 3, 8, 8), ["fc"], units=PatchUnit.cell)
 
 
+@pytest.mark.slow
 def test_patching_effnet_experiment_writes_table_and_heatmap(tmp_path: Path) -> None:
     config = make_config("experiment=patching_effnet", "data.image_size=96", "method.pictures=true")
     result = app.run(config, tmp_path)
@@ -214,6 +217,7 @@ def test_patching_effnet_experiment_writes_table_and_heatmap(tmp_path: Path) -> 
     assert list((tmp_path / "pictures").glob("*patching_denoising.png"))
 
 
+@pytest.mark.slow
 def test_pair_with_another_photo(tmp_path: Path) -> None:
     config = make_config(
         "experiment=patching_effnet", "data.photos=[chelsea,coffee]", "data.image_size=64", "data.batch_size=1",
@@ -225,6 +229,7 @@ def test_pair_with_another_photo(tmp_path: Path) -> None:
     assert (chelsea["restoration"] - 1).abs().max() < 1e-4  # the whole layer output restores everything
 
 
+@pytest.mark.slow
 def test_pair_with_unknown_sample() -> None:
     with pytest.raises(RunnerError, match="'coffe' is not a sample"):
         app.run(
@@ -306,6 +311,7 @@ VGG_TINY = ["model=vgg16", "model.weights=null", "data=synthetic", "data.count=2
             "method.pictures=false", "progress=false", "hooks=[]"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bf16_cell_patching_through_the_cone_runs_and_matches_fp32(tmp_path: Path) -> None:
     """The cone recomputation (VGG's chain of local ops) runs under autocast as the forward does: bf16 used to
     fail with "Input type (c10::BFloat16) and bias type (float)"."""
@@ -341,6 +347,7 @@ def test_a_samples_noise_does_not_depend_on_the_batch_size() -> None:
     assert not torch.allclose(other_seed, per_batch_size[4])  # the seed still matters
 
 
+@pytest.mark.slow
 def test_patching_run_gives_each_sample_the_same_corruption_at_batch_sizes_1_3_4(tmp_path: Path) -> None:
     corrupted = {}
     for size in (1, 3, 4):
@@ -461,6 +468,7 @@ def test_min_span_is_checked_at_start_up() -> None:
         PatchingMethodConfig(patching=PatchingConfig(min_span=-0.1)).check()
 
 
+@pytest.mark.slow
 def test_a_sample_paired_with_itself_among_others(tmp_path: Path) -> None:
     config = make_config(
         "experiment=patching_effnet", "data.photos=[chelsea,coffee]", "data.image_size=32",

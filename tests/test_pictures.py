@@ -63,6 +63,7 @@ def cam_run(tmp_path: Path, *overrides: str) -> pd.DataFrame:
     return pd.read_parquet(app.run(config, tmp_path).tables["cam"])
 
 
+@pytest.mark.slow
 def test_overlay_is_wrapped_labelled_in_model_order_with_class_name(
     tmp_path: Path, saved: list[tuple[Path, Any]]
 ) -> None:
@@ -89,6 +90,7 @@ def test_overlay_is_wrapped_labelled_in_model_order_with_class_name(
     assert all(im.get_cmap().name == figure_style.SEQUENTIAL_CMAP for ax in panels(fig)[1:] for im in ax.images[1:])
 
 
+@pytest.mark.slow
 def test_shared_scale_is_said_and_svg_is_written(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
     cam_run(tmp_path, "figures.map_scale=shared", "figures.format=svg")
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == ["000000_chelsea_gradcam.svg"]
@@ -115,6 +117,7 @@ def test_scaled_maps_per_map_is_faithfulness_scaling_and_shared_keeps_ratios() -
     assert torch.isfinite(pictures.scaled_maps(nan, (8, 8), MapScale.shared)[0]).all()
 
 
+@pytest.mark.slow
 def test_feature_grid_shows_the_most_active_channels_on_one_scale(
     tmp_path: Path, saved: list[tuple[Path, Any]]
 ) -> None:
@@ -137,6 +140,7 @@ def test_feature_grid_shows_the_most_active_channels_on_one_scale(
     assert "layer4" in title and "top 16 of 48 channels by mean activation" in title and "one colour scale" in title
 
 
+@pytest.mark.slow
 def test_patching_heatmap_over_dimmed_photo_with_class_name(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
     config = make_config(
         "experiment=patching_effnet", "data.image_size=32", f"layers.include={LAYERS}", "method.pictures=true",

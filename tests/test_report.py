@@ -94,6 +94,7 @@ def cam_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_report_true_writes_a_valid_page_of_the_run(cam_run: Path) -> None:
     page = cam_run / "report.html"
     assert page.is_file()  # written by the run itself (report=true)
@@ -180,6 +181,7 @@ def test_report_of_a_run_in_progress_says_so(tmp_path: Path) -> None:
     assert 'id="table-cam"' in source and "features.2" in text  # what is complete is shown
 
 
+@pytest.mark.slow
 def test_sweep_report_has_one_row_per_job(tmp_path: Path) -> None:
     done = run_cli(
         "-m", *NO_HOOKS, "data.count=2", "method.pictures=false", "method=gradcam,layercam", "method.target=predicted,topk",
@@ -244,6 +246,7 @@ def screenshot(page: Path, shot: Path, browser: str, profile: Path) -> None:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> None:
     """The page in a real browser: not blank, and nothing wider than the 1280 px window (no sideways scrolling:
     the right edge is the page's background)."""
@@ -265,6 +268,7 @@ def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> Non
     assert right is not None and len(right) == 1, "something is wider than the page"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
 def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """Each figure of plots.table_figures is in the page as a data URI (a PDF run's figures as PNG), captioned."""

@@ -48,6 +48,7 @@ def table(path: Path, name: str = "cam") -> pd.DataFrame:
     return frame.sort_values(list(frame.columns[:8])).reset_index(drop=True)
 
 
+@pytest.mark.slow
 def test_channels_last_gives_the_same_maps(tmp_path: Path) -> None:
     vgg = ["experiment=gradcam_vgg16", "debug=tiny", "model.weights=null"]
     app.run(make_config(*vgg), tmp_path / "a")
@@ -57,6 +58,7 @@ def test_channels_last_gives_the_same_maps(tmp_path: Path) -> None:
     assert ((a["cam_max"] - b["cam_max"]).abs() <= 1e-4 * a["cam_max"].abs().max()).all()
 
 
+@pytest.mark.slow
 def test_workers_give_the_same_rows(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path / "a")
     app.run(make_config(*TINY, "data.num_workers=2", "data.prefetch_factor=2"), tmp_path / "b")
@@ -64,6 +66,7 @@ def test_workers_give_the_same_rows(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(table(tmp_path / "a", "hooks"), table(tmp_path / "b", "hooks"))
 
 
+@pytest.mark.slow
 def test_out_of_memory_halves_the_batch(tmp_path: Path, simulate_oom, caplog) -> None:
     app.run(make_config(*TINY), tmp_path / "plain")
     simulate_oom()
