@@ -132,6 +132,7 @@ def effnet() -> nn.Module:
     return build_model(ModelConfig(name="efficientnet_lite0", weights="embedded")).model
 
 
+@pytest.mark.slow
 def test_agrees_with_a_plain_loop_on_efficientnet_lite0(effnet: nn.Module) -> None:
     to_input = T.Compose([T.Resize((64, 64)), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
     x = to_input(Image.fromarray(skimage.data.chelsea()))[None]  # (1, 3, 64, 64)

@@ -351,6 +351,7 @@ def test_add_noise_is_the_same_per_sample_at_batch_sizes_1_3_4() -> None:
         torch.testing.assert_close(model(x[8:12]), by_size[1][8:12], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_add_noise_rows_do_not_depend_on_batch_size_in_a_run(tmp_path: Path) -> None:
     tiny = [
         "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,5,5]",

@@ -230,11 +230,11 @@ def test_pair_with_another_photo(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_pair_with_unknown_sample() -> None:
+def test_pair_with_unknown_sample(tmp_path: Path) -> None:
     with pytest.raises(RunnerError, match="'coffe' is not a sample"):
         app.run(
             make_config("experiment=patching_effnet", "method.patching.corruption={kind: pair, pair_with: coffe}"),
-            "/tmp/unused-out",
+            tmp_path,
         )
 
 
@@ -489,6 +489,7 @@ def test_a_sample_paired_with_itself_among_others(tmp_path: Path) -> None:
         " data.image_size=64",
     ],
 )
+@pytest.mark.slow
 def test_runs_whose_every_restoration_is_nan_finish_with_a_table(tmp_path: Path, overrides: str) -> None:
     result = app.run(make_config(*overrides.split(), "method.pictures=true"), tmp_path)
     frame = pd.read_parquet(result.tables["patching"])

@@ -117,12 +117,14 @@ def test_report_true_writes_a_valid_page_of_the_run(cam_run: Path) -> None:
     assert len(pictures) <= MAX_PICTURES
 
 
+@pytest.mark.slow
 def test_layers_are_listed_in_model_order(cam_run: Path) -> None:
     source = (cam_run / "report.html").read_text()
     cam = source.split('id="table-cam"', 1)[1].split("<h2", 1)[0]
     assert cam.index("features.0</td>") < cam.index("features.2</td>")
 
 
+@pytest.mark.slow
 def test_report_of_a_patching_run(tmp_path: Path) -> None:
     app.run(make_config(*NO_HOOKS, "data.count=2", "method=patching", "method.patching.grid=[2,2]"), tmp_path)
     page = write_report(tmp_path, tmp_path / "elsewhere" / "page.html")
@@ -131,6 +133,7 @@ def test_report_of_a_patching_run(tmp_path: Path) -> None:
     assert "features.0" in text and "features.2" in text
 
 
+@pytest.mark.slow
 def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out(tmp_path: Path) -> None:
     """The summary and the figure both hold the best cell's restoration per pair (the table was the mean over
     cells, the figure the best cell's); a small_span pair is left out of both and counted; noising is the drop."""
@@ -163,6 +166,7 @@ def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out
     assert (summary_frame("patching", denoising)["effect:n"] == 3).all()
 
 
+@pytest.mark.slow
 def test_intervals_of_fewer_than_five_samples_are_grey_with_a_note(cam_run: Path) -> None:
     source, text = check_page(cam_run / "report.html")  # 4 samples
     assert '<small class="few">[' in source and "fewer than 5 samples" in text
