@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-gpu lint docs clean
+.PHONY: run test test-fast test-gpu lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,18 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(PY) -m runner $(ARGS)
 
+# The full suite (what CI runs), one pytest-xdist worker per CPU (tests/conftest.py gives each worker its share);
+# loadfile keeps each file on one worker, in order (README snippets read what earlier commands wrote) and
+# builds each module-scoped set-up once.
 test: $(VENV)/.installed
 	$(PY) -m ruff check runner tests scripts
 	$(PY) scripts/check_imports.py
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile $(ARGS)
+
+# The unit tier: no test marked slow (a process started, the CLI or a whole experiment run, over about a second);
+# a test that starts a process fails here (tests/conftest.py). Under two minutes on two cores.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow" $(ARGS)
 
 # The GPU path on a CUDA machine: tests/test_gpu.py (skipped without CUDA), CPU vs GPU on the real model.
 test-gpu: $(VENV)/.installed

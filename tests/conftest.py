@@ -29,6 +29,22 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
 
+def _share_cpus_among_xdist_workers() -> None:
+    """Under pytest-xdist (`-n N`), worker k runs on every Nth CPU from the k-th: N workers each computing with all
+    the CPUs (a run's `threads: null` is the affinity mask) would oversubscribe them N times over, and torch's
+    threads then wait on each other far longer than they compute. Subprocesses inherit the share."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, index, workers = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(count)
+    share = cpus[index::workers] if workers <= len(cpus) else [cpus[index % len(cpus)]]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+_share_cpus_among_xdist_workers()
+
+
 def committed_shards(run: Path) -> int:
     """The shards some manifest of `run` lists as complete: what a resume skips. Part files alone can run
     ahead of the manifest by a moment (they are renamed into place just before it is replaced)."""
@@ -189,3 +205,39 @@ def simulate_oom(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(GradCAM, "run_batch", small_batches_only)
 
     return apply
+
+
+# ---- the fast tier (`make test-fast`, -m "not slow") starts no process ------------------------------------------------
+# A test that starts one must be marked slow; here it fails in the fast tier instead of silently slowing it. Git is
+# allowed: every run records its commit (runner/provenance.py asks git, milliseconds).
+ALLOWED_IN_FAST_TIER = {"git"}
+
+
+def _deselects_slow(config: pytest.Config) -> bool:
+    return "not slow" in (config.getoption("markexpr") or "")
+
+
+def _refuse(what: str) -> None:
+    pytest.fail(f"{what} in the fast tier (-m 'not slow'): mark the test @pytest.mark.slow", pytrace=False)
+
+
+class _NoSubprocess(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs) -> None:  # noqa: ANN001
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = Path(os.fsdecode(argv[0]).split()[0]).name if argv else ""
+        if program not in ALLOWED_IN_FAST_TIER:
+            _refuse(f"this test started a subprocess ({' '.join(map(os.fsdecode, argv))[:200]})")
+        super().__init__(args, *rest, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _deselects_slow(request.config):
+        return
+    import multiprocessing.process
+
+    def no_worker(self: multiprocessing.process.BaseProcess) -> None:
+        _refuse(f"this test started a worker process ({type(self).__name__})")
+
+    monkeypatch.setattr(subprocess, "Popen", _NoSubprocess)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_worker)

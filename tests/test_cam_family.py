@@ -15,11 +15,12 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method, cam_methods, method_config
+from runner.methods import build_method, cam_methods, method_config
 from runner.methods.cam import CamContext
 from runner.options.method.eigencam import EigenCamConfig
 from runner.options.method.scorecam import ScoreCamConfig
-from runner.schema import Precision, TargetMode
+from runner.runtime import Runtime
+from runner.schema import Precision, ScoreCamWeights, TargetMode
 from tests.conftest import TinyNet, frozen, make_config
 
 CPU = Runtime(torch.device("cpu"), Precision.fp32)
@@ -157,6 +158,7 @@ def test_sanity_needs_layers_to_randomise() -> None:
         run_method(frozen(TinyNet()), torch.randn(1, 3, 8, 8), ["features.2"], name="sanity")
 
 
+@pytest.mark.slow
 def test_gradcam_beats_random_maps_on_the_embedded_model(tmp_path: Path) -> None:
     """Deletion AUC (lower is better) at the last conv layer, real weights and photos, vs. random maps."""
     config = make_config(
@@ -168,6 +170,7 @@ def test_gradcam_beats_random_maps_on_the_embedded_model(tmp_path: Path) -> None
     assert frame["deletion_auc"].between(0, 1).all() and frame["avg_drop"].between(0, 1).all()
 
 
+@pytest.mark.slow
 def test_pictures_are_written(tmp_path: Path) -> None:
     config = make_config("data.photos=[chelsea]", "data.image_size=64", "hooks=[]", "method.pictures=true",
                          "method.feature_grid_layer=_conv_head")  # fmt: skip
@@ -175,3 +178,69 @@ def test_pictures_are_written(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "pictures").iterdir())
     assert names == ["000000_chelsea_features__conv_head.png", "000000_chelsea_gradcam.png"]
     assert all((tmp_path / "pictures" / n).stat().st_size > 1000 for n in names)
+
+
+# ---- one batch at any position in the data set -----------------------------------------------------------------------
+def run_at(model: nn.Module, x: torch.Tensor, layers: list[str], first_index: int = 0, **cfg: object) -> dict:
+    """One batch whose first sample is sample `first_index` of the data set (tests.test_cam_family.run_method: 0)."""
+    method = build_method(method_config(**cfg), resolve_layers(model, layers), CPU)
+    batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{first_index + i}" for i in range(x.shape[0])], first_index)
+    with HookSession(model, []) as session:
+        method.setup(session, first_index + x.shape[0])
+        session.begin_batch(x.shape[0], 0)
+        return method.run_batch(model, batch, session).tables[getattr(method, "table", method.name)]
+
+
+# ---- sanity: a constant map has no rank correlation ------------------------------------------------------------------
+class ZeroHeadNet(TinyNet):
+    """TinyNet whose `fc`, when re-initialised, becomes all zeros: the randomised model's maps are all zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc.reset_parameters = lambda: (nn.init.zeros_(self.fc.weight), nn.init.zeros_(self.fc.bias))
+
+
+def test_sanity_flags_a_constant_map_with_nan() -> None:
+    torch.manual_seed(0)
+    model = frozen(ZeroHeadNet())
+    x = torch.randn(3, 3, 8, 8)
+    columns = run_at(model, x, ["features.2"], name="sanity", randomize=["fc"])
+    assert torch.isnan(columns["spearman"]).all()  # not a finite rho for an all-zero map
+    assert columns["degenerate"].all()
+    same = run_at(frozen(TinyNet()), x, ["features.2"], name="sanity", randomize=["features.3"])
+    assert not same["degenerate"].any() and torch.allclose(same["spearman"], torch.ones(3))
+
+
+# ---- Score-CAM: the paper's and pytorch-grad-cam's weights, masked inputs in chunks ----------------------------------
+def _scorecam(weights: ScoreCamWeights, act: torch.Tensor) -> torch.Tensor:
+    method = cam_methods()["scorecam"](ScoreCamConfig(score_chunk=2, scorecam_weights=weights), [], CPU)
+    return method.cam(act, None, CamContext(SumModel(), torch.ones(1, 1, 2, 2), torch.tensor([0]), CPU))[0]
+
+
+def test_scorecam_weights_paper_and_pytorch_grad_cam() -> None:
+    act = torch.tensor([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 0.0], [0.0, 2.0]], [[3.0, 3.0], [3.0, 3.0]]])[None]
+    # masks after min-max: channel 0 keeps 2 pixels (logit 2), channel 1 one (logit 1), channel 2 is constant
+    paper = torch.sigmoid(torch.tensor([2.0, 1.0]))  # probabilities; the constant channel weighs 0 (authors' code)
+    torch.testing.assert_close(
+        _scorecam(ScoreCamWeights.paper, act), torch.relu(paper[0] * act[0, 0] + paper[1] * act[0, 1])
+    )
+    # pytorch-grad-cam: softmax over channels of the logits; its constant channel's mask is 0 (logit 0)
+    w = torch.tensor([2.0, 1.0, 0.0]).softmax(dim=0)
+    got = _scorecam(ScoreCamWeights.pytorch_grad_cam, act)
+    torch.testing.assert_close(got, torch.relu(torch.einsum("c,chw->hw", w, act[0])), rtol=1e-5, atol=1e-6)
+    assert make_config("method=scorecam", "method.scorecam_weights=pytorch_grad_cam").method.scorecam_weights is (
+        ScoreCamWeights.pytorch_grad_cam
+    )
+
+
+def test_scorecam_masked_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
+    model = TinyNet().eval()
+    sizes: list[int] = []
+    model.register_forward_hook(lambda _m, inputs, _o: sizes.append(inputs[0].shape[0]))
+    act = torch.rand(1, 20, 7, 7)  # 20 channels: 20 masked inputs of 224 px
+    ctx = CamContext(model, torch.rand(1, 3, 224, 224), torch.tensor([0]), CPU)
+    for chunk, largest in ((None, 8), (3, 3)):
+        cam_methods()["scorecam"](ScoreCamConfig(score_chunk=chunk), [], CPU).cam(act, None, ctx)
+        assert max(sizes) == largest and sum(sizes) == 20
+        sizes.clear()
+    assert ScoreCamConfig(score_chunk=0).check() == ["method.score_chunk=0"]

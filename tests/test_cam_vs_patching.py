@@ -20,13 +20,14 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method
+from runner.methods import build_method
 from runner.methods.cam_vs_patching import agreement
 from runner.methods.patching import CorruptionConfig, CorruptionKind, PatchDirection, PatchingConfig
 from runner.methods.patching.corruption import NOISE_PURPOSE
 from runner.models import build_model
 from runner.options.method.cam_vs_patching import CamVsPatchingConfig
 from runner.randomness import per_sample_normal
+from runner.runtime import Runtime
 from runner.schema import ModelConfig, Precision
 from tests.conftest import TinyNet, frozen, make_config
 
@@ -133,6 +134,7 @@ def effnet() -> nn.Module:
     return build_model(ModelConfig(name="efficientnet_lite0", weights="embedded")).model
 
 
+@pytest.mark.slow
 def test_agrees_with_a_plain_loop_on_efficientnet_lite0(effnet: nn.Module) -> None:
     to_input = T.Compose([T.Resize((64, 64)), T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
     x = to_input(Image.fromarray(skimage.data.chelsea()))[None]  # (1, 3, 64, 64)

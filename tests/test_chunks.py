@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runner.chunks import chunked_forward, indices, spans, target_scores
-from runner.methods import Runtime
+from runner.runtime import Runtime
 from runner.schema import Precision
 from tests.conftest import TinyNet
 

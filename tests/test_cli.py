@@ -124,3 +124,64 @@ def test_multirun_sweep(tmp_path: Path) -> None:
     frames = [pd.read_parquet(tmp_path / str(i) / "cam.parquet") for i in (0, 1)]
     assert (frames[1]["target"] == 7).all()
     assert len(frames[0]) == len(frames[1]) == 13
+
+
+# ---- bad inputs: one clear message, exit 2 ---------------------------------------------------------------------------
+def assert_one_line(done: subprocess.CompletedProcess, out: Path, message: str) -> None:
+    assert_one_clear_error(done, out, message)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("[ERROR]")]
+    assert len(errors) == 1 and message in errors[0], done.stderr
+
+
+SYNTHETIC = ["data=synthetic", "data.count=2", "data.batch_size=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["device=meta"], "device=meta: use auto, cpu"),
+        ([*SYNTHETIC, "data.shape=[3,32]"], "one sample of an image model is [channels, height, width]"),
+        (["data.image_size=16"], "too small for the model's downsampling"),
+        ([*SYNTHETIC, "data.shape=[3,60000,60000]"], "43.2 GB per sample"),
+        (["hooks=[{kind: forward, action: clamp, min: 1, max: 0}]"], "min=1.0 is above max=0.0"),
+        (["hooks=[{kind: forward, action: add_noise, std: -1}]"], "std=-1.0"),
+        (["method.faithfulness.enabled=true", "method.faithfulness.steps=1000000"], "above the bound of 1000"),
+        (["data.photos=[]"], "data.photos is empty"),
+        (["data.photos=[chelseaa]"], "Photos shipped with scikit-image: astronaut"),
+        (["layers.exclude=[features.*]"], "Narrow layers.exclude"),
+        (
+            [
+                "model=resnet18",
+                "model.weights=null",
+                "layers.include=[layer4]",
+                "hooks=[{kind: backward, layers: [layer1.0.bn2]}]",
+            ],
+            "A `backward` hook on 'layer1.0.bn2' (BatchNorm2d) cannot run",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_inputs_give_one_clear_message(tmp_path: Path, overrides: list[str], message: str) -> None:
+    assert_one_line(run_cli(*SMALL_VGG, *overrides, f"hydra.run.dir={tmp_path}"), tmp_path, message)
+
+
+@pytest.mark.slow
+def test_sweep_that_stops_at_a_bad_job_names_the_jobs_not_run(tmp_path: Path) -> None:
+    done = run_cli(
+        "-m", *SMALL_VGG, "data.photos=[chelsea]", "method.target=fixed,predicted,label", f"hydra.sweep.dir={tmp_path}"
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("[ERROR]")]
+    assert len(errors) == 1
+    assert "job #0 (method.target=fixed) failed" in errors[0]
+    assert "2 job(s) not run: #1 (method.target=predicted), #2 (method.target=label)" in errors[0]
+    assert f"hydra.sweep.dir={tmp_path}" in errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["a: b: c", "@v2", "*best"])
+def test_override_values_that_are_not_plain_yaml_run(tmp_path: Path, name: str) -> None:
+    done = run_cli(*SMALL_VGG, "data.photos=[chelsea]", "layers.include=[features.28]", f"name={name}",
+               f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert set(pd.read_parquet(tmp_path / "cam.parquet")["sweep.name"]) == {name}

@@ -88,6 +88,7 @@ def test_help_names_the_groups_their_options_and_the_commands(capsys: pytest.Cap
     assert "Powered by Hydra" not in text and "== Config ==" not in text
 
 
+@pytest.mark.slow
 def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -> None:
     ours = subprocess.run([sys.executable, "-m", "runner", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ours.returncode == 0 and "Config groups" in ours.stdout
@@ -95,6 +96,7 @@ def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -
     assert hydras.returncode == 0 and "Hydra (" in hydras.stdout and "Config groups" not in hydras.stdout
 
 
+@pytest.mark.slow
 def test_console_entry_point_exists_and_runs() -> None:
     (entry,) = entry_points(group="console_scripts", name="runner")
     assert entry.value == "runner.commands.cli:main" and entry.load() is cli.main
@@ -103,12 +105,14 @@ def test_console_entry_point_exists_and_runs() -> None:
     assert done.returncode == 0 and "Config groups" in done.stdout
 
 
+@pytest.mark.slow
 def test_unknown_subcommand_like_word_is_a_hydra_override_error() -> None:
     done = run_cli("lss")  # not a subcommand: Hydra's own one-line error, exit 2 as before
     assert done.returncode == 2 and "lss" in done.stderr
 
 
 # ---- start-up without torch ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
     for argv in (["--help"], ["ls", str(tmp_path)]):
         done = probe(*argv, cache=tmp_path)
@@ -116,6 +120,7 @@ def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
         assert not torch_imported(done), argv
 
 
+@pytest.mark.slow
 def test_cfg_job_composes_against_the_real_schemas_without_torch(tmp_path: Path) -> None:
     args = ["--cfg", "job", "experiment=patching_effnet", "method.patching.top_k=3", "data.batch_size=3"]
     done = probe(*args, cache=tmp_path)
@@ -124,6 +129,7 @@ def test_cfg_job_composes_against_the_real_schemas_without_torch(tmp_path: Path)
     assert "    top_k: 3" in done.stdout and "batch_size: 3" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -150,6 +156,7 @@ def ls(root: Path) -> str:
     return ls_command.format_listing(listing.find(root))
 
 
+@pytest.mark.slow
 def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert run_cli(*TINY, f"hydra.run.dir={run}").returncode == 0
@@ -176,6 +183,7 @@ def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: P
     assert info.status == "complete" and info.tables == {"cam": 8, "hooks": 8}
 
 
+@pytest.mark.slow
 def test_ls_failed_damaged_and_running(tmp_path: Path) -> None:
     failed = tmp_path / "failed"
     assert run_cli(*TINY, "layers.include=[nowhere]", f"hydra.run.dir={failed}").returncode == 2
@@ -192,6 +200,7 @@ def test_ls_failed_damaged_and_running(tmp_path: Path) -> None:
         assert info.status == "running"
 
 
+@pytest.mark.slow
 def test_ls_a_sweep_lists_its_jobs_by_what_varies(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     assert run_cli("-m", *TINY, "seed=0,1", f"hydra.sweep.dir={sweep}").returncode == 0

@@ -81,6 +81,7 @@ def test_plus_cannot_smuggle_in_a_key_of_another_option() -> None:
         make_config("+method.patching.grid=[3,3]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -95,6 +96,7 @@ def test_cli_names_the_stray_key_in_one_line_and_exits_2(tmp_path: Path, overrid
     assert len(lines) == 1 and lines[0].startswith("[ERROR] Config error") and f"(key: {key})" in lines[0], done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["method", "data"])
 def test_every_option_composes_to_its_own_schema(group: str) -> None:
     from runner.options.registry import option_schemas

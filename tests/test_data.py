@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from runner.data.base import build_dataset
+from runner.data.base import build_dataset, make_loader
+from runner.data.images import pil_to_rgb
 from runner.errors import RunnerError
 from runner.options.data.image_folder import ImageFolderConfig
 from runner.options.data.skimage_photos import SkimagePhotosConfig
 from runner.options.data.synthetic import SyntheticConfig
+from tests.conftest import make_config
 
 
 def test_skimage_photos_are_real_images_with_labels() -> None:
@@ -247,6 +250,7 @@ print(resident_mb("VmHWM") - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resize", ["pad", "none"])
 def test_an_8000_px_jpeg_is_never_decoded_or_made_float_at_full_size(tmp_path: Path, resize: str) -> None:
     """Peak memory (the process's peak resident size) of checking and reading an 8000 x 8000 JPEG at 224 px: decoded
@@ -298,3 +302,94 @@ def test_torchvision_data_sets_read_photos_upright(tmp_path: Path, monkeypatch: 
     expected = standard_transform(20, ResizeMode.none)(upright_picture())
     assert x.shape == expected.shape == (3, 20, 30)  # sideways it would be 30 x 20
     assert float((x - expected).abs().mean()) < 0.05  # JPEG only
+
+
+# ---- resize=none keeps the aspect ratio, resize=pad letterboxes, crop cuts -------------------------------------------
+def _composite(path: Path, width: int = 448, height: int = 224) -> None:
+    """A two-colour photo: red left half, blue right half (a cat left, an espresso right, in miniature)."""
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[:, : width // 2, 0] = 255
+    pixels[:, width // 2 :, 2] = 255
+    Image.fromarray(pixels).save(path)
+
+
+def _folder(tmp_path: Path, resize: str, size: int = 64):
+    _composite(tmp_path / "wide.png")
+    _composite(tmp_path / "square.png", 224, 224)
+    config = make_config(
+        "data=image_folder", f"data.root={tmp_path}", f"data.image_size={size}", f"data.resize={resize}"
+    )
+    return config.data, build_dataset(config.data, None, 0)
+
+
+def test_resize_none_keeps_the_aspect_ratio_and_pads_the_batch(tmp_path: Path) -> None:
+    data, dataset = _folder(tmp_path, "none")
+    ids = [dataset[i][2] for i in range(len(dataset))]
+    wide = dataset[ids.index("wide.png")][0]
+    assert tuple(wide.shape) == (3, 64, 128)  # 448x224 -> short side 64, long side 128: nothing cut or squashed
+    # Both halves are there: red on the left half, blue on the right half (in normalised units, red > 0 on the left).
+    assert float(wide[0, :, :60].mean()) > 1.5 and float(wide[2, :, 68:].mean()) > 1.5
+    x, _, batch_ids = next(iter(make_loader(dataset, data, torch.device("cpu"))))
+    assert tuple(x.shape) == (2, 3, 64, 128)  # a batch is padded to its largest image
+    square = x[batch_ids.index("square.png")]  # (3, 64, 128)
+    assert torch.equal(square[:, :, 64:], torch.zeros(3, 64, 64))  # padded at the right with 0 (the mean colour)
+    assert float(square[:, :, :64].abs().mean()) > 0.5
+
+
+def test_resize_pad_letterboxes(tmp_path: Path) -> None:
+    _, dataset = _folder(tmp_path, "pad")
+    ids = [dataset[i][2] for i in range(len(dataset))]
+    wide = dataset[ids.index("wide.png")][0]
+    assert tuple(wide.shape) == (3, 64, 64)
+    assert torch.equal(wide[:, :16], torch.zeros(3, 16, 64)) and torch.equal(wide[:, 48:], torch.zeros(3, 16, 64))
+    content = wide[:, 16:48]  # (3, 32, 64): the whole photo at half size, aspect kept
+    assert float(content[0, :, :30].mean()) > 1.5 and float(content[2, :, 34:].mean()) > 1.5
+
+
+def test_crop_loses_the_ends_and_the_log_says_how_images_were_resized(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="runner.data"):
+        _, dataset = _folder(tmp_path, "crop")
+    assert "centre crop 64x64" in caplog.text and "cut off" in caplog.text
+    ids = [dataset[i][2] for i in range(len(dataset))]
+    wide = dataset[ids.index("wide.png")][0]
+    assert tuple(wide.shape) == (3, 64, 64)
+    with caplog.at_level(logging.INFO, logger="runner.data"):
+        _folder(tmp_path, "pad")
+    assert "letterboxed to 64x64" in caplog.text
+
+
+def test_image_folder_default_keeps_the_whole_photo() -> None:
+    assert make_config("data=image_folder", "data.root=/x").data.resize.value == "pad"
+
+
+# ---- 16-bit images are scaled, not clipped ---------------------------------------------------------------------------
+def test_16_bit_png_matches_its_8_bit_copy(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    eight = rng.integers(0, 256, (40, 48), dtype=np.uint8)
+    Image.fromarray(eight).save(tmp_path / "a8.png")
+    Image.fromarray(eight.astype(np.uint16) * 257).save(tmp_path / "b16.png")  # the same picture in 16 bits
+    with Image.open(tmp_path / "b16.png") as im:
+        assert im.mode.startswith("I")  # PIL opens it as a 16-bit grey image
+        rgb = np.asarray(pil_to_rgb(im))
+    assert np.array_equal(rgb[..., 0], eight)
+    config = make_config("data=image_folder", f"data.root={tmp_path}", "data.image_size=32", "data.resize=square")
+    dataset = build_dataset(config.data, None, 0)
+    tensors = {dataset[i][2]: dataset[i][0] for i in range(2)}
+    # Means in 0-1 pixel units (undoing the normalisation's std) agree within 1/255.
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    gap = ((tensors["b16.png"] - tensors["a8.png"]) * std).mean(dim=(1, 2)).abs().max()
+    assert float(gap) <= 1 / 255
+
+
+def test_16_bit_dark_image_is_not_taken_for_8_bit() -> None:
+    dark = np.full((4, 4), 200, dtype=np.uint16)  # 200 of 65535: nearly black, not 200 of 255
+    with Image.fromarray(dark) as im:
+        assert int(np.asarray(pil_to_rgb(im)).max()) == 1
+
+
+# ---- a folder of unreadable images -----------------------------------------------------------------------------------
+def test_every_image_unreadable_says_which_and_how_to_fix(tmp_path: Path) -> None:
+    for name in ("a.png", "b.jpg"):
+        (tmp_path / name).write_bytes(b"not an image")
+    with pytest.raises(RunnerError, match=r"Every image in .* \(2 file\(s\): a.png, b.jpg\).*point data.root"):
+        build_dataset(make_config("data=image_folder", f"data.root={tmp_path}").data, None, 0)

@@ -53,6 +53,7 @@ def loaders(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
 
 
 # ---- 1. one DataLoader per run ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_loader_serves_every_shard(tmp_path: Path, loaders: list[list[int]]) -> None:
     app.run(make_config(*TINY, "output.shard_batches=1"), tmp_path / "shards")  # 4 shards of 1 batch
     assert loaders == [list(range(7))]
@@ -203,6 +204,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / (t.
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="ru_maxrss in KiB: Linux")
 def test_stats_add_far_less_memory_than_the_tensor() -> None:
     """A fresh process's peak resident memory: a float64 copy of the tensor would add 2x its size, bounded

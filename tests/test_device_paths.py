@@ -15,13 +15,27 @@ import torch
 import torchvision
 from torch import nn
 
+from runner.data.base import Batch
+from runner.hooks import HookSession
+from runner.layers import resolve_layers
+from runner.methods import build_method
 from runner.methods.cam import CamContext
 from runner.methods.eigencam import EigenCAM, first_right_singular_vector
 from runner.methods.patching import enumerate_units
+from runner.methods.patching import method as patching_method
 from runner.methods.patching.rows import PATCHING_SCHEMA, Site, unit_columns
 from runner.methods.patching.units import Units
 from runner.options.method.eigencam import EigenCamConfig
-from runner.options.method.patching import PatchDirection, PatchMetric, PatchMode, PatchUnit
+from runner.options.method.patching import (
+    PatchDirection,
+    PatchingConfig,
+    PatchingMethodConfig,
+    PatchMetric,
+    PatchMode,
+    PatchUnit,
+)
+from runner.runtime import Runtime
+from runner.schema import Precision
 from tests.conftest import frozen
 from tests.test_gpu import counted_syncs
 from tests.test_patching import CPU, patch
@@ -209,6 +223,7 @@ def test_eigencam_equals_the_full_svd_on_efficientnet(effnet: nn.Module, photos:
         assert_same_map(eigencam(acts[layer].float()), old_eigencam(acts[layer].float()))
 
 
+@pytest.mark.slow
 def test_eigencam_equals_the_full_svd_and_pytorch_grad_cam_on_vgg16(vgg16: nn.Module) -> None:
     """VGG16 (random init), 64 px: features.5 is 32x32 with 128 channels, .21 8x8 with 512, .28 4x4 with 512."""
     pytest.importorskip("pytorch_grad_cam", reason="the dev extra installs grad-cam")
@@ -253,3 +268,46 @@ def test_sync_counter_counts_only_sync_warnings_and_passes_the_others_on() -> No
             torch.ones(2, device="cuda").sum().item()
         assert len(syncs) == 1
         assert torch.cuda.get_sync_debug_mode() == 0
+
+
+# ---- attribution_topk rows on the inputs' device ---------------------------------------------------------------------
+class DeviceUnlessTold:
+    """Stands in for `torch` in a module under test: a tensor made without a device lands on `meta`, so any tensor
+    that would stay on the CPU beside CUDA rows shows up on a CPU-only machine."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        kwargs["device"] = kwargs.get("device") or "meta"
+        return torch.tensor(*args, **kwargs)
+
+    @staticmethod
+    def full(*args: object, **kwargs: object) -> torch.Tensor:
+        kwargs["device"] = kwargs.get("device") or "meta"
+        return torch.full(*args, **kwargs)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])  # 1: rho undefined (a NaN tensor); 3: Spearman's rho
+def test_attribution_topk_rows_stay_on_the_inputs_device(
+    tiny: nn.Module, monkeypatch: pytest.MonkeyPatch, top_k: int
+) -> None:
+    """rank_correlation was made on the CPU (torch.tensor(nan), torch.full without a device) and concatenated with
+    the CUDA rows: "Expected all tensors to be on the same device" on every GPU run of attribution_topk."""
+    monkeypatch.setattr(patching_method, "torch", DeviceUnlessTold())
+    cfg = PatchingMethodConfig(patching=PatchingConfig(units=PatchUnit.cell, grid=[2, 2], mode=PatchMode.attribution_topk, top_k=top_k))  # fmt: skip
+    layers = resolve_layers(tiny, ["features.2"])
+    method = build_method(cfg, layers, Runtime(torch.device("cpu"), Precision.fp32))
+    x = torch.randn(2, 3, 8, 8)  # (2, 3, 8, 8)
+    batch = Batch(x, torch.full((2,), -1), ["s0", "s1"], 0)
+    with HookSession(tiny, []) as session:
+        method.setup(session, 2)
+        session.begin_batch(2, 0)
+        columns = method.run_batch(tiny, batch, session).tables["patching"]
+    tensors = {key: value for key, value in columns.items() if torch.is_tensor(value)}
+    assert {key: value.device.type for key, value in tensors.items()} == {key: "cpu" for key in tensors}
+    kinds = columns["patch_method"]
+    assert kinds.count("attribution") == 2 * 4 and kinds.count("exact") == 2 * top_k
+    exact_rho = columns["rank_correlation"][[k == "exact" for k in kinds]]
+    assert exact_rho.isnan().all() if top_k == 1 else exact_rho.isfinite().all()

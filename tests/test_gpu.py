@@ -237,6 +237,7 @@ def test_real_out_of_memory_halves_the_batch_and_gives_the_same_table(
         assert _relative(np.asarray(a), np.asarray(b)) < PARITY  # batch 4 and batch 8 may pick other kernels
 
 
+@pytest.mark.slow
 def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> None:
     env = {
         **os.environ,
@@ -317,7 +318,8 @@ def _syncs_per_batch(
     from runner.data.base import Batch
     from runner.hooks import HookSession
     from runner.layers import resolve_layers
-    from runner.methods import Runtime, build_method
+    from runner.methods import build_method
+    from runner.runtime import Runtime
     from runner.schema import Precision
 
     method = build_method(cfg, resolve_layers(model, layers), Runtime(torch.device("cuda"), Precision.fp32))

@@ -11,7 +11,8 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method, method_config_class
+from runner.methods import build_method, method_config_class
+from runner.runtime import Runtime
 from runner.schema import Precision, TargetMode
 
 CPU = Runtime(torch.device("cpu"), Precision.fp32)

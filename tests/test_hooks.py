@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
+from runner import app
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession, InplaceOff, TensorSaver, count_hooks
 from runner.layers import resolve_layers
 from runner.schema import HookAction, HookKind, HookSpec
 from runner.stats import STAT_NAMES, per_sample_stats
-from tests.conftest import SharedActivation, frozen
+from tests.conftest import SharedActivation, frozen, make_config
 
 
 def bind(model: nn.Module, *specs: tuple[HookSpec, list[str]]) -> list[BoundHook]:
@@ -354,3 +358,41 @@ def test_reinitialise_is_a_reversible_edit_the_session_owns() -> None:
         session.reinitialise([model[3]], seed=3)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # closed: restored
     assert session._handles == []
+
+
+# ---- add_noise: noise keyed per sample, not per batch ----------------------------------------------------------------
+def test_add_noise_is_the_same_per_sample_at_batch_sizes_1_3_4() -> None:
+    model = frozen(nn.Sequential(nn.Identity()))
+    x = torch.zeros(12, 5)  # 12 samples; the output is exactly the noise
+    spec = HookSpec(kind=HookKind.forward, action=HookAction.add_noise, std=1.0, seed=3)
+    by_size = {}
+    for size in (1, 3, 4):
+        outs = []
+        with HookSession(model, [BoundHook(spec, resolve_layers(model, ["0"]))]) as session:
+            for first in range(0, 12, size):
+                session.begin_batch(size, first)
+                outs.append(model(x[first : first + size]))
+        by_size[size] = torch.cat(outs)  # (12, 5)
+    torch.testing.assert_close(by_size[1], by_size[3], rtol=0, atol=0)
+    torch.testing.assert_close(by_size[1], by_size[4], rtol=0, atol=0)
+    assert len({tuple(r.tolist()) for r in by_size[1]}) == 12  # each sample has its own noise
+    # A resumed run starts at a later batch with a fresh session: sample 8 gets the same noise.
+    with HookSession(model, [BoundHook(spec, resolve_layers(model, ["0"]))]) as session:
+        session.begin_batch(4, 8)
+        torch.testing.assert_close(model(x[8:12]), by_size[1][8:12], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_add_noise_rows_do_not_depend_on_batch_size_in_a_run(tmp_path: Path) -> None:
+    tiny = [
+        "model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,5,5]",
+        "data.count=6", "data.num_classes=5", "method=record", "output.shard_batches=1", "layers.include=[features.0]",
+        "hooks=[{kind: forward, action: add_noise, std: 0.5, layers: [features.0]}, {kind: forward, layers: [features.0]}]",
+    ]  # fmt: skip
+    tables = {}
+    for size in (1, 4):
+        result = app.run(make_config(*tiny, f"data.batch_size={size}"), tmp_path / str(size))
+        frame = pd.read_parquet(result.tables["hooks"]).sort_values(["sample", "role"])
+        tables[size] = frame[["sample", "mean", "std", "min", "max"]].reset_index(drop=True)
+    # (5x5 inputs: 150 values a sample, a size at which torch's old one-generator draws differed by batch size)
+    pd.testing.assert_frame_equal(tables[1], tables[4])

@@ -45,6 +45,7 @@ def test_tinynet_table_in_model_order_with_shapes_calls_cam_and_selection() -> N
     assert table.attrs["input_shape"] == [3, 32, 32] and table.attrs["selection_error"] is None
 
 
+@pytest.mark.slow
 def test_embedded_effnet_table_at_64px() -> None:
     table = layer_table(make_config(*EFFNET, "layers.include=[_blocks.15,_conv_head]"))
     row = table.set_index("layer")
@@ -132,6 +133,7 @@ def test_hook_layers_never_called_fail_too(tmp_path: Path) -> None:
         app.run(config, tmp_path / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_data")
 def test_glob_matching_nothing_suggests_before_data_loads(tmp_path: Path) -> None:
     with pytest.raises(RunnerError, match=r"'layer4\.\*' matches no module\. Modules at the top level: .*_blocks\.\*"):
@@ -174,6 +176,7 @@ def test_tables_carry_layer_index_in_model_order(tmp_path: Path) -> None:
     assert order["features.2"] == 3 and order["features.10"] == 11  # named_modules order, `features` itself is 0
 
 
+@pytest.mark.slow
 def test_load_gives_layer_as_an_ordered_categorical_in_model_order_across_runs(tmp_path: Path) -> None:
     """Two runs (as two sweep jobs) with different layer sets: one table, the union of layers in model order."""
     import pandas as pd
@@ -239,6 +242,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
 
 
 # ---- layers.include=auto: a few evenly spaced blocks with spatial outputs, per model ---------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("build", "size", "chosen"),
     [
@@ -269,6 +273,7 @@ def test_auto_on_tokens_and_a_model_without_blocks(tiny: nn.Module) -> None:
     assert auto_layers(tiny, torch.zeros(3, 8, 8)) == ["features.0", "features.2"]  # its Conv2d layers
 
 
+@pytest.mark.slow
 def test_auto_in_runner_layers_and_in_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`auto` alone or beside other selectors, in layers.include and in a hook's layers; the choice is logged."""
     assert main([*TINY, "layers.include=auto"]) == 0

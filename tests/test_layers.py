@@ -53,6 +53,7 @@ def test_exclusions_removing_everything_fail(vgg16: nn.Module) -> None:
 
 
 # ---- own models first: an experiment's layers and hooks belong to the model it names ---------------------------------
+@pytest.mark.slow
 def test_another_model_inherits_neither_the_experiments_layers_nor_its_hooks() -> None:
     from tests.conftest import make_config
 
@@ -95,6 +96,7 @@ def test_selector_errors_name_the_config_entry(vgg16: nn.Module) -> None:
         resolve_layers(vgg16, ["auto"], where="method.randomize")
 
 
+@pytest.mark.slow
 def test_a_run_names_the_entry_of_a_layer_it_cannot_find(tmp_path) -> None:  # noqa: ANN001
     """The sanity experiment's `method.randomize` names EfficientNet modules: on VGG16 the error says so."""
     import runner.app as app

@@ -52,6 +52,7 @@ def inputs_for(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) ->
 
 
 # ---- item 1: the table -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_evaluation_table_rows_columns_and_join(tmp_path: Path) -> None:
     result = app.run(make_config(*TINY_RUN, "method.evaluation.metrics=[sparseness,complexity]"), tmp_path / "out")
     evaluation = pd.read_parquet(result.tables["evaluation"])
@@ -71,6 +72,7 @@ def test_evaluation_table_rows_columns_and_join(tmp_path: Path) -> None:
     assert evaluation["random_value"].notna().all() and (evaluation["random_value"] != evaluation["value"]).any()
 
 
+@pytest.mark.slow
 def test_no_metrics_no_table(tmp_path: Path) -> None:
     result = app.run(make_config(*TINY_RUN), tmp_path / "out")
     assert "evaluation" not in result.tables and "cam" in result.tables
@@ -249,6 +251,7 @@ def test_region_perturbation_matches_quantus(effnet: torch.nn.Module, photos: to
 
 
 # ---- degenerate maps: NaN and flagged ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_constant_layer_map_is_nan_and_flagged_in_the_evaluation_table(tmp_path: Path) -> None:
     """TinyNet's `pool` outputs 1x1: its map is constant at its own resolution. Every metric of it is NaN and its
     rows are flagged as in the cam table; so is its 1x1 random map's; the conv's maps stay measurements."""

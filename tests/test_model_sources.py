@@ -141,6 +141,7 @@ def hf_convnext(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_hf_folder_builds_a_logits_model_with_preprocessing_and_id2label(hf_convnext: Path, hub_cache: Path) -> None:
     from PIL import Image
 

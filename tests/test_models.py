@@ -145,6 +145,7 @@ def test_malicious_checkpoint_is_one_line_without_warnings_or_advice(tmp_path: P
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_malicious_checkpoint_exits_2_with_one_line(tmp_path: Path) -> None:
     import pickle
 

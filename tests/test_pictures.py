@@ -64,6 +64,7 @@ def cam_run(tmp_path: Path, *overrides: str) -> pd.DataFrame:
     return pd.read_parquet(app.run(config, tmp_path).tables["cam"])
 
 
+@pytest.mark.slow
 def test_overlay_is_wrapped_labelled_in_model_order_with_class_name(
     tmp_path: Path, saved: list[tuple[Path, Any]]
 ) -> None:
@@ -90,6 +91,7 @@ def test_overlay_is_wrapped_labelled_in_model_order_with_class_name(
     assert all(im.get_cmap().name == figure_style.SEQUENTIAL_CMAP for ax in panels(fig)[1:] for im in ax.images[1:])
 
 
+@pytest.mark.slow
 def test_shared_scale_is_said_and_svg_is_written(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
     cam_run(tmp_path, "figures.map_scale=shared", "figures.format=svg")
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == ["000000_chelsea_gradcam.svg"]
@@ -116,6 +118,7 @@ def test_scaled_maps_per_map_is_faithfulness_scaling_and_shared_keeps_ratios() -
     assert torch.isfinite(pictures.scaled_maps(nan, (8, 8), MapScale.shared)[0]).all()
 
 
+@pytest.mark.slow
 def test_feature_grid_shows_the_most_active_channels_on_one_scale(
     tmp_path: Path, saved: list[tuple[Path, Any]]
 ) -> None:
@@ -138,6 +141,7 @@ def test_feature_grid_shows_the_most_active_channels_on_one_scale(
     assert "layer4" in title and "top 16 of 48 channels by mean activation" in title and "one colour scale" in title
 
 
+@pytest.mark.slow
 def test_patching_heatmap_over_dimmed_photo_with_class_name(tmp_path: Path, saved: list[tuple[Path, Any]]) -> None:
     config = make_config(
         "experiment=patching_effnet", "data.image_size=32", f"layers.include={LAYERS}", "method.pictures=true",
@@ -187,3 +191,16 @@ def test_noising_heatmap_draws_the_drop(tmp_path: Path, saved: list[tuple[Path, 
     np.testing.assert_allclose(shown, 1 - frame["restoration"].to_numpy(), rtol=0, atol=1e-5)
     bar = next(a for a in fig.axes if a.get_label() == "<colorbar>")
     assert bar.get_ylabel() == "drop (1 - restoration)"
+
+
+# ---- a patching heatmap of all-NaN restorations is still drawn -------------------------------------------------------
+def test_heatmap_of_all_nan_restorations_is_written(tmp_path: Path) -> None:
+    batch = Batch(torch.zeros(1, 3, 8, 8), torch.tensor([-1]), ["cat"], 0)
+    columns = {
+        "restoration": torch.full((4,), float("nan")),
+        "sample_index": torch.zeros(4, dtype=torch.long),
+        "patch_method": ["exact"] * 4, "direction": ["denoising"] * 4, "layer": ["l"] * 4,
+        "grid_h": [2] * 4, "grid_w": [2] * 4, "y": [0, 0, 1, 1], "x": [0, 1, 0, 1], "corrupted_id": ["cat"] * 4,
+    }  # fmt: skip
+    pictures.write_patching_heatmaps(tmp_path, batch, columns, limit=4)
+    assert (tmp_path / "000000_cat_patching_denoising.png").stat().st_size > 0

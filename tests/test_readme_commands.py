@@ -559,6 +559,8 @@ RUN = [s for s in SNIPPETS if s.key not in NOT_RUN]
 
 
 @pytest.mark.slow
+# A snippet reads what an earlier command wrote in the module's workspace (the Python after a run reads its folder):
+# under pytest-xdist the cases must stay on one worker, in README order (`make test` passes --dist loadfile).
 @pytest.mark.parametrize("snippet", RUN, ids=[s.where for s in RUN])
 def test_readme_command_runs_as_written(snippet: Snippet, workspace: Workspace) -> None:
     if snippet.kind == "python":

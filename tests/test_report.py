@@ -94,6 +94,7 @@ def cam_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_report_true_writes_a_valid_page_of_the_run(cam_run: Path) -> None:
     page = cam_run / "report.html"
     assert page.is_file()  # written by the run itself (report=true)
@@ -116,12 +117,14 @@ def test_report_true_writes_a_valid_page_of_the_run(cam_run: Path) -> None:
     assert len(pictures) <= MAX_PICTURES
 
 
+@pytest.mark.slow
 def test_layers_are_listed_in_model_order(cam_run: Path) -> None:
     source = (cam_run / "report.html").read_text()
     cam = source.split('id="table-cam"', 1)[1].split("<h2", 1)[0]
     assert cam.index("features.0</td>") < cam.index("features.2</td>")
 
 
+@pytest.mark.slow
 def test_report_of_a_patching_run(tmp_path: Path) -> None:
     app.run(make_config(*NO_HOOKS, "data.count=2", "method=patching", "method.patching.grid=[2,2]"), tmp_path)
     page = write_report(tmp_path, tmp_path / "elsewhere" / "page.html")
@@ -130,6 +133,7 @@ def test_report_of_a_patching_run(tmp_path: Path) -> None:
     assert "features.0" in text and "features.2" in text
 
 
+@pytest.mark.slow
 def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out(tmp_path: Path) -> None:
     """The summary and the figure both hold the best cell's restoration per pair (the table was the mean over
     cells, the figure the best cell's); a small_span pair is left out of both and counted; noising is the drop."""
@@ -162,6 +166,7 @@ def test_patching_table_and_figure_show_one_statistic_and_count_what_is_left_out
     assert (summary_frame("patching", denoising)["effect:n"] == 3).all()
 
 
+@pytest.mark.slow
 def test_intervals_of_fewer_than_five_samples_are_grey_with_a_note(cam_run: Path) -> None:
     source, text = check_page(cam_run / "report.html")  # 4 samples
     assert '<small class="few">[' in source and "fewer than 5 samples" in text
@@ -180,6 +185,7 @@ def test_report_of_a_run_in_progress_says_so(tmp_path: Path) -> None:
     assert 'id="table-cam"' in source and "features.2" in text  # what is complete is shown
 
 
+@pytest.mark.slow
 def test_sweep_report_has_one_row_per_job(tmp_path: Path) -> None:
     done = run_cli(
         "-m", *NO_HOOKS, "data.count=2", "method.pictures=false", "method=gradcam,layercam", "method.target=predicted,topk",
@@ -244,6 +250,7 @@ def screenshot(page: Path, shot: Path, browser: str, profile: Path) -> None:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> None:
     """The page in a real browser: not blank, and nothing wider than the 1280 px window (no sideways scrolling:
     the right edge is the page's background)."""
@@ -265,6 +272,7 @@ def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> Non
     assert right is not None and len(right) == 1, "something is wider than the page"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["png", "svg", "pdf"])
 def test_figures_are_embedded_with_their_captions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """Each figure of plots.table_figures is in the page as a data URI (a PDF run's figures as PNG), captioned."""

@@ -104,6 +104,7 @@ def one_line_error(stderr: str, message: str) -> None:
 
 
 # ---- one writer per output folder ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_writer_is_refused_in_process(tmp_path: Path) -> None:
     holder = DirectoryLock(tmp_path)
     holder.acquire()
@@ -140,6 +141,7 @@ def test_two_writers_on_one_folder_second_refused_first_intact(tmp_path: Path) -
 
 
 # ---- the manifest checked against its files ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_missing_and_truncated_shards_run_again_on_resume(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path)
     whole = {t: comparable(load(tmp_path, t)) for t in ("cam", "hooks")}
@@ -160,6 +162,7 @@ def test_missing_and_truncated_shards_run_again_on_resume(tmp_path: Path) -> Non
     assert pd.read_parquet(tmp_path / "cam.parquet")["run_id"].nunique() == 2  # shards 1 and 3 are new
 
 
+@pytest.mark.slow
 def test_every_shard_deleted_runs_everything_again(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path)
     whole = comparable(load(tmp_path, "cam"))
@@ -169,6 +172,7 @@ def test_every_shard_deleted_runs_everything_again(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(comparable(load(tmp_path, "cam")), whole)
 
 
+@pytest.mark.slow
 def test_a_shard_with_other_row_count_runs_again(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path)
     whole = comparable(load(tmp_path, "cam"))
@@ -196,6 +200,7 @@ def test_load_refuses_an_unfinished_run_unless_partial(tmp_path: Path) -> None:
         assert len(load(tmp_path, "cam", partial=True)) == 5 * 2 * 2
 
 
+@pytest.mark.slow
 def test_load_returns_the_methods_main_table_beside_the_hooks_table(tmp_path: Path) -> None:
     import json
 
@@ -214,6 +219,7 @@ def test_load_returns_the_methods_main_table_beside_the_hooks_table(tmp_path: Pa
         load(tmp_path)
 
 
+@pytest.mark.slow
 def test_load_of_a_sweep_with_a_failed_and_an_unstarted_job_raises_naming_them(tmp_path: Path) -> None:
     import shutil
 
@@ -261,6 +267,7 @@ def test_parts_no_manifest_lists_are_not_read_and_are_replaced_on_resume(tmp_pat
     assert committed_shards(tmp_path) == 6
 
 
+@pytest.mark.slow
 def test_a_manifest_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path)
     (tmp_path / "manifest.json").write_text('{"shards": {"0": ')
@@ -295,6 +302,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [c for _, c in MALFORMED_MANIFESTS], ids=[n for n, _ in MALFORMED_MANIFESTS])
 def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
     content: bytes, finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -331,6 +339,7 @@ def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
     assert "Traceback" not in err and err.count("\n") == 1 and "not a readable runner manifest" in err
 
 
+@pytest.mark.slow
 def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run: Path, tmp_path: Path) -> None:
     import shlex
     import shutil
@@ -421,6 +430,7 @@ def test_kill_9_then_resume_with_a_noise_hook_equals_uninterrupted(tmp_path: Pat
 
 
 # ---- sidecar tensors after an OOM split --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, simulate_oom) -> None:
     from safetensors.torch import load_file
 
@@ -437,6 +447,7 @@ def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, simulat
 
 
 # ---- the resume key -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     checkpoint = tmp_path / "weights.pt"
     torch.manual_seed(1)
@@ -454,6 +465,7 @@ def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     assert "model.checkpoint (contents)" in str(refused.value)  # both differences named
 
 
+@pytest.mark.slow
 def test_changed_image_folder_is_not_resumed(tmp_path: Path) -> None:
     images = tmp_path / "images"
     images.mkdir()
@@ -469,6 +481,7 @@ def test_changed_image_folder_is_not_resumed(tmp_path: Path) -> None:
         app.run(make_config(*config), tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["masks.json", "0.mask.png"])
 def test_changed_mask_side_file_is_not_resumed(tmp_path: Path, side: str) -> None:
     """A localisation mask edited in place (same size, same modification time) between a run and its resume."""
@@ -511,6 +524,7 @@ def test_swept_columns_typed_as_the_run_used_them(override: str, column: str, va
 
 
 # ---- write failures ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_disk_full_is_one_clear_error_and_a_rerun_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
     original = pq.ParquetWriter.write_table
@@ -545,6 +559,7 @@ def test_sidecar_disk_full_is_one_clear_error(tmp_path: Path, monkeypatch: pytes
     assert not temporaries(tmp_path)
 
 
+@pytest.mark.slow
 def test_run_dir_that_is_a_file_or_read_only_is_one_clear_error(tmp_path: Path) -> None:
     file = tmp_path / "file"
     file.write_text("")

@@ -49,6 +49,7 @@ def without_run_id(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+@pytest.mark.slow
 def test_nan_and_inf_are_flagged(tmp_path: Path) -> None:
     config = make_config(
         *TINY[:-1],
@@ -62,6 +63,7 @@ def test_nan_and_inf_are_flagged(tmp_path: Path) -> None:
     assert not clean["nonfinite"].any()
 
 
+@pytest.mark.slow
 def test_same_config_same_tables(tmp_path: Path) -> None:
     config = [*TINY, "method.faithfulness.enabled=true", "method.faithfulness.steps=4",
               "hooks=[{kind: forward, action: add_noise, std: 0.1, layers: [features.0]}, {kind: backward, layers: [fc]}]"]  # fmt: skip
@@ -170,6 +172,7 @@ OVERRIDES = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=OVERRIDES)
 def test_fuzzed_overrides_run_or_fail_clearly(tmp_path_factory: pytest.TempPathFactory, overrides: dict) -> None:

@@ -19,6 +19,7 @@ from runner.hooks import count_hooks
 from runner.results import read_metadata
 from runner.schema import available_cpus
 from tests.conftest import TinyNet, make_config
+from tests.test_cli import SMALL_VGG
 
 VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ def built_models(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
+@pytest.mark.slow
 def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_models: list) -> None:
     result = app.run(make_config("experiment=gradcam_vgg16", *VGG_OFFLINE), tmp_path)
     frame = pd.read_parquet(result.tables["cam"])
@@ -74,6 +76,7 @@ def test_gradcam_vgg16_one_row_per_sample_and_conv_layer(tmp_path: Path, built_m
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_hooks_vgg16_rows_for_all_four_kinds(tmp_path: Path, built_models: list) -> None:
     result = app.run(make_config("experiment=hooks_vgg16", *VGG_OFFLINE), tmp_path)
     frame = pd.read_parquet(tmp_path / "hooks.parquet")
@@ -88,6 +91,7 @@ def test_hooks_vgg16_rows_for_all_four_kinds(tmp_path: Path, built_models: list)
     assert relus and all(m.inplace for m in relus)  # turned off for the backward hooks, then restored
 
 
+@pytest.mark.slow
 def test_default_experiment_on_the_embedded_model(tmp_path: Path) -> None:
     """The real default: pretrained EfficientNet-Lite0, real photos, four hook kinds, Grad-CAM."""
     result = app.run(make_config("data.photos=[chelsea,coffee]"), tmp_path)
@@ -110,6 +114,7 @@ def test_hook_check_passes_on_the_embedded_model(tmp_path: Path) -> None:
     assert frame["layer"].nunique() == 1 + 16 + 16 + 1 + 1
 
 
+@pytest.mark.slow
 def test_bf16_is_close_to_fp32(tmp_path: Path) -> None:
     overrides = ["data.photos=[chelsea]", "data.image_size=128", "hooks=[]"]
     fp32 = pd.read_parquet(app.run(make_config(*overrides), tmp_path / "a").tables["cam"])
@@ -118,6 +123,7 @@ def test_bf16_is_close_to_fp32(tmp_path: Path) -> None:
     assert ((fp32["score"] - bf16["score"]).abs() / fp32["score"].abs() < 0.05).all()
 
 
+@pytest.mark.slow
 def test_bad_layer_fails_before_data_is_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_data(*args: object) -> None:
         raise AssertionError("data was loaded before the layers were checked")
@@ -128,6 +134,7 @@ def test_bad_layer_fails_before_data_is_loaded(tmp_path: Path, monkeypatch: pyte
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_failure_mid_run_leaves_no_results_and_no_hooks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built_models: list
 ) -> None:
@@ -152,6 +159,7 @@ def test_failure_mid_run_leaves_no_results_and_no_hooks(
     assert count_hooks(built_models[0]) == 0
 
 
+@pytest.mark.slow
 def test_saved_tensors_sidecar(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -189,6 +197,7 @@ TINY_TARGET = ["model._target_=tests.test_run.ThreadsSeen", "model.weights=null"
                "data.shape=[3,8,8]", "data.count=2", "data.num_classes=5", "layers.include=[features.0]", "hooks=[]"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_run_computes_with_its_configured_threads_and_restores_the_callers(tmp_path: Path) -> None:
     before = torch.get_num_threads()
     assert make_config().threads == available_cpus()  # the default: the CPUs this process may use, resolved
@@ -198,6 +207,7 @@ def test_a_run_computes_with_its_configured_threads_and_restores_the_callers(tmp
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow
 def test_threads_are_part_of_the_resume_key(tmp_path: Path) -> None:
     from runner.store.provenance import resume_key
 
@@ -324,3 +334,12 @@ def test_bar_warnings_and_last_lines_in_a_real_process(tmp_path: Path) -> None:
         f"[INFO] report: runner report {tmp_path}",
         f'[INFO] tables: from runner.results import load; load("{tmp_path}")',
     ]
+
+
+# ---- an input the model cannot take is refused before anything is written --------------------------------------------
+@pytest.mark.slow
+def test_probe_rejects_an_input_the_model_cannot_take(tmp_path: Path) -> None:
+    config = make_config(*SMALL_VGG, "data.image_size=16")
+    with pytest.raises(RunnerError, match="too small for the model's downsampling"):
+        app.run(config, tmp_path)
+    assert not list(tmp_path.rglob("*.parquet*"))

@@ -77,6 +77,7 @@ def plain(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
     return [(f.name, f.type) for f in schema]
 
 
+@pytest.mark.slow
 def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[tuple[str, pa.Schema]]]) -> None:
     assert (
         set(written)

@@ -20,8 +20,9 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession, inplace_disabled
 from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method, method_config
+from runner.methods import build_method, method_config
 from runner.options.registry import TARGETS
+from runner.runtime import Runtime
 from runner.schema import Precision, TargetMode
 from runner.targets import Target, build_target
 from tests.conftest import CONF, TinyNet, frozen, make_config, run_cli

@@ -1,6 +1,6 @@
-"""Issue 10, items 2, 3 and 7: Spearman with ties, a stable pixel order with a seeded tie-break, the
-`degenerate` and `constant_logits` flags with NaN metrics, random baselines keyed per sample, RISE's
-insertion blur and the selectable Score-CAM weights. Each test fails on the code before the fix."""
+"""runner/faithfulness.py: deletion/insertion curves. A stable pixel order (saliency, then a seeded per-sample
+tie-break, as numpy's lexsort), the `degenerate` and `constant_logits` flags with NaN metrics, random baselines keyed
+per sample, RISE's insertion blur, forward chunks on the CPU, and upsampling that keeps a constant map constant."""
 
 from __future__ import annotations
 
@@ -10,100 +10,15 @@ import numpy as np
 import pytest
 import torch
 from scipy.ndimage import gaussian_filter
-from scipy.stats import spearmanr
 from torch import nn
 
 from runner import chunks
-from runner.data.base import Batch
-from runner.hooks import HookSession
-from runner.layers import resolve_layers
-from runner.methods import Runtime, build_method, cam_methods, method_config
-from runner.methods.cam import CamContext
 from runner.metrics import curves as faithfulness
 from runner.options.method.cam import BlurConfig, FaithfulnessConfig
-from runner.options.method.scorecam import ScoreCamConfig
-from runner.ranking import average_ranks, spearman
-from runner.schema import Precision, ScoreCamWeights, TargetMode
+from runner.schema import TargetMode
 from runner.stats import upsample
 from tests.conftest import TinyNet, frozen, make_config
-from tests.test_cam_family import SumModel
-
-CPU = Runtime(torch.device("cpu"), Precision.fp32)
-
-
-def run_at(model: nn.Module, x: torch.Tensor, layers: list[str], first_index: int = 0, **cfg: object) -> dict:
-    """One batch whose first sample is sample `first_index` of the data set (tests.test_cam_family.run_method: 0)."""
-    method = build_method(method_config(**cfg), resolve_layers(model, layers), CPU)
-    batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{first_index + i}" for i in range(x.shape[0])], first_index)
-    with HookSession(model, []) as session:
-        method.setup(session, first_index + x.shape[0])
-        session.begin_batch(x.shape[0], 0)
-        return method.run_batch(model, batch, session).tables[getattr(method, "table", method.name)]
-
-
-# ---- item 2: Spearman ------------------------------------------------------------------------------
-
-TIE_PATTERNS = [
-    ([1, 1, 2, 2, 3], [5, 4, 3, 2, 1]),  # pairs of ties on one side
-    ([0, 0, 0, 0, 1, 2, 3, 0, 0], [0, 1, 0, 2, 3, 3, 3, 0, 1]),  # a ReLU map: most pixels 0, ties on both sides
-    ([3, 3, 3, 1], [1, 2, 3, 4]),  # three-way tie
-    ([0.5] * 6 + [1.0] * 3, list(range(9))),  # two blocks of ties
-    ([0, 0, 0, 0, 0, 1, 1], [1, 0, 1, 0, 1, 0, 1]),  # both binary
-]
-
-
-@pytest.mark.parametrize(("a", "b"), TIE_PATTERNS)
-def test_spearman_equals_scipy_with_ties(a: list[float], b: list[float]) -> None:
-    expected = spearmanr(a, b).statistic
-    got = spearman(torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32))
-    assert float(got) == pytest.approx(expected, abs=1e-6)
-    # The argsort ranks of before the fix give each pattern another value (ties ranked by position).
-    ra = torch.tensor(a).argsort(stable=True).argsort().double()
-    rb = torch.tensor(b, dtype=torch.float64).argsort(stable=True).argsort().double()
-    assert abs(float(torch.corrcoef(torch.stack([ra, rb]))[0, 1]) - expected) > 1e-3
-
-
-def test_spearman_equals_scipy_on_random_tied_maps() -> None:
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        a = torch.relu(torch.randn(49, generator=g)).round(decimals=1)  # ~half zeros, many ties
-        b = torch.relu(torch.randn(49, generator=g)).round(decimals=1)
-        assert float(spearman(a, b)) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-6)
-
-
-def test_average_ranks_are_scipys() -> None:
-    from scipy.stats import rankdata
-
-    values = torch.tensor([3.0, 1.0, 3.0, 2.0, 1.0, 3.0])
-    np.testing.assert_allclose(average_ranks(values).numpy(), rankdata(values.numpy()))
-
-
-def test_spearman_of_a_constant_map_is_nan() -> None:
-    assert torch.isnan(spearman(torch.rand(49, generator=torch.Generator().manual_seed(0)), torch.zeros(49)))
-    assert torch.isnan(spearman(torch.ones(5), torch.ones(5)))
-    assert torch.isnan(spearman(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])))
-
-
-class ZeroHeadNet(TinyNet):
-    """TinyNet whose `fc`, when re-initialised, becomes all zeros: the randomised model's maps are all zero."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc.reset_parameters = lambda: (nn.init.zeros_(self.fc.weight), nn.init.zeros_(self.fc.bias))
-
-
-def test_sanity_flags_a_constant_map_with_nan() -> None:
-    torch.manual_seed(0)
-    model = frozen(ZeroHeadNet())
-    x = torch.randn(3, 3, 8, 8)
-    columns = run_at(model, x, ["features.2"], name="sanity", randomize=["fc"])
-    assert torch.isnan(columns["spearman"]).all()  # before the fix: a finite rho for an all-zero map
-    assert columns["degenerate"].all()
-    same = run_at(frozen(TinyNet()), x, ["features.2"], name="sanity", randomize=["features.3"])
-    assert not same["degenerate"].any() and torch.allclose(same["spearman"], torch.ones(3))
-
-
-# ---- item 3: pixel order, degenerate maps, per-sample randomness -------------------------------------
+from tests.test_cam_family import CPU, run_at
 
 
 def test_pixel_rank_is_numpy_lexsort_of_saliency_then_key() -> None:
@@ -185,6 +100,7 @@ def test_deletion_auc_follows_the_lexsort_order() -> None:
         assert float(got[b]) == pytest.approx(np.trapezoid(curve, np.linspace(0, 1, cfg.steps + 1)), abs=1e-6)
 
 
+# ---- degenerate maps and constant logits: flagged, NaN metrics; random baselines keyed per sample --------------------
 class NegativeNet(nn.Module):
     """Class 0's logit is minus the sum of a positive feature map: Grad-CAM for class 0 is ReLU(negative) = 0."""
 
@@ -208,7 +124,7 @@ def test_all_zero_map_is_flagged_degenerate_with_nan_metrics(caplog: pytest.LogC
     assert (columns["map"].values == 0).all()
     assert columns["degenerate"].all() and not columns["constant_logits"].any()
     values = columns["faithfulness"].values  # (rows, 8): own four, then random_*
-    assert torch.isnan(values[:, :4]).all()  # before the fix: ordinary-looking numbers
+    assert torch.isnan(values[:, :4]).all()  # not ordinary-looking numbers
     assert torch.isfinite(values[:, 4:]).all()  # the random baseline is still a measurement
     assert sum("degenerate" in r.message for r in caplog.records) == 1
     ok = run_at(model, x, ["features.1"], name="gradcam", target=TargetMode.fixed, class_ids=[1], faithfulness=faith)
@@ -241,14 +157,12 @@ def test_random_baseline_is_keyed_by_sample_not_batch() -> None:
     random_cols = whole["faithfulness"].names.index("random_deletion_auc")
     w = whole["faithfulness"].values.reshape(2, 4, 8)[:, 2:, random_cols:]  # (layers, samples 2-3, random_*)
     t = tail["faithfulness"].values.reshape(2, 2, 8)[:, :, random_cols:]
-    torch.testing.assert_close(t, w, rtol=0, atol=1e-6)  # before the fix: drawn from the batch's first index
+    torch.testing.assert_close(t, w, rtol=0, atol=1e-6)  # not drawn from the batch's first index
     torch.testing.assert_close(tail["faithfulness"].values, whole["faithfulness"].values.reshape(2, 4, 8)[:, 2:]
                                .reshape(4, 8), rtol=0, atol=1e-6)  # fmt: skip
 
 
-# ---- item 7: definitions --------------------------------------------------------------------------
-
-
+# ---- insertion blur (RISE's) and forward chunks ----------------------------------------------------------------------
 def test_insertion_blur_default_is_rise() -> None:
     """RISE (eclique/RISE, `gkern(11, 5)`): a centred delta through scipy's gaussian_filter, conv2d, zero padding."""
     cfg = make_config().method.faithfulness.insertion_blur
@@ -270,27 +184,7 @@ def test_insertion_blur_is_configurable() -> None:
     assert float(faithfulness.blurred(x, BlurConfig())[0, 0, 0, 0]) < 0.9  # zero padding darkens the border
 
 
-def _scorecam(weights: ScoreCamWeights, act: torch.Tensor) -> torch.Tensor:
-    method = cam_methods()["scorecam"](ScoreCamConfig(score_chunk=2, scorecam_weights=weights), [], CPU)
-    return method.cam(act, None, CamContext(SumModel(), torch.ones(1, 1, 2, 2), torch.tensor([0]), CPU))[0]
-
-
-def test_scorecam_weights_paper_and_pytorch_grad_cam() -> None:
-    act = torch.tensor([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 0.0], [0.0, 2.0]], [[3.0, 3.0], [3.0, 3.0]]])[None]
-    # masks after min-max: channel 0 keeps 2 pixels (logit 2), channel 1 one (logit 1), channel 2 is constant
-    paper = torch.sigmoid(torch.tensor([2.0, 1.0]))  # probabilities; the constant channel weighs 0 (authors' code)
-    torch.testing.assert_close(
-        _scorecam(ScoreCamWeights.paper, act), torch.relu(paper[0] * act[0, 0] + paper[1] * act[0, 1])
-    )
-    # pytorch-grad-cam: softmax over channels of the logits; its constant channel's mask is 0 (logit 0)
-    w = torch.tensor([2.0, 1.0, 0.0]).softmax(dim=0)
-    got = _scorecam(ScoreCamWeights.pytorch_grad_cam, act)
-    torch.testing.assert_close(got, torch.relu(torch.einsum("c,chw->hw", w, act[0])), rtol=1e-5, atol=1e-6)
-    assert make_config("method=scorecam", "method.scorecam_weights=pytorch_grad_cam").method.scorecam_weights is (
-        ScoreCamWeights.pytorch_grad_cam
-    )
-
-
+@pytest.mark.slow
 def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
     """On a CPU a batch of 64 images at 224 px ran 2.5x slower per image than one of 8 (benchmarks/RESULTS.md):
     with no chunk set, deletion/insertion and the evaluation metrics forward at most 8 such images at once."""
@@ -316,20 +210,7 @@ def test_perturbed_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_s
             sizes.clear()
 
 
-def test_scorecam_masked_inputs_go_through_in_small_batches_on_cpu_unless_a_chunk_is_set() -> None:
-    model = TinyNet().eval()
-    sizes: list[int] = []
-    model.register_forward_hook(lambda _m, inputs, _o: sizes.append(inputs[0].shape[0]))
-    act = torch.rand(1, 20, 7, 7)  # 20 channels: 20 masked inputs of 224 px
-    ctx = CamContext(model, torch.rand(1, 3, 224, 224), torch.tensor([0]), CPU)
-    for chunk, largest in ((None, 8), (3, 3)):
-        cam_methods()["scorecam"](ScoreCamConfig(score_chunk=chunk), [], CPU).cam(act, None, ctx)
-        assert max(sizes) == largest and sum(sizes) == 20
-        sizes.clear()
-    assert ScoreCamConfig(score_chunk=0).check() == ["method.score_chunk=0"]
-
-
-# ---- constant maps stay constant: upsampling cannot invent an order ------------------------------------------------
+# ---- constant maps stay constant: upsampling cannot invent an order --------------------------------------------------
 def test_upsample_keeps_a_constant_map_constant_at_zero() -> None:
     """Bilinear float32 weights leave 1-ulp ripples on a constant map; min-max scaling stretched them to a full-range
     map (min 0, max 1, mean 0.49). A map constant at its own resolution is all 0 at the input's size."""
