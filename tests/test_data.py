@@ -114,7 +114,7 @@ def test_exif_orientation_is_applied_and_logged_once(tmp_path: Path, caplog: pyt
     picture = upright_picture()
     for orientation in STORED_AS:
         save_oriented(picture, tmp_path / f"o{orientation}.png", orientation)
-    with caplog.at_level("INFO", logger="runner.data.base"):
+    with caplog.at_level("INFO", logger="runner.data"):
         dataset = build_dataset(ImageFolderConfig(root=str(tmp_path), image_size=20, resize=ResizeMode.none), None, 0)
     expected = standard_transform(20, ResizeMode.none)(picture)  # (3, 20, 30)
     for i in range(len(dataset)):

@@ -203,6 +203,7 @@ def test_console_summary_and_scripts_order_layers_by_layer_index(
 ) -> None:
     import pandas as pd
 
+    import runner.hooks  # noqa: F401  (declares the hooks table and how it is summarised)
     from runner.frames import in_model_order, layers_in_model_order
     from runner.viz.summary import summarise
 
@@ -212,7 +213,7 @@ def test_console_summary_and_scripts_order_layers_by_layer_index(
                          "layer_index": [11, 3, 11, 3], "hook": ["forward"] * 4, "mean": [1.0, 2.0, 3.0, 4.0]})  # fmt: skip
     rows.to_parquet(folder / "part-000000.parquet")
     with caplog.at_level("INFO", logger="runner.viz.summary"):
-        summarise({"hooks": folder}, ("mean",))
+        summarise({"hooks": folder})
     text = caplog.text
     assert text.index("features.2 ") < text.index("features.10 ")
     assert layers_in_model_order(rows) == ["features.2", "features.10"]
@@ -225,6 +226,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
 ) -> None:
     import pandas as pd
 
+    import runner.metrics.table  # noqa: F401  (declares the evaluation table and how it is summarised)
     from runner.viz.summary import summarise
 
     evaluation, other = tmp_path / "evaluation.parquet", tmp_path / "other.parquet"
@@ -234,7 +236,7 @@ def test_console_summary_of_a_metric_table_shows_each_metric_beside_its_baseline
                   "value": [0.1, 0.3, 0.5, 0.7], "random_value": [0.2, 0.2, 0.4, 0.4]}).to_parquet(evaluation / "part-000000.parquet")  # fmt: skip
     pd.DataFrame({"layer": ["a", "b"], "x": [1, 2]}).to_parquet(other / "part-000000.parquet")
     with caplog.at_level("INFO", logger="runner.viz.summary"):
-        summarise({"evaluation": evaluation, "other": other}, ("mean",))
+        summarise({"evaluation": evaluation, "other": other}, {"other": ("mean",)})
     text = caplog.text
     assert "Empty DataFrame" not in text
     assert "random_value" in text and "morf" in text and "sparseness" in text  # per metric and variant

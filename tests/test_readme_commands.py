@@ -199,7 +199,6 @@ NOT_RUN = {
     "scripts/bench_patching.py": "a benchmark (minutes of timing)",
     "scripts/bench_metrics.py": "a benchmark (minutes of timing)",
     "scripts/bench_metrics.py --imputation-only": "a benchmark (minutes of timing)",
-    "@dataclass": "a source listing of runner/methods/gradcam_elementwise.py, not a snippet to run",
     "make docs": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs the generator in-process)",
     "python scripts/gen_reference.py": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs it)",
 }  # fmt: skip
