@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
 from typing import ClassVar, Optional, TypeVar
@@ -97,6 +98,9 @@ def cam_variant(rule: type[T]) -> type[T]:
     schema = make_dataclass(f"{rule.__name__}Config", [("name", str, field(default=name))], bases=(CamConfig,))
     schema.__module__ = rule.__module__
     schema.__doc__ = f"method={name}: CamConfig's settings, none of its own."
+    # An attribute of the rule's module, as a written dataclass is: pickle (joblib's and submitit's workers) then
+    # refers to it by name instead of copying the class, whose copy would carry copies of dataclasses.MISSING.
+    setattr(sys.modules[rule.__module__], schema.__name__, schema)
     METHODS.option("runner.methods.cam:variant_method", tables=("cam",), family="cam", rule=rule)(schema)
     rule.config = schema  # type: ignore[attr-defined]
     return rule
