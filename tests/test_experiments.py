@@ -12,6 +12,7 @@ import pytest
 import runner.app as app
 import runner.models
 from runner.hooks import count_hooks
+from runner.models.embedded import EMBEDDED
 from tests.conftest import CONF, make_config
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def offline(name: str) -> list[str]:
     """What an experiment needs to run here: torchvision models have no cached weights (random init); the
     embedded EfficientNet-Lite0 keeps its real weights. ViT-B/16 takes only its own image size: 32 px."""
     model = make_config(f"experiment={name}").model.name
-    if model == runner.models.EMBEDDED:
+    if model == EMBEDDED:
         return []
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
 

@@ -177,6 +177,9 @@ def offline_message(command: str) -> str | None:
 
 
 # Commands no test runs, each with the reason: no runner code in them, or not a command on its own.
+# Commands that exist once docs/extending.md's example is added: tests/test_extending.py adds each to a scratch copy
+# of the project and runs it there.
+EXTENDED = "needs the docs/extending.md example added (tests/test_extending.py adds it to a scratch copy and runs it)"
 NOT_RUN = {
     "make test": "the test suite itself (this file is part of it)",
     "pip install -e .": "installs the project: the tests run in the environment it made",
@@ -201,6 +204,13 @@ NOT_RUN = {
     "scripts/bench_metrics.py --imputation-only": "a benchmark (minutes of timing)",
     "make docs": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs the generator in-process)",
     "python scripts/gen_reference.py": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs it)",
+    "make test-fast": "the suite's unit tier (this file is in the full tier)",
+    "make lint": "ruff and the import-graph check (tests/test_architecture.py runs the check on this tree and on broken copies)",
+    "scripts/check_imports.py": "the import-graph check (tests/test_architecture.py runs it)",
+    "python -m runner experiment=top_mass_effnet": EXTENDED,
+    "python -m runner model=hub_local model.repo=DIR model.entry=NAME": EXTENDED,
+    "python -m runner data=checkerboards data.squares=4": EXTENDED,
+    "python -m runner target=margin target.scale=2": EXTENDED,
 }  # fmt: skip
 
 
