@@ -21,9 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import Dataset
 
 from runner import distributed
 from runner.configure import to_run_config
@@ -35,6 +37,7 @@ from runner.ids import ClassNames, run_columns
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
+from runner.methods.base import Method
 from runner.models import build_model, check_input
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -173,9 +176,16 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
 
     bundle = build_model(config.model)
     runtime.class_names = bundle.categories  # pictures title the class explained by its name
-    model = bundle.model.to(device)
-    if config.channels_last:
+    text = bundle.tokenizer is not None  # a language model: its data is prompt pairs, its layers named sites
+    _check_modality(config, "text" if text else "image")
+    if text and getattr(bundle.model, "hf_device_map", None):
+        model = bundle.model  # spread over devices by model.device_map: each part stays where accelerate put it
+    else:
+        model = bundle.model.to(device)
+    if config.channels_last and not text:
         model = model.to(memory_format=torch.channels_last)
+    if text:
+        return _run_text(config, out, device, runtime, bundle.tokenizer, model)
     # The model's own input size where it has one (an image processor's, timm's data config): every source's.
     config = dataclasses.replace(config, data=sized_for_model(config.data, bundle.preprocess))
     probe = probe_input(config.data, bundle.preprocess)  # one input of the run's size, no data loaded
@@ -198,6 +208,14 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     class_names = ClassNames.of(config.data, dataset, bundle.categories)  # label_name, predicted_name, target_name
     # One forward: a shape the model refuses fails here.
     check_input(model, dataset[0][0], config.data.batch_size, device)
+    return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
+
+
+def _run_prepared(
+    config: RunConfig, out: Path, device: torch.device, runtime: Runtime, model: torch.nn.Module,
+    hooks: list[BoundHook], method: Method, dataset: Dataset, class_names: ClassNames,
+) -> RunResult:  # fmt: skip
+    """The shards of a run whose model, hooks, method and data are built and checked: resumed, run, written."""
     method.prepare(dataset)
     rank, world = distributed.rank_and_world()
     shard_samples = config.output.shard_batches * config.data.batch_size
@@ -254,6 +272,35 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     if rank == 0:
         summarise(tables, {method.table: method.summary_values})
     return RunResult(out, tables)
+
+
+def _check_modality(config: RunConfig, model_kind: str) -> None:
+    """One message when the model, the method and the data are not all image or all text."""
+    method_kind = method_class(config.method).modality
+    data_kind = getattr(type(config.data), "MODALITY", "image")
+    if method_kind == model_kind == data_kind:
+        return
+    if model_kind == "text":
+        raise RunnerError(
+            f"model.source={config.model.source} is a language model: it takes method=lm_patching and data=prompts"
+            f" (not method={config.method.name}, data={config.data.name})."
+        )
+    raise RunnerError(
+        f"method={config.method.name} and data={config.data.name} need "
+        f"{'a language model (model=hf_lm)' if 'text' in (method_kind, data_kind) else 'an image model'}; the run's"
+        f" model is an image model, so use an image method and data (e.g. method=gradcam data=skimage_photos)."
+    )
+
+
+def _run_text(
+    config: RunConfig, out: Path, device: torch.device, runtime: Runtime, tokenizer: Any, model: torch.nn.Module
+) -> RunResult:
+    """`_run_locked` for a language model: prompt pairs from its tokenizer, no image checks, the same store."""
+    hooks = _bind_hooks(model, config, None) if config.hooks else []
+    method = build_method(config.method, [], runtime, None)
+    dataset = build_dataset(config.data, tokenizer, config.seed)
+    class_names = ClassNames.of(config.data, dataset, None)
+    return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
 
 
 def check_output_arguments(argv: list[str]) -> None:

@@ -90,6 +90,10 @@ class ModelConfig:
     # The output classes' names by index; replaces the source's own (weights, timm, id2label). null: the source's.
     class_names: Optional[list[str]] = None
 
+    def check(self) -> list[str]:
+        """`key=value` for each value out of range (a source's own schema adds its fields' checks)."""
+        return []
+
     def fingerprint(self) -> dict[str, str]:
         """What a resume must find unchanged besides these values: the checkpoint file's contents (a hash)."""
         if self.checkpoint:
@@ -294,7 +298,7 @@ class RunConfig:
 def validate(config: RunConfig) -> RunConfig:
     """Range checks the types cannot express; each failure names the key and what it accepts. Each option
     checks its own fields (`check()` beside its schema); what spans groups is checked here."""
-    bad = config.method.check() + config.data.check() + config.target.check()
+    bad = config.model.check() + config.method.check() + config.data.check() + config.target.check()
     if config.output.shard_batches < 1:
         bad.append(f"output.shard_batches={config.output.shard_batches}")
     if config.threads < 1:

@@ -46,11 +46,14 @@ class Batch:
     sample_ids: list[str]
     first_index: int  # position of the batch's first sample in the data set
     masks: torch.Tensor | None = None  # (B, H, W) bool localisation masks at input resolution; None: the data has none
+    # Per-sample tensors a data source adds (prompt pairs: attention_mask, answers, distractors), batch first.
+    extras: dict[str, torch.Tensor] | None = None
 
     def part(self, lo: int, hi: int) -> Batch:
-        """Samples lo..hi-1 as a batch of their own (masks included)."""
+        """Samples lo..hi-1 as a batch of their own (masks and extras included)."""
         masks = None if self.masks is None else self.masks[lo:hi]
-        return Batch(self.x[lo:hi], self.labels[lo:hi], self.sample_ids[lo:hi], self.first_index + lo, masks)
+        extras = None if self.extras is None else {k: v[lo:hi] for k, v in self.extras.items()}
+        return Batch(self.x[lo:hi], self.labels[lo:hi], self.sample_ids[lo:hi], self.first_index + lo, masks, extras)
 
 
 class ImageListDataset(Dataset):
@@ -132,6 +135,13 @@ def label_classes(dataset: Dataset) -> tuple[list[str] | None, bool]:
     return (list(classes) if classes else None), bool(getattr(dataset, "model_labels", False))
 
 
+def own_collate(dataset: Dataset) -> Callable | None:
+    """A data set's own batching (prompt pairs pad to the longest pair), or None: the loader's default."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "collate", None)
+
+
 def pad_collate(samples: list[tuple[torch.Tensor, int, str]]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Stack a batch; images of different sizes (data.resize=none) are padded at the bottom and right to the
     batch's largest height and width with 0, the mean colour once normalised (top-left pixels keep their place)."""
@@ -205,6 +215,7 @@ def make_loader(
     num_workers, pin_memory = loader_settings(cfg, device)
     workers = num_workers > 0
     collate: Callable | None = pad_collate if getattr(cfg, "resize", None) is ResizeMode.none else None
+    collate = own_collate(dataset) or collate
     masks = sample_masks(dataset)
     if masks is not None:  # localisation masks travel with their batch
         collate = MaskCollate(collate or torch.utils.data.default_collate, masks)
@@ -233,5 +244,9 @@ def to_batch(
     x = x.to(device, non_blocking=non_blocking)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
+    extras = rest[0] if rest and isinstance(rest[0], dict) else None  # a source's own per-sample tensors
+    if extras is not None:
+        extras = {k: v.to(device, non_blocking=non_blocking) for k, v in extras.items()}
+        rest = []
     masks = rest[0].to(device, non_blocking=non_blocking) if rest else None  # (B, H, W) bool
-    return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index, masks)
+    return Batch(x, labels.to(device, non_blocking=non_blocking), list(ids), first_index, masks, extras)

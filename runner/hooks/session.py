@@ -238,6 +238,17 @@ class HookSession:
 
         return swap
 
+    def add_hook(self, module: nn.Module, hook: Callable[..., Any], pre: bool) -> Removable:
+        """Register a method's own hook on `module`, owned by the session (removed on exit, also after an error):
+        a forward pre-hook `(module, args, kwargs)` when `pre`, else a forward hook `(module, args, kwargs, output)`.
+        The language-model sites (runner/models/lm_sites.py) are read and replaced through these."""
+        if pre:
+            handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        else:
+            handle = module.register_forward_hook(hook, with_kwargs=True)
+        self._handles.append(handle)
+        return handle
+
     # ---- reversible model edits ---------------------------------------------------------------------
     def reinitialise(self, modules: list[nn.Module], seed: int) -> Reinitialised:
         """Re-initialise `modules` in place, in order, after seeding a forked random state with `seed` (each by its

@@ -35,6 +35,7 @@ class Method:
 
     name: str
     needs_layers: bool = True  # False: runs without `layers.include` (the hooks alone say what is recorded)
+    modality: str = "image"  # what its model takes: "image" (a classifier, a segmenter) or "text" (model=hf_lm)
     # Columns of the method's table that the console summary averages per layer (where present).
     summary_values: tuple[str, ...] = ()
     # The method's main table: what `runner.store.reader.load(dir)` returns when no table is named (kept in the manifest).

@@ -33,6 +33,8 @@ class ModelBundle:
     # The name of each output class, by index (the weights' ImageNet names, timm's, `id2label`, or
     # `model.class_names`); None when unknown (random init, a `_target_` or checkpoint without names).
     categories: list[str] | None
+    # A language model's tokenizer (model=hf_lm); None for an image model. Its data is text (data=prompts).
+    tokenizer: Any = None
 
     @property
     def class_names(self) -> list[str] | None:

@@ -19,7 +19,7 @@ from runner.schema import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def _transformers() -> Any:
+def transformers_module() -> Any:
     try:
         import transformers
     except ImportError as e:
@@ -40,12 +40,12 @@ class HuggingFaceSource(ModelSource):
                 f"model=hf loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
                 f" init from its config), not '{cfg.weights}': give another revision's folder as model.name."
             )
-        transformers = _transformers()
-        config = _from_hub(cfg.name, lambda local: transformers.AutoConfig.from_pretrained(cfg.name, **local))
+        transformers = transformers_module()
+        config = from_hub(cfg.name, lambda local: transformers.AutoConfig.from_pretrained(cfg.name, **local))
         if cfg.weights is None:
             model = transformers.AutoModelForImageClassification.from_config(config, **cfg.kwargs)
         else:
-            model = _from_hub(
+            model = from_hub(
                 cfg.name,
                 lambda local: transformers.AutoModelForImageClassification.from_pretrained(
                     cfg.name, **local, **cfg.kwargs
@@ -57,7 +57,7 @@ class HuggingFaceSource(ModelSource):
         return ModelBundle(model, _preprocess(transformers, cfg.name), names)
 
 
-def _from_hub(name: str, load: Any) -> Any:
+def from_hub(name: str, load: Any) -> Any:
     """`load(local_files_only=...)`: from the folder or the Hugging Face cache first, then downloaded into the
     cache (not with HF_HUB_OFFLINE=1); a model found nowhere is one clear error."""
     try:

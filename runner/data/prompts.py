@@ -1,0 +1,206 @@
+"""Prompt pairs for a language model (`data=prompts`), tokenised and checked before the run.
+
+A sample is one pair: its clean and corrupted token ids stacked (2, T), with its answer and distractor token sets.
+The checks a pair must pass: both prompts tokenise to the same length (patching position p of one into the other
+only means something when the positions line up), answers and distractors are one token each, and the BOS policy
+(data.bos) is applied to both sides. A batch is left-padded to its longest pair (the last token, where the answer is
+read, is at the same index for every pair); the model gets the attention mask and `position_ids = cumsum(mask) - 1`,
+so a padded pair is computed as it would be alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from runner.errors import RunnerError
+from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig
+
+NO_TOKEN = -1  # padding of the answer and distractor sets
+
+
+@dataclass
+class PromptPair:
+    sample_id: str
+    clean: list[int]  # token ids, BOS included when prepended
+    corrupted: list[int]
+    answers: list[int]
+    distractors: list[int]
+    tokens: list[str]  # the clean prompt's tokens as strings, by position
+    answer_tokens: list[str]
+    distractor_tokens: list[str]
+
+
+class PromptPairs(Dataset):
+    """Tokenised pairs; `collate` makes a batch (x (B, 2, T) left-padded ids, answers (B,), ids, extras)."""
+
+    modality = "text"
+    model_labels = False
+    classes = None
+
+    def __init__(self, pairs: list[PromptPair], pad_id: int) -> None:
+        self.pairs, self.pad_id = pairs, pad_id
+        self.by_id = {p.sample_id: p for p in pairs}
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, str]:
+        pair = self.pairs[i]
+        return torch.tensor([pair.clean, pair.corrupted], dtype=torch.long), pair.answers[0], pair.sample_id
+
+    def collate(self, samples: list[tuple[torch.Tensor, int, str]]) -> tuple[Any, ...]:
+        """Left-pad a batch of pairs; the extras carry the attention mask and the answer and distractor sets."""
+        length = max(x.shape[1] for x, _, _ in samples)
+        b = len(samples)
+        x = torch.full((b, 2, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, length), dtype=torch.long)
+        pairs = [self.by_id[i] for _, _, i in samples]
+        widest = max(max(len(p.answers), len(p.distractors)) for p in pairs)
+        answers = torch.full((b, widest), NO_TOKEN, dtype=torch.long)
+        distractors = torch.full((b, widest), NO_TOKEN, dtype=torch.long)
+        for row, ((ids, _, _), pair) in enumerate(zip(samples, pairs, strict=True)):
+            x[row, :, length - ids.shape[1] :] = ids
+            mask[row, length - ids.shape[1] :] = 1
+            answers[row, : len(pair.answers)] = torch.tensor(pair.answers)
+            distractors[row, : len(pair.distractors)] = torch.tensor(pair.distractors)
+        labels = torch.tensor([y for _, y, _ in samples], dtype=torch.long)
+        extras = {"attention_mask": mask, "answers": answers, "distractors": distractors}
+        return x, labels, [i for _, _, i in samples], extras
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens: a left-padded prompt gets the positions it would have alone."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def prompts_source(cfg: PromptsConfig, tokenizer: Any, seed: int) -> Dataset:
+    """The configured pairs, tokenised with the model's tokenizer and checked."""
+    if tokenizer is None or not callable(tokenizer):
+        raise RunnerError("data=prompts is text for a language model: use model=hf_lm (it brings a tokenizer).")
+    raw = _raw_pairs(cfg)
+    if not raw:
+        raise RunnerError("data=prompts has no pairs: give data.pairs, data.file or data.template with data.slots.")
+    bos = _bos_id(tokenizer) if cfg.bos else None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pairs = [_tokenised(i, item, tokenizer, bos) for i, item in enumerate(raw)]
+    return PromptPairs(pairs, int(pad))
+
+
+def _bos_id(tokenizer: Any) -> int:
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise RunnerError(
+            "data.bos=true prepends the tokenizer's BOS token, but this tokenizer has none: set data.bos=false."
+        )
+    return int(bos)
+
+
+def _raw_pairs(cfg: PromptsConfig) -> list[dict[str, Any]]:
+    """The pairs as dicts (clean, corrupted, answer, distractor[, id]) from the YAML, a file or a template."""
+    if cfg.pairs:
+        return [dict(p) for p in cfg.pairs]
+    if cfg.file:
+        return _read_file(_pairs_file(cfg.file))
+    return _from_template(cfg)
+
+
+def _pairs_file(name: str) -> Path:
+    if name == SHIPPED_PAIRS:
+        from importlib import resources
+
+        return Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
+    file = Path(name).expanduser()
+    if not file.is_file():
+        raise RunnerError(f"data.file={name}: no such file. Give a JSONL or CSV file of pairs, or data.file=induction.")
+    return file
+
+
+def _read_file(file: Path) -> list[dict[str, Any]]:
+    text = file.read_text(encoding="utf-8")
+    if file.suffix.lower() == ".csv":
+        return [dict(row) for row in csv.DictReader(text.splitlines())]
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                pairs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise RunnerError(f"{file}:{number} is not a JSON object ({e.msg}): one pair per line.") from None
+    return pairs
+
+
+def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
+    """One pair per index of the slot lists: the clean prompt from `slots`, the corrupted one with
+    `corrupted_slots`' values in place of theirs."""
+    assert cfg.template and cfg.answer and cfg.distractor
+    sizes = {name: len(values) for name, values in {**cfg.slots, **cfg.corrupted_slots}.items()}
+    if len(set(sizes.values())) != 1:
+        raise RunnerError(f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}.")
+    unknown = sorted(set(cfg.corrupted_slots) - set(cfg.slots))
+    if unknown:
+        raise RunnerError(f"data.corrupted_slots names slots data.slots lacks: {', '.join(unknown)}.")
+    pairs = []
+    for i in range(next(iter(sizes.values()))):
+        clean = {name: values[i] for name, values in cfg.slots.items()}
+        corrupted = {**clean, **{name: values[i] for name, values in cfg.corrupted_slots.items()}}
+        try:
+            pairs.append({
+                "clean": cfg.template.format(**clean), "corrupted": cfg.template.format(**corrupted),
+                "answer": cfg.answer.format(**clean), "distractor": cfg.distractor.format(**clean),
+            })  # fmt: skip
+        except KeyError as e:
+            raise RunnerError(f"data.template names the slot {e} that data.slots lacks.") from None
+    return pairs
+
+
+def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None) -> PromptPair:
+    missing = [k for k in ("clean", "corrupted", "answer", "distractor") if not item.get(k)]
+    sample_id = str(item.get("id") or f"pair-{index}")
+    if missing:
+        raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, corrupted,"
+                          " answer and distractor.")  # fmt: skip
+    prefix = [bos] if bos is not None else []
+    clean = prefix + _ids(tokenizer, str(item["clean"]))
+    corrupted = prefix + _ids(tokenizer, str(item["corrupted"]))
+    if len(clean) != len(corrupted):
+        raise RunnerError(
+            f"Prompt pair {sample_id}: the clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)};"
+            f" patching needs them aligned position by position. Clean: {_shown(tokenizer, clean)}; corrupted:"
+            f" {_shown(tokenizer, corrupted)}. Choose values that tokenise to as many tokens."
+        )
+    answers = [_one_token(tokenizer, t, sample_id, "answer") for t in _listed(item["answer"])]
+    distractors = [_one_token(tokenizer, t, sample_id, "distractor") for t in _listed(item["distractor"])]
+    tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
+    return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens,
+                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors))  # fmt: skip
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _listed(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def _one_token(tokenizer: Any, text: str, sample_id: str, what: str) -> int:
+    ids = _ids(tokenizer, text)
+    if len(ids) != 1:
+        raise RunnerError(
+            f"Prompt pair {sample_id}: the {what} {text!r} is {len(ids)} tokens ({_shown(tokenizer, ids)}); an {what}"
+            " must be one token (GPT-2-style tokenizers often need the leading space: ' Mary')."
+        )
+    return ids[0]
+
+
+def _shown(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.convert_ids_to_tokens(ids))

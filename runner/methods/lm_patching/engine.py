@@ -1,0 +1,158 @@
+"""Exact, batched activation patching of a causal LM's sites.
+
+One hook per site module, registered once through the hook session, does one of three things per forward: keep the
+site's tensor (a base run), replace some rows' cells from a source run's tensor (a patched run), or nothing. A
+patched run stacks many variants in the batch: C cells x B pairs rows, row c * B + b being pair b with cell c
+patched, so one forward measures C cells of every pair. Cells of a site at one position write only that position
+(and head); the causal mask then leaves every earlier position as the receiving run had it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.hooks import HookSession
+from runner.models.lm_sites import LanguageModelLayout, SiteSpec, read_site, with_site
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one variant patches: a site of a layer, at one position (None: all) and one head (None: the whole)."""
+
+    kind: str
+    layer: int
+    position: int | None
+    head: int | None
+
+
+@dataclass
+class _Patch:
+    """One site module's part of a patched run: rows of the stacked batch, their pair, position and head."""
+
+    rows: torch.Tensor  # (N,) rows of the stacked batch
+    pairs: torch.Tensor  # (N,) the pair (row of the source tensor) each row takes its value from
+    positions: torch.Tensor | None  # (N,) or None: all positions
+    heads: torch.Tensor | None  # (N,) or None: the whole site
+
+
+class SiteHooks:
+    """Keeps or replaces the sites `specs` on every forward, as `mode` says."""
+
+    def __init__(self, model: nn.Module, specs: Sequence[SiteSpec], session: HookSession) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.kept: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) view of the last kept run
+        self.keeping = False
+        self.sources: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) source views of a patched run
+        self.patches: dict[str, _Patch] = {}
+        modules = dict(model.named_modules())
+        for spec in specs:
+            module = modules[spec.module]
+            if spec.where == "input":
+                session.add_hook(module, self._pre_hook(spec), pre=True)
+            else:
+                session.add_hook(module, self._hook(spec), pre=False)
+
+    def _pre_hook(self, spec: SiteSpec) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return self._visit(spec, args, kwargs, None)
+
+        return hook
+
+    def _hook(self, spec: SiteSpec) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            return self._visit(spec, args, kwargs, output)
+
+        return hook
+
+    def _visit(self, spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if self.keeping:
+            self.kept[spec.name] = spec.get(read_site(spec, args, kwargs, output)).detach()
+            return None
+        patch = self.patches.get(spec.name)
+        if patch is None:
+            return None
+        raw = read_site(spec, args, kwargs, output)
+        view = spec.get(raw)
+        new = view.clone()
+        source = self.sources[spec.name].to(new.device, new.dtype)  # a device-mapped model: the module's device
+        rows, pairs = patch.rows.to(new.device), patch.pairs.to(new.device)
+        if patch.positions is None:
+            if patch.heads is None:
+                new[rows] = source[pairs]
+            else:
+                heads = patch.heads.to(new.device)
+                new[rows, :, heads] = source[pairs, :, heads]
+        else:
+            positions = patch.positions.to(new.device)
+            if patch.heads is None:
+                new[rows, positions] = source[pairs, positions]
+            else:
+                heads = patch.heads.to(new.device)
+                new[rows, positions, heads] = source[pairs, positions, heads]
+        return with_site(spec, args, kwargs, output, spec.put(raw, new))
+
+    def keep(self) -> _Keeping:
+        """`with hooks.keep():` the forward inside keeps every site's tensor in `kept`."""
+        return _Keeping(self)
+
+    def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor]) -> None:
+        """Set up a patched run of `cells` (cell c of pair b at row c * pairs + b) from `sources` (site name ->
+        (pairs, T, ...) views of the source run)."""
+        grouped: dict[str, list[tuple[int, Cell]]] = {}
+        for c, cell in enumerate(cells):
+            grouped.setdefault(f"{cell.kind}.{cell.layer}", []).append((c, cell))
+        self.sources = sources
+        self.patches = {}
+        b = torch.arange(pairs)
+        for name, members in grouped.items():
+            rows = torch.cat([c * pairs + b for c, _ in members])
+            pair_ids = b.repeat(len(members))
+            first = members[0][1]
+            positions = (
+                None if first.position is None
+                else torch.tensor([cell.position for _, cell in members]).repeat_interleave(pairs)
+            )  # fmt: skip
+            heads = (
+                None if first.head is None
+                else torch.tensor([cell.head for _, cell in members]).repeat_interleave(pairs)
+            )  # fmt: skip
+            self.patches[name] = _Patch(rows, pair_ids, positions, heads)
+
+    def clear(self) -> None:
+        self.patches, self.sources, self.kept = {}, {}, {}
+
+
+class _Keeping:
+    def __init__(self, hooks: SiteHooks) -> None:
+        self.hooks = hooks
+
+    def __enter__(self) -> None:
+        self.hooks.kept = {}
+        self.hooks.keeping = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.keeping = False
+
+
+def cells_of(layout: LanguageModelLayout, sites: Sequence[str], layers: Sequence[int], positions: int,
+             each_head_position: bool) -> list[Cell]:  # fmt: skip
+    """Every cell to patch: per site and layer, each position (per-head sites: each head, at all positions at once
+    or at each position)."""
+    cells = []
+    for kind in sites:
+        for layer in layers:
+            if kind in ("head", "q", "k", "v"):
+                heads = layout.site(kind, layer).heads
+                for head in range(heads):
+                    if each_head_position:
+                        cells += [Cell(kind, layer, p, head) for p in range(positions)]
+                    else:
+                        cells.append(Cell(kind, layer, None, head))
+            else:
+                cells += [Cell(kind, layer, p, None) for p in range(positions)]
+    return cells

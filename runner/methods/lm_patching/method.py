@@ -1,0 +1,256 @@
+"""`method=lm_patching`: each pair's clean and corrupted runs, then every cell (site x layer x position, or x head)
+patched in each direction, many cells per forward, into the `lm_patching` table."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner.data.base import Batch
+from runner.data.prompts import position_ids
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.base import Method
+from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
+from runner.methods.patching.rows import small_spans
+from runner.models.lm_sites import layout_of
+from runner.options.method.lm_patching import HeadPositions, LmCorruption, LmPatchingMethodConfig
+from runner.options.method.patching import PatchDirection
+from runner.randomness import per_sample_normal
+from runner.rows import BatchOutput, Columns, concat_columns
+from runner.runtime import Runtime
+from runner.tables import Presentation, declare
+
+log = logging.getLogger(__name__)
+
+LM_PATCHING_SCHEMA = declare(
+    "lm_patching",
+    [
+        pa.field("corrupted_id", pa.string()),
+        pa.field("direction", pa.string()),  # denoising | noising
+        pa.field("site", pa.string()),  # resid_pre, attn_out, mlp_out, head, ...
+        pa.field("layer", pa.int64()),  # the block's index
+        pa.field("head", pa.int64()),  # null for whole-site cells
+        pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended); null: every position
+        pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("answer", pa.string()),
+        pa.field("distractor", pa.string()),
+        pa.field("metric", pa.string()),  # the run's target
+        *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),
+        pa.field("degenerate", pa.bool_()),
+        pa.field("degenerate_reason", pa.string()),
+        pa.field("small_span", pa.bool_()),
+    ],
+    Presentation(keys=("direction", "site", "metric"), values=("restoration",), shown=("metric",)),
+)
+# Rows of the stacked batch a patched forward aims for on the CPU (variants x pairs); a GPU takes more.
+ROWS_PER_FORWARD = 64
+
+
+class LmPatching(Method):
+    name = "lm_patching"
+    table = "lm_patching"
+    needs_layers = False
+    modality = "text"
+    summary_values = ("restoration",)
+
+    def __init__(self, cfg: LmPatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+        self.cfg, self.p, self.runtime = cfg, cfg.patching, runtime
+        self.dataset: Dataset | None = None
+        self.warned: set[str] = set()
+
+    def prepare(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        model = session.model
+        self.layout = layout_of(model)
+        target = self.runtime.target
+        if not getattr(target, "text", False):
+            raise RunnerError(
+                "method=lm_patching measures a language model's answer: use target=token_logit_diff,"
+                " token_prob_diff, answer_logprob or kl_to_clean."
+            )
+        self.target = target
+        layers = list(range(self.layout.layers)) if self.p.layers is None else list(self.p.layers)
+        bad = [layer for layer in layers if not 0 <= layer < self.layout.layers]
+        if bad:
+            raise RunnerError(f"method.patching.layers={bad}: the model has layers 0..{self.layout.layers - 1}.")
+        self.layers = layers
+        specs = [self.layout.site(kind, layer) for kind in self.p.sites for layer in layers]
+        self.hooks = SiteHooks(model, specs, session)
+        self.embed = dict(model.named_modules())[self.layout.arch.embed]
+        self.noise: torch.Tensor | None = None  # (rows, T, D) added to the embeddings' output, when set
+        if self.p.corruption.kind is LmCorruption.noise:
+            session.add_hook(self.embed, self._add_noise, pre=False)
+            self.embed_std = float(self.embed.weight.float().std())
+
+    def _add_noise(self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
+        return None if self.noise is None else output + self.noise.to(output.device, output.dtype)
+
+    # ---- one batch of pairs ---------------------------------------------------------------------------
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        if batch.x.dim() != 3 or batch.extras is None:
+            raise RunnerError("method=lm_patching takes prompt pairs: use data=prompts.")
+        clean_ids, corrupted_ids = batch.x[:, 0], batch.x[:, 1]
+        mask = batch.extras["attention_mask"]
+        answers, distractors = batch.extras["answers"], batch.extras["distractors"]
+        b, t = clean_ids.shape
+        noise = None
+        if self.p.corruption.kind is LmCorruption.noise:
+            corrupted_ids = clean_ids
+            noise = self._noise(batch, mask)
+        with self.hooks.keep():
+            clean_logits = self._logits(model, clean_ids, mask)
+        clean_sites = self.hooks.kept
+        self.noise = noise
+        with self.hooks.keep():
+            corrupted_logits = self._logits(model, corrupted_ids, mask)
+        corrupted_sites = self.hooks.kept
+        self.noise = None
+        m_clean = self._metric(clean_logits, answers, distractors, clean_logits)
+        m_corrupted = self._metric(corrupted_logits, answers, distractors, clean_logits)
+        flags = self._flags(batch, clean_ids, corrupted_ids, noise, m_clean, m_corrupted)
+        cells = cells_of(self.layout, self.p.sites, self.layers, t,
+                         self.p.head_positions is HeadPositions.each)  # fmt: skip
+        parts: list[Columns] = []
+        for direction in self.p.directions:
+            denoising = direction is PatchDirection.denoising
+            receiver_ids = corrupted_ids if denoising else clean_ids
+            receiver_noise = noise if denoising else None
+            sources = clean_sites if denoising else corrupted_sites
+            patched = self.patched_metrics(model, receiver_ids, mask, receiver_noise, sources, cells, answers,
+                                           distractors, clean_logits)  # fmt: skip
+            parts.append(self._rows(batch, direction, cells, patched, m_clean, m_corrupted, flags, mask))
+        self.hooks.clear()
+        columns = concat_columns(parts)
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: columns})
+
+    def patched_metrics(
+        self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor | None,
+        sources: dict[str, torch.Tensor], cells: list[Cell], answers: torch.Tensor, distractors: torch.Tensor,
+        clean_logits: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """(len(cells), B) metric of every cell patched into the run of `ids` (with `noise` on its embeddings)."""
+        b = ids.shape[0]
+        chunk = self.p.chunk or max(1, ROWS_PER_FORWARD // b)
+        out = []
+        for start in range(0, len(cells), chunk):
+            part = cells[start : start + chunk]
+            c = len(part)
+            self.hooks.plan(part, b, sources)
+            self.noise = None if noise is None else noise.repeat(c, 1, 1)
+            try:
+                logits = self._logits(model, ids.repeat(c, 1), mask.repeat(c, 1))
+            finally:
+                self.noise = None
+                self.hooks.patches = {}
+            metric = self._metric(logits, answers.repeat(c, 1), distractors.repeat(c, 1), clean_logits.repeat(c, 1))
+            out.append(metric.view(c, b))
+        return torch.cat(out)
+
+    def _logits(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 next-token logits at the last position (left padding: the same index for every row)."""
+        with torch.no_grad(), self.runtime.autocast():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                        logits_to_keep=1)  # fmt: skip
+        return out.logits[:, -1].float()
+
+    def _metric(self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor,
+                clean: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return self.target.score_tokens(logits, answers.to(logits.device), distractors.to(logits.device),
+                                        clean.to(logits.device))  # fmt: skip
+
+    def _noise(self, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) Gaussian noise of corruption.std x the embeddings' std on the span's positions, per pair
+        seeded by (seed, sample): the same noise in the corrupted run and in every variant that receives it."""
+        c = self.p.corruption
+        b, t = mask.shape
+        d = self.embed.weight.shape[1]
+        first = batch.first_index
+        noise = per_sample_normal([t, d], c.seed, range(first, first + b), "lm_noise") * (c.std * self.embed_std)
+        pads = t - mask.sum(1)  # (B,) left padding: the table's position p is row index pads + p
+        where = torch.zeros((b, t), dtype=torch.bool)
+        for row in range(b):
+            start, end = (0, t) if c.span is None else c.span
+            lo = int(pads[row]) + start
+            where[row, lo : min(t, int(pads[row]) + end)] = True
+        return noise * where[..., None].to(noise.dtype)
+
+    def _flags(self, batch: Batch, clean_ids: torch.Tensor, corrupted_ids: torch.Tensor, noise: torch.Tensor | None,
+               m_clean: torch.Tensor, m_corrupted: torch.Tensor) -> dict[str, list[Any]]:  # fmt: skip
+        """Per pair: why its restoration is undefined (identical prompts, an equal metric) and small spans."""
+        same = (clean_ids == corrupted_ids).all(1).tolist() if noise is None else [False] * clean_ids.shape[0]
+        equal = (~torch.isfinite(m_clean - m_corrupted) | (m_clean == m_corrupted)).tolist()
+        reasons = ["self_pair" if s else "zero_span" if e else None for s, e in zip(same, equal, strict=True)]
+        small = [bool(f) and r is None for f, r in
+                 zip(small_spans(m_clean, m_corrupted, self.p.min_span).tolist(), reasons, strict=True)]  # fmt: skip
+        for key, flags, text in (
+            ("degenerate", [r is not None for r in reasons],
+             "the clean and corrupted prompts (or metrics) are identical: restoration is NaN"),
+            ("small_span", small, f"|clean - corrupted| is below method.patching.min_span={self.p.min_span} of"
+             " their size: restoration is NaN (small_span=True)"),
+        ):  # fmt: skip
+            if any(flags) and key not in self.warned:
+                self.warned.add(key)
+                ids = [s for s, f in zip(batch.sample_ids, flags, strict=True) if f]
+                log.warning("lm_patching: %s (first: %s)", text, ", ".join(ids[:5]))
+        return {"reason": reasons, "small": small}
+
+    def _rows(self, batch: Batch, direction: PatchDirection, cells: list[Cell], patched: torch.Tensor,
+              m_clean: torch.Tensor, m_corrupted: torch.Tensor, flags: dict[str, list[Any]],
+              mask: torch.Tensor) -> Columns:  # fmt: skip
+        """One row per (cell, pair), leaving out cells at a pair's padding positions."""
+        b, t = mask.shape
+        pads = (t - mask.sum(1)).tolist()
+        pairs = [self._pair(sample_id) for sample_id in batch.sample_ids]
+        span = (m_clean - m_corrupted).cpu()
+        undefined = torch.tensor([r is not None or s for r, s in zip(flags["reason"], flags["small"], strict=True)])
+        restoration = ((patched.cpu() - m_corrupted.cpu()) / span).masked_fill(undefined, float("nan"))
+        keep_c, keep_b, positions = [], [], []
+        for c, cell in enumerate(cells):
+            for row in range(b):
+                if cell.position is not None and cell.position < pads[row]:
+                    continue  # a padding position of this pair
+                keep_c.append(c)
+                keep_b.append(row)
+                positions.append(None if cell.position is None else cell.position - pads[row])
+        ci, bi = torch.tensor(keep_c, dtype=torch.long), torch.tensor(keep_b, dtype=torch.long)
+        target_name = getattr(self.target, "name", type(self.target).__name__)
+        return {
+            "sample_index": (batch.first_index + bi).tolist(),
+            "corrupted_id": [f"{batch.sample_ids[r]} (corrupted)" for r in keep_b],
+            "direction": [direction.value] * len(keep_b),
+            "site": [cells[c].kind for c in keep_c],
+            "layer": [cells[c].layer for c in keep_c],
+            "head": [cells[c].head for c in keep_c],
+            "position": positions,
+            "token": [None if p is None else pairs[r]["tokens"][p] for r, p in zip(keep_b, positions, strict=True)],
+            "answer": [pairs[r]["answer"] for r in keep_b],
+            "distractor": [pairs[r]["distractor"] for r in keep_b],
+            "metric": [target_name] * len(keep_b),
+            "clean": m_clean.cpu()[bi],
+            "corrupted": m_corrupted.cpu()[bi],
+            "patched": patched.cpu()[ci, bi],
+            "restoration": restoration[ci, bi],
+            "degenerate": [flags["reason"][r] is not None for r in keep_b],
+            "degenerate_reason": [flags["reason"][r] for r in keep_b],
+            "small_span": [flags["small"][r] for r in keep_b],
+        }
+
+    def _pair(self, sample_id: str) -> dict[str, Any]:
+        """The pair's token strings, answer and distractor as text (from the data set the run prepared)."""
+        dataset = self.dataset
+        while isinstance(dataset, torch.utils.data.Subset):
+            dataset = dataset.dataset
+        pair = getattr(dataset, "by_id", {}).get(sample_id)
+        if pair is None:
+            return {"tokens": [], "answer": None, "distractor": None}
+        return {"tokens": pair.tokens, "answer": " ".join(pair.answer_tokens),
+                "distractor": " ".join(pair.distractor_tokens)}  # fmt: skip

@@ -1,0 +1,198 @@
+"""Named sites of a Hugging Face causal language model, from one adapter per architecture family.
+
+A site is a tensor of one block that a method reads or replaces: `resid_pre` (the block's input), `resid_mid` (the
+residual stream between attention and MLP, where the block has one), `resid_post` (the block's output), `attn_out`,
+`mlp_out` (the attention's and the MLP's outputs), `head` (each head's output before the output projection), `q`,
+`k`, `v` (per head, before rotary embeddings). Each is found as a module's input or output (`SiteSpec.module`,
+`where`) and, for per-head sites, viewed as (batch, positions, heads, head size) by `get` and written back by `put`;
+so a site works with hooks alone, on transformers 4.x (blocks return tuples) and 5.x (tensors) alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runner.errors import RunnerError, suggest
+
+SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
+PER_HEAD = ("head", "q", "k", "v")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Where a family keeps its parts: module paths relative to the model, `{}` standing for the block's index."""
+
+    family: str
+    blocks: str  # the ModuleList of blocks
+    attn: str  # a block's attention module
+    mlp: str
+    out_proj: str  # the attention's output projection: its input is the heads' outputs side by side
+    mid_norm: str | None  # the norm whose input is resid_mid (None: parallel attention and MLP, no resid_mid)
+    final_norm: str
+    unembed: str
+    embed: str
+    qkv: tuple[str, str, str] | str  # separate q, k, v projections, or one fused module
+    fused_layout: str = ""  # a fused qkv's layout: "gpt2" (q | k | v) or "neox" (per head: q k v)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gpt2": Architecture("gpt2", "transformer.h", "attn", "mlp", "attn.c_proj", "ln_2", "transformer.ln_f",
+                         "lm_head", "transformer.wte", "attn.c_attn", "gpt2"),
+    "llama": Architecture("llama", "model.layers", "self_attn", "mlp", "self_attn.o_proj", "post_attention_layernorm",
+                          "model.norm", "lm_head", "model.embed_tokens",
+                          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "gpt_neox": Architecture("gpt_neox", "gpt_neox.layers", "attention", "mlp", "attention.dense",
+                             "post_attention_layernorm", "gpt_neox.final_layer_norm", "embed_out",
+                             "gpt_neox.embed_in", "attention.query_key_value", "neox"),
+}  # fmt: skip
+# model_type (config.json) -> family: Llama's layout is shared by Mistral, Qwen2/3 and Gemma-like models.
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+            "gpt_neox": "gpt_neox"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """One site of one block: the module whose input (`where="input"`) or output holds it, and its view."""
+
+    kind: str
+    layer: int
+    module: str  # dotted name in the model
+    where: str  # "input": the first positional argument (or hidden_states); "output": the first output
+    get: Callable[[torch.Tensor], torch.Tensor]  # the raw tensor -> the site's view (B, T, D) or (B, T, H, d)
+    put: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (raw, new view) -> the raw tensor to pass on
+    heads: int = 0  # per-head sites: how many heads the view has (k and v: the key-value heads)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}.{self.layer}"
+
+
+def _same(raw: torch.Tensor) -> torch.Tensor:
+    return raw
+
+
+def _replace(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new
+
+
+def _split_heads(heads: int) -> tuple[Callable, Callable]:
+    def get(raw: torch.Tensor) -> torch.Tensor:
+        return raw.unflatten(-1, (heads, -1))  # (B, T, H, d)
+
+    def put(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return new.flatten(-2)
+
+    return get, put
+
+
+def _fused_part(layout: str, part: int, heads: int) -> tuple[Callable, Callable]:
+    """q (0), k (1) or v (2) of a fused projection's output, per head."""
+
+    def get(raw: torch.Tensor) -> torch.Tensor:
+        if layout == "gpt2":  # [q | k | v], each heads x d
+            return raw.chunk(3, dim=-1)[part].unflatten(-1, (heads, -1))
+        return raw.unflatten(-1, (heads, 3, -1))[..., part, :]  # neox: per head [q k v]
+
+    def put(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if layout == "gpt2":
+            parts = list(raw.chunk(3, dim=-1))
+            parts[part] = new.flatten(-2)
+            return torch.cat(parts, dim=-1)
+        out = raw.unflatten(-1, (heads, 3, -1)).clone()
+        out[..., part, :] = new
+        return out.flatten(-3)
+
+    return get, put
+
+
+@dataclass(frozen=True)
+class LanguageModelLayout:
+    """A causal LM's family, sizes and parts, read from its config and module tree."""
+
+    arch: Architecture
+    layers: int
+    heads: int
+    kv_heads: int
+    attn_implementation: str
+
+    def module_name(self, part: str, layer: int) -> str:
+        return f"{self.arch.blocks}.{layer}.{part}"
+
+    def site(self, kind: str, layer: int) -> SiteSpec:
+        """The site `kind` of block `layer`; RunnerError for a kind this family lacks or a layer out of range."""
+        if kind not in SITE_KINDS:
+            raise RunnerError(f"Unknown site '{kind}'.{suggest(kind, list(SITE_KINDS))} Sites: {', '.join(SITE_KINDS)}.")
+        if not 0 <= layer < self.layers:
+            raise RunnerError(f"Layer {layer} of site {kind}: the model has layers 0..{self.layers - 1}.")
+        a = self.arch
+        block = f"{a.blocks}.{layer}"
+        if kind == "resid_pre":
+            return SiteSpec(kind, layer, block, "input", _same, _replace)
+        if kind == "resid_post":
+            return SiteSpec(kind, layer, block, "output", _same, _replace)
+        if kind == "resid_mid":
+            if a.mid_norm is None:
+                raise RunnerError(f"{a.family} runs attention and MLP in parallel: it has no resid_mid site.")
+            return SiteSpec(kind, layer, f"{block}.{a.mid_norm}", "input", _same, _replace)
+        if kind == "attn_out":
+            return SiteSpec(kind, layer, f"{block}.{a.attn}", "output", _same, _replace)
+        if kind == "mlp_out":
+            return SiteSpec(kind, layer, f"{block}.{a.mlp}", "output", _same, _replace)
+        if kind == "head":
+            get, put = _split_heads(self.heads)
+            return SiteSpec(kind, layer, f"{block}.{a.out_proj}", "input", get, put, self.heads)
+        part = "qkv".index(kind)
+        heads = self.heads if kind == "q" else self.kv_heads
+        if isinstance(a.qkv, tuple):
+            get, put = _split_heads(heads)
+            return SiteSpec(kind, layer, f"{block}.{a.qkv[part]}", "output", get, put, heads)
+        get, put = _fused_part(a.fused_layout, part, heads)
+        return SiteSpec(kind, layer, f"{block}.{a.qkv}", "output", get, put, heads)
+
+    def available(self) -> list[str]:
+        """The site kinds this model has."""
+        return [k for k in SITE_KINDS if k != "resid_mid" or self.arch.mid_norm is not None]
+
+
+def layout_of(model: nn.Module) -> LanguageModelLayout:
+    """The layout of a Hugging Face causal LM; RunnerError naming the supported families for another model."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(str(model_type))
+    if family is None:
+        raise RunnerError(
+            f"No site adapter for model_type '{model_type}': sites are known for {', '.join(sorted(FAMILIES))}."
+            " Other models can still be hooked by module name with layers.include."
+        )
+    arch = ARCHITECTURES[family]
+    if family == "gpt_neox" and getattr(config, "use_parallel_residual", True):
+        arch = Architecture(**{**arch.__dict__, "mid_norm": None})
+    heads = int(getattr(config, "num_attention_heads", None) or config.n_head)  # type: ignore[union-attr]
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)  # type: ignore[union-attr]
+    implementation = str(getattr(config, "_attn_implementation", None) or "eager")
+    return LanguageModelLayout(arch, layers, heads, kv_heads, implementation)
+
+
+def read_site(spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> torch.Tensor:
+    """The raw tensor of a site from a hook's arguments (input sites) or output (output sites)."""
+    if spec.where == "input":
+        return args[0] if args else kwargs["hidden_states"]
+    return output[0] if isinstance(output, tuple) else output
+
+
+def with_site(spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, raw: torch.Tensor) -> Any:
+    """The hook's return value that passes `raw` on in the site's place: (args, kwargs) for input sites (a
+    forward pre-hook registered with kwargs), the output (its first element replaced, for tuples) otherwise."""
+    if spec.where == "input":
+        if args:
+            return (raw, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": raw}
+    if isinstance(output, tuple):
+        return (raw, *output[1:])
+    return raw

@@ -1,0 +1,83 @@
+"""`method=lm_patching`'s schema: activation patching of a causal language model's named sites (layer x position,
+layer x head) between the clean and corrupted prompt of each pair, in one or both directions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar, Optional
+
+from runner.errors import RunnerError
+from runner.options.method.patching import PatchDirection
+from runner.options.registry import METHODS
+from runner.schema import MethodConfig
+
+LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
+
+
+class LmCorruption(str, Enum):
+    pair = "pair"  # the pair's own corrupted prompt
+    noise = "noise"  # the clean prompt, its embeddings on `span` plus Gaussian noise of std x the embeddings' std
+
+
+class HeadPositions(str, Enum):
+    all = "all"  # a head's output at every position at once: one cell per (layer, head)
+    each = "each"  # one cell per (layer, head, position)
+
+
+@dataclass
+class LmCorruptionConfig:
+    kind: LmCorruption = LmCorruption.pair
+    std: float = 3.0  # noise: in standard deviations of the embedding matrix's entries (Meng et al. 2022: 3)
+    # noise: the token positions noised, [start, end) counted as the table's positions (BOS = 0); null: all
+    span: Optional[list[int]] = None  # noqa: UP045 (OmegaConf)
+    seed: int = 0
+
+
+@dataclass
+class LmPatchingConfig:
+    sites: list[str] = field(default_factory=lambda: ["resid_pre", "attn_out", "mlp_out", "head"])
+    layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
+    head_positions: HeadPositions = HeadPositions.all  # per-head sites (head, q, k, v)
+    directions: list[PatchDirection] = field(default_factory=lambda: [PatchDirection.denoising])
+    corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
+    # Patched variants per forward (each a copy of the batch's pairs); null: automatic (enough to fill ~64 rows).
+    chunk: Optional[int] = None  # noqa: UP045 (OmegaConf)
+    # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span and its
+    # restoration is NaN (as for vision).
+    min_span: float = 0.05
+
+    SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)
+
+
+@METHODS.option("runner.methods.lm_patching.method:LmPatching", tables=("lm_patching",))
+@dataclass
+class LmPatchingMethodConfig(MethodConfig):
+    """`method=lm_patching`: what is patched sits under `method.patching`; the metric is the run's `target`
+    (target=token_logit_diff, token_prob_diff, answer_logprob or kl_to_clean)."""
+
+    name: str = "lm_patching"
+    patching: LmPatchingConfig = field(default_factory=LmPatchingConfig)
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        p = self.patching
+        unknown = [s for s in p.sites if s not in LM_SITES]
+        if unknown or not p.sites:
+            raise RunnerError(
+                f"method.patching.sites={list(p.sites)}: each one of {', '.join(LM_SITES)} (at least one)."
+            )
+        if p.chunk is not None and p.chunk < 1:
+            bad.append(f"method.patching.chunk={p.chunk}")
+        if not p.directions or len(set(p.directions)) != len(p.directions):
+            raise RunnerError("method.patching.directions: each of denoising, noising at most once, at least one.")
+        c = p.corruption
+        if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(p.min_span) or p.min_span < 0:
+            raise RunnerError(
+                f"Out of range: method.patching.corruption.std={c.std} (finite, >= 0), method.patching.min_span="
+                f"{p.min_span} (finite, >= 0)."
+            )
+        if c.span is not None and (len(c.span) != 2 or c.span[0] < 0 or c.span[1] <= c.span[0]):
+            raise RunnerError(f"method.patching.corruption.span={list(c.span)}: [start, end) with 0 <= start < end.")
+        return bad

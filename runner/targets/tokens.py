@@ -1,0 +1,70 @@
+"""Language-model targets: what a run's next-token output scores, given each pair's answer and distractor tokens.
+
+`score_tokens(logits, answers, distractors, clean)`: logits (B, V) float32 at the last position; answers and
+distractors (B, A) token ids padded with -1 (token sets); clean (B, V) the clean run's logits (KL needs them).
+Each returns (B,) and is differentiable in `logits` (attribution patching and the gradient pass differentiate it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.schema import TargetConfig
+
+
+def _set_mean(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` (B, V) over each row's token set `ids` (B, A) padded with -1."""
+    real = ids >= 0
+    picked = values.gather(1, ids.clamp(min=0)) * real
+    return picked.sum(1) / real.sum(1).clamp(min=1)
+
+
+def _set_sum(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    real = ids >= 0
+    return (values.gather(1, ids.clamp(min=0)) * real).sum(1)
+
+
+class TokenTarget:
+    """A language-model target; `text = True` tells methods that take token targets apart from class targets."""
+
+    text = True
+
+    def __init__(self, config: TargetConfig | None = None) -> None:
+        self.name = config.name if config is not None else type(self).__name__
+
+    def score_tokens(
+        self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TokenLogitDiff(TokenTarget):
+    def score_tokens(
+        self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
+    ) -> torch.Tensor:
+        return _set_mean(logits, answers) - _set_mean(logits, distractors)
+
+
+class TokenProbDiff(TokenTarget):
+    def score_tokens(
+        self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
+    ) -> torch.Tensor:
+        probs = logits.softmax(-1)
+        return _set_sum(probs, answers) - _set_sum(probs, distractors)
+
+
+class AnswerLogprob(TokenTarget):
+    def score_tokens(
+        self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
+    ) -> torch.Tensor:
+        logp = logits.log_softmax(-1)
+        return logp.gather(1, answers.clamp(min=0)).masked_fill(answers < 0, float("-inf")).logsumexp(1)
+
+
+class KlToClean(TokenTarget):
+    def score_tokens(
+        self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert clean is not None, "kl_to_clean needs the clean run's logits"
+        p = clean.log_softmax(-1)
+        return (p.exp() * (p - logits.log_softmax(-1))).sum(-1)
