@@ -48,6 +48,8 @@ def layer_table(cfg: DictConfig | RunConfig) -> pd.DataFrame:
     bundle = build_model(config.model)
     cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     model = bundle.model.to("cuda" if cuda else "cpu")
+    if bundle.tokenizer is not None:
+        return site_table(model, config)
     x = probe_input(config.data, bundle.preprocess)
     modules = named_layers(model)
     try:
@@ -73,6 +75,42 @@ def layer_table(cfg: DictConfig | RunConfig) -> pd.DataFrame:
         columns=list(COLUMNS),
     )
     frame.attrs.update(input_shape=list(x.shape), selection_error=error)
+    return frame
+
+
+def site_table(model: torch.nn.Module, config: RunConfig) -> pd.DataFrame:
+    """A language model's named sites (runner/models/lm_sites.py) in block order, from one forward of a four-token
+    prompt: the site (kind.layer), the module and side it is read from, its shape (per-head sites: batch, positions,
+    heads, head size); `selected`: the sites method.patching.sites and .layers choose."""
+    from runner.hooks import HookSession
+    from runner.methods.lm_patching.engine import SiteHooks
+    from runner.models.lm_sites import layout_of
+
+    layout = layout_of(model)
+    specs = [layout.site(kind, layer) for layer in range(layout.layers) for kind in layout.available()]
+    patching = getattr(config.method, "patching", None)
+    kinds = set(getattr(patching, "sites", None) or [])
+    layers = getattr(patching, "layers", None)
+    chosen = {s.name for s in specs if s.kind in kinds and (layers is None or s.layer in layers)}
+    ids = torch.zeros((1, 4), dtype=torch.long, device=next(model.parameters()).device)
+    with HookSession(model, []) as session, torch.no_grad():
+        hooks = SiteHooks(model, specs, session)
+        with hooks.keep():
+            model(input_ids=ids, use_cache=False)
+        kept = dict(hooks.kept)
+    frame = pd.DataFrame(
+        {
+            "layer_index": [s.layer for s in specs],
+            "layer": [s.name for s in specs],
+            "type": [f"{s.module} ({s.where})" for s in specs],
+            "output_shape": [str(list(kept[s.name].shape)) if s.name in kept else "-" for s in specs],
+            "calls": [int(s.name in kept) for s in specs],
+            "cam": [False] * len(specs),
+            "selected": [s.name in chosen for s in specs],
+        },
+        columns=list(COLUMNS),
+    )
+    frame.attrs.update(input_shape=[1, 4], selection_error=None)
     return frame
 
 

@@ -142,7 +142,9 @@ def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
     assert cfg.template and cfg.answer and cfg.distractor
     sizes = {name: len(values) for name, values in {**cfg.slots, **cfg.corrupted_slots}.items()}
     if len(set(sizes.values())) != 1:
-        raise RunnerError(f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}.")
+        raise RunnerError(
+            f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}."
+        )
     unknown = sorted(set(cfg.corrupted_slots) - set(cfg.slots))
     if unknown:
         raise RunnerError(f"data.corrupted_slots names slots data.slots lacks: {', '.join(unknown)}.")

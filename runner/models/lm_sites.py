@@ -126,7 +126,9 @@ class LanguageModelLayout:
     def site(self, kind: str, layer: int) -> SiteSpec:
         """The site `kind` of block `layer`; RunnerError for a kind this family lacks or a layer out of range."""
         if kind not in SITE_KINDS:
-            raise RunnerError(f"Unknown site '{kind}'.{suggest(kind, list(SITE_KINDS))} Sites: {', '.join(SITE_KINDS)}.")
+            raise RunnerError(
+                f"Unknown site '{kind}'.{suggest(kind, list(SITE_KINDS))} Sites: {', '.join(SITE_KINDS)}."
+            )
         if not 0 <= layer < self.layers:
             raise RunnerError(f"Layer {layer} of site {kind}: the model has layers 0..{self.layers - 1}.")
         a = self.arch

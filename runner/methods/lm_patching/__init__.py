@@ -1,0 +1,55 @@
+"""Activation patching for causal language models: sites x layers x positions (or heads), batched.
+
+For each prompt pair and direction (denoising: the corrupted prompt with one clean activation put in place;
+noising: the clean prompt with one corrupted activation), the metric of the patched run is reported raw and as
+restoration = (patched - corrupted) / (clean - corrupted), as for vision. Variants are stacked along the batch
+(engine.py); the table is method.py's `lm_patching`. `lm_activation_patching` runs it on a model and a list of
+pairs from a notebook, with no run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from torch import nn
+
+from runner.data.base import Batch, to_batch
+from runner.data.prompts import prompts_source
+from runner.hooks import HookSession
+from runner.methods.base import as_frame, library_config
+from runner.methods.lm_patching.method import LmPatching
+from runner.options.data.prompts import PromptsConfig
+from runner.options.method.lm_patching import LmPatchingMethodConfig
+from runner.runtime import Runtime
+from runner.schema import Precision
+from runner.targets import build_target
+
+
+def lm_activation_patching(
+    model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], target: str = "token_logit_diff",
+    bos: bool = True, **settings: Any,
+) -> pd.DataFrame:  # fmt: skip
+    """The `lm_patching` table of `model` (a Hugging Face causal LM in eval mode) on `pairs` ([{clean, corrupted,
+    answer, distractor}], as data=prompts takes them), all pairs in one batch; `target` names the metric;
+    `settings`: LmPatchingConfig's fields (sites, layers, head_positions, directions, corruption, chunk). The
+    model's hooks are removed before it returns."""
+    from runner.options.registry import TARGETS
+
+    cfg = library_config(LmPatchingMethodConfig, patching=settings)
+    device = next(model.parameters()).device
+    runtime = Runtime(device, Precision.fp32)
+    runtime.target = build_target(TARGETS.get(target).schema())  # type: ignore[call-arg]
+    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
+    method = LmPatching(cfg, [], runtime)
+    method.prepare(dataset)
+    batch: Batch = to_batch(dataset.collate([dataset[i] for i in range(len(dataset))]), device, 0)
+    with HookSession(model, []) as session:
+        method.setup(session, len(dataset))
+        session.begin_batch(len(dataset), 0)
+        out = method.run_batch(model, batch, session)
+        session.end_batch()
+    return as_frame(out.tables["lm_patching"])
+
+
+__all__ = ["lm_activation_patching"]

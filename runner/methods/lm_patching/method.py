@@ -89,7 +89,7 @@ class LmPatching(Method):
         self.noise: torch.Tensor | None = None  # (rows, T, D) added to the embeddings' output, when set
         if self.p.corruption.kind is LmCorruption.noise:
             session.add_hook(self.embed, self._add_noise, pre=False)
-            self.embed_std = float(self.embed.weight.float().std())
+            self.embed_std = float(self.embed.weight.detach().float().std())
 
     def _add_noise(self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
         return None if self.noise is None else output + self.noise.to(output.device, output.dtype)

@@ -1,0 +1,169 @@
+"""Language-model activation patching (method=lm_patching) against a plain one-forward-per-cell loop written with
+plain hooks (tests/lm_references.py), on random-weight GPT-2 and Llama (grouped-query) models; identities; padding;
+the noise corruption; the prompt checks; the CLI's refusals; `runner layers` on a language model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.data.prompts import prompts_source
+from runner.errors import RunnerError
+from runner.hooks import count_hooks
+from runner.methods.lm_patching import lm_activation_patching
+from runner.options.data.prompts import PromptsConfig
+from tests.conftest import run_cli
+from tests.lm_references import build_tiny_lm, logit_diff, loop_patching
+
+# Three pairs of equal length (the loop takes one unpadded batch); answers/distractors are one token each.
+PAIRS = [
+    {"clean": "t01 t02 t03 t04 t01 t02 t03", "corrupted": "t09 t08 t07 t06 t01 t02 t03", "answer": "t04",
+     "distractor": "t06"},
+    {"clean": "t11 t12 t13 t14 t11 t12 t13", "corrupted": "t15 t16 t17 t18 t11 t12 t13", "answer": "t14",
+     "distractor": "t18"},
+    {"clean": "t05 t06 t07 t08 t05 t06 t07", "corrupted": "t10 t19 t00 t03 t05 t06 t07", "answer": "t08",
+     "distractor": "t03"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    model, tokenizer, folder = build_tiny_lm(request.param, seed=0, folder=tmp_path_factory.mktemp(request.param))
+    return model, tokenizer, folder
+
+
+def _ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_every_cell_equals_the_plain_loop(tiny, direction: str) -> None:  # type: ignore[no-untyped-def]
+    """Every (site, layer, position or head, pair) of the batched engine equals one forward per cell, 1e-5."""
+    model, tokenizer, _ = tiny
+    table = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre", "attn_out", "mlp_out", "head"],
+                                   directions=[direction])  # fmt: skip
+    assert count_hooks(model) == 0
+    clean = torch.tensor([_ids(tokenizer, p["clean"]) for p in PAIRS])
+    corrupted = torch.tensor([_ids(tokenizer, p["corrupted"]) for p in PAIRS])
+    answer = torch.tensor([tokenizer.convert_tokens_to_ids(p["answer"]) for p in PAIRS])
+    distractor = torch.tensor([tokenizer.convert_tokens_to_ids(p["distractor"]) for p in PAIRS])
+    worst = 0.0
+    for site in ("resid_pre", "attn_out", "mlp_out", "head"):
+        expected = loop_patching(model, clean, corrupted, site, logit_diff(answer, distractor),
+                                 direction="denoise" if direction == "denoising" else "noise", reduce="none")
+        rows = table[table.site == site]  # fmt: skip
+        cell = "head" if site == "head" else "position"
+        assert len(rows) == expected.numel()
+        got = torch.tensor(rows.patched.to_numpy().copy())
+        want = expected[rows.layer.to_numpy(), rows[cell].astype(int).to_numpy(), rows.sample_index.to_numpy()]
+        worst = max(worst, float((got - want).abs().max()))
+    print(f"worst |engine - loop| = {worst:.2e}")
+    assert worst <= 1e-5, worst
+
+
+def test_a_padded_batch_equals_each_pair_alone(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Pairs of different lengths, left-padded in one batch with position_ids from the mask: each row equals the
+    pair run alone (GPT-2 would differ by up to ~0.6 with positions from arange)."""
+    model, tokenizer, _ = tiny
+    pairs = [PAIRS[0], {"clean": "t11 t12 t13 t11 t12", "corrupted": "t15 t16 t17 t11 t12", "answer": "t13",
+                        "distractor": "t17"}]  # fmt: skip
+    together = lm_activation_patching(model, tokenizer, pairs, sites=["resid_pre", "head"])
+    for i, pair in enumerate(pairs):
+        alone = lm_activation_patching(model, tokenizer, [pair], sites=["resid_pre", "head"])
+        mine = together[together.sample_index == i].reset_index(drop=True)
+        assert mine[["site", "layer", "head", "position"]].equals(alone[["site", "layer", "head", "position"]])
+        assert (mine.patched - alone.patched).abs().max() <= 1e-5
+        assert (mine.clean - alone.clean).abs().max() <= 1e-5
+
+
+def test_identities(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The last block's output at the last position decides the next token: patched in, it restores exactly (1),
+    and the corrupted one breaks exactly (noising: the corrupted metric). BOS (position 0) is the same token on
+    both sides: patching it changes nothing."""
+    model, tokenizer, _ = tiny
+    table = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_post", "resid_pre"],
+                                   directions=["denoising", "noising"])  # fmt: skip
+    last_layer = int(table.layer.max())
+    final = table[(table.site == "resid_post") & (table.layer == last_layer) & (table.position == 7)]
+    assert len(final) == 6
+    denoise = final[final.direction == "denoising"]
+    assert (denoise.restoration - 1).abs().max() < 1e-4
+    assert (denoise.patched - denoise.clean).abs().max() < 1e-5
+    noise = final[final.direction == "noising"]
+    assert (noise.patched - noise.corrupted).abs().max() < 1e-5
+    bos = table[(table.site == "resid_pre") & (table.position == 0)]
+    assert (bos.patched - bos.corrupted).abs().where(bos.direction == "denoising", 0).max() < 1e-5
+    assert set(bos.token) == {tokenizer.bos_token}
+
+
+def test_clean_into_clean_is_flagged_not_a_number(tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, _ = tiny
+    same = [{**PAIRS[0], "corrupted": PAIRS[0]["clean"]}]
+    table = lm_activation_patching(model, tokenizer, same, sites=["resid_pre"])
+    assert table.degenerate.all() and set(table.degenerate_reason) == {"self_pair"}
+    assert table.restoration.isna().all()
+    assert (table.patched - table.clean).abs().max() < 1e-5  # the clean metric, everywhere
+
+
+def test_noise_corruption_noises_only_its_span(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Causal tracing: the clean prompt with noise on positions [1, 3); layer 0's residual patched back at a
+    position outside the span changes nothing, and the same seed gives the same numbers."""
+    model, tokenizer, _ = tiny
+    settings = {"sites": ["resid_pre"], "layers": [0], "corruption": {"kind": "noise", "std": 3.0, "span": [1, 3]}}
+    first = lm_activation_patching(model, tokenizer, PAIRS, **settings)
+    again = lm_activation_patching(model, tokenizer, PAIRS, **settings)
+    assert first.patched.equals(again.patched)
+    assert ((first.clean - first.corrupted).abs() > 1e-4).all()  # the noise moves the metric
+    outside = first[~first.position.isin([1, 2])]
+    assert (outside.patched - outside.corrupted).abs().max() < 1e-5
+    inside = first[first.position.isin([1, 2])]
+    assert (inside.patched - inside.corrupted).abs().max() > 1e-4
+
+
+def test_prompt_checks(tiny) -> None:  # type: ignore[no-untyped-def]
+    _, tokenizer, _ = tiny
+    with pytest.raises(RunnerError, match="clean prompt is 4 tokens and the corrupted one 3"):
+        prompts_source(PromptsConfig(pairs=[{"clean": "t01 t02 t03", "corrupted": "t01 t02", "answer": "t04",
+                                             "distractor": "t05"}]), tokenizer, 0)  # fmt: skip
+    with pytest.raises(RunnerError, match="answer 't04 t05' is 2 tokens"):
+        prompts_source(PromptsConfig(pairs=[{"clean": "t01", "corrupted": "t02", "answer": "t04 t05",
+                                             "distractor": "t05"}]), tokenizer, 0)  # fmt: skip
+    config = PromptsConfig(template="{A} t01 {B}", answer="{A}", distractor="{B}", slots={"A": ["t02", "t03"],
+                           "B": ["t04", "t05"]}, corrupted_slots={"A": ["t06", "t07"]})  # fmt: skip
+    pairs = prompts_source(config, tokenizer, 0)
+    assert len(pairs) == 2 and pairs.pairs[1].tokens == ["<bos>", "t03", "t01", "t05"]
+    assert tokenizer.convert_ids_to_tokens(pairs.pairs[1].corrupted) == ["<bos>", "t07", "t01", "t05"]
+
+
+@pytest.mark.slow
+def test_cli_runs_a_folder_model_and_refuses_mixed_modalities(tiny, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, _, folder = tiny
+    pairs = tmp_path / "pairs.jsonl"
+    import json
+
+    pairs.write_text("\n".join(json.dumps(p) for p in PAIRS))
+    done = run_cli("model=hf_lm", f"model.name={folder}", "data=prompts", f"data.file={pairs}",
+                   "method=lm_patching", "target=token_logit_diff", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    from runner.results import load
+
+    table = load(tmp_path / "run")
+    assert set(table.site) == {"resid_pre", "attn_out", "mlp_out", "head"} and len(set(table.sample_id)) == 3
+    refused = run_cli("model=hf_lm", f"model.name={folder}", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert refused.returncode == 2 and "is a language model: it takes method=lm_patching" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    from runner.commands.layers import main as layers_main
+
+    assert layers_main(["model=hf_lm", f"model.name={folder}", "method=lm_patching", "data=prompts"]) == 0
+    listed = capsys.readouterr().out
+    assert "head.1" in listed and "resid_pre.0" in listed
+
+
+def test_restoration_is_nan_where_undefined_only(tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, _ = tiny
+    table = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre"])
+    defined = table[~table.degenerate & ~table.small_span]
+    assert all(math.isfinite(v) for v in defined.restoration)
