@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
@@ -37,7 +37,6 @@ from runner.ids import ClassNames, run_columns
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
-from runner.methods.base import Method
 from runner.models import build_model, check_input
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -45,6 +44,9 @@ from runner.store.provenance import provenance, resume_key
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
 from runner.targets import build_target
 from runner.viz.summary import summarise
+
+if TYPE_CHECKING:  # the run drives any method through the protocol; it imports none
+    from runner.methods.base import Method
 
 log = logging.getLogger(__name__)
 

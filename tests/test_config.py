@@ -28,9 +28,14 @@ def test_default_composes_to_typed_objects() -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = make_config(f"experiment={experiment}")
     assert cfg.name == experiment
-    assert cfg.layers.include, "every experiment selects target layers"
     # for_model names the experiment's own model: with no override the experiment's selection is the run's.
     assert cfg.for_model.model == model_label(cfg.model), "for_model.model: the experiment's model's label"
+    from runner.methods import method_class
+
+    if method_class(cfg.method).modality == "text":  # a language model's method names sites (method.patching.sites)
+        assert cfg.method.patching.sites and not cfg.for_model.include and not cfg.hooks
+        return
+    assert cfg.layers.include, "every experiment selects target layers"
     assert cfg.layers.include == cfg.for_model.include and cfg.hooks == cfg.for_model.hooks
 
 
@@ -77,7 +82,7 @@ def test_a_key_of_another_option_fails_at_composition(overrides: list[str], key:
 
 
 def test_plus_cannot_smuggle_in_a_key_of_another_option() -> None:
-    with pytest.raises(RunnerError, match=r"key: method.patching\).*belongs to method=patching, not to method=gradcam"):
+    with pytest.raises(RunnerError, match=r"key: method.patching\).*belongs to method=patching / lm_patching, not to method=gradcam"):
         make_config("+method.patching.grid=[3,3]")
 
 
@@ -162,7 +167,7 @@ def test_every_group_uses_the_one_extension_point_shape() -> None:
     assert method_config_class("gradcam") is GradCam.config  # type: ignore[attr-defined]
     assert data_config_class("synthetic") is SyntheticConfig
     assert {"gradcam", "patching", "record"} <= set(METHODS.names())
-    assert set(MODELS.names()) == {"torchvision", "embedded", "target", "timm", "hf"}
+    assert set(MODELS.names()) == {"torchvision", "embedded", "target", "timm", "hf", "hf_lm"}
     with pytest.raises(RunnerError, match=r"Unknown data source 'synthtic'\. Did you mean: synthetic\? Available: "):
         data_config_class("synthtic")
 

@@ -53,6 +53,9 @@ RUNS = {
     "evaluation": ["method=gradcam", "method.evaluation.metrics=[sparseness,complexity]"],
     "mprt": ["method=mprt", "method.max_steps=2"],
     "cam_vs_patching": ["method=cam_vs_patching", "method.cam_methods=[gradcam]", "method.exact_patching.grid=[2,2]"],
+    # A language model: the shipped induction model on two of its pairs (its own config, not TINY's image model).
+    "lm_patching": ["experiment=patching_lm_induction", "data.limit=2", "data.batch_size=2",
+                    "method.patching.sites=[resid_pre,head]", "method.patching.layers=[1]"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -67,7 +70,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[st
     for name, extra in RUNS.items():
         overrides = OVERRIDES if name == "gradcam" else []
         with mock.patch.object(provenance, "hydra_overrides", return_value=overrides):
-            result = app.run(make_config(*TINY, *extra), tmp_path_factory.mktemp(name))
+            base = [] if name == "lm_patching" else TINY
+            result = app.run(make_config(*base, *extra), tmp_path_factory.mktemp(name))
         for table, folder in result.tables.items():
             out.setdefault(table, []).append((name, pq.read_schema(sorted(folder.glob("part-*.parquet"))[0])))
     return out
@@ -82,7 +86,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
     assert (
         set(written)
         == set(declared())
-        == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching"}
+        == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
     )
     for table, files in written.items():
         seen: set[str] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from runner.errors import RunnerError
 from runner.schema import TargetConfig
 
 
@@ -31,6 +32,13 @@ class TokenTarget:
 
     def __init__(self, config: TargetConfig | None = None) -> None:
         self.name = config.name if config is not None else type(self).__name__
+
+    def score(self, output: torch.Tensor, classes: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """A class target's call: refused (a token target needs a pair's answer and distractor tokens)."""
+        raise RunnerError(
+            f"target={self.name} scores a language model's next token for a prompt pair: it takes method=lm_patching"
+            " (image methods take target=logit, probability, logit_difference, ...)."
+        )
 
     def score_tokens(
         self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
