@@ -10,6 +10,7 @@ import torch
 # transformers and transformer-lens are dev dependencies: missing, these tests fail at import rather than skip.
 from lm_references import (
     SITES,
+    _register,
     build_tiny_lm,
     capture,
     logit_diff,
@@ -129,3 +130,27 @@ def test_bridge_prepends_bos_to_strings_not_to_token_tensors(lm: dict) -> None:
         tl = bridge(lm["clean"])
     torch.testing.assert_close(tl, hf, rtol=0, atol=1e-5)
     assert _hooks(lm["model"]) == 0  # the bridge wraps a copy: the HF model keeps its modules and no hooks
+
+
+def test_resid_pre_hook_takes_hidden_states_by_position_or_keyword(tmp_path: pytest.TempPathFactory) -> None:
+    """transformers 5 calls blocks with hidden_states positionally; a block called by keyword is patched alike
+    (GPT-2's block: it takes hidden_states alone, where Llama's needs its rotary embeddings passed in)."""
+    model, _, _ = build_tiny_lm("gpt2", seed=0, folder=tmp_path)
+    block = model.transformer.h[0]
+    x = torch.randn(1, 4, model.config.n_embd)
+    seen: list[torch.Tensor] = []
+
+    def swap(act: torch.Tensor) -> torch.Tensor:
+        seen.append(act)
+        return torch.zeros_like(act)
+
+    with torch.no_grad():
+        expected = block(torch.zeros_like(x))
+        handle = _register(block, "resid_pre", swap)
+        try:
+            by_position, by_keyword = block(x), block(hidden_states=x)
+        finally:
+            handle.remove()
+    assert len(seen) == 2 and all(torch.equal(a, x) for a in seen)
+    torch.testing.assert_close(by_position, expected, rtol=0, atol=0)
+    torch.testing.assert_close(by_keyword, expected, rtol=0, atol=0)
