@@ -53,7 +53,9 @@ def build_tiny_lm(arch: str, seed: int, folder: str | Path | None = None) -> tup
     ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
     torch.manual_seed(seed)
     if arch == "gpt2":
-        config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, initializer_range=INIT, **ids)
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, initializer_range=INIT, **ids
+        )
         model = GPT2LMHeadModel(config)
     elif arch == "llama":
         config = LlamaConfig(
