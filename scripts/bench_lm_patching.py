@@ -10,6 +10,7 @@ averaged over the pairs) at every (layer, position) with the clean run's `resid_
 run, including the clean run that supplies the activations:
   loop             one forward per cell, plain torch hooks on the HF blocks (tests/lm_references.py)
   transformerlens  TransformerLens 4.3's `patching.get_act_patch_resid_pre` through its TransformerBridge
+  runner           runner.methods.lm_patching: the variants stacked in the batch, many cells per forward
 Each runs on its own copy of the model, checked for foreign hooks before every call, timed interleaved and
 round-robin (scripts/benchtools.py); the tables are checked equal before any timing. Prints seconds (median,
 spread), cells/s and the ratios.
@@ -76,12 +77,33 @@ def tl_contender(
     return Contender("transformerlens", run, bridge, lazy=True)
 
 
+def runner_contender(
+    model: nn.Module, tokenizer: object, clean: torch.Tensor, corrupted: torch.Tensor, metric: Metric
+) -> Contender:
+    """The runner's engine (runner.methods.lm_patching): the clean and corrupted runs, then every (layer, position)
+    variant stacked in the batch, many per forward; hooks registered and removed per call."""
+    from runner.methods.lm_patching import lm_patching_on_ids
+
+    answer, distractor = metric.answer, metric.distractor  # type: ignore[attr-defined]
+    layers, seq = model.config.n_layer, clean.shape[1]
+
+    def run() -> torch.Tensor:
+        rows = lm_patching_on_ids(model, clean, corrupted, answer, distractor, sites=[SITE])
+        table = torch.zeros(layers, seq)
+        means = rows.groupby(["layer", "position"]).patched.mean()
+        for (layer, position), value in means.items():
+            table[int(layer), int(position)] = float(value)
+        return table
+
+    return Contender("runner", run, model)
+
+
 Factory = Callable[[nn.Module, object, torch.Tensor, torch.Tensor, Metric], Contender]
 
 # ----- the contenders: each factory gets its OWN copy of the model (and the tokenizer, prompts, metric) and returns
 # a Contender whose fn() returns the (layers, positions) table, batch-averaged, on the CPU.
-# >>> the runner's LM patching engine goes here: CONTENDERS["runner"] = runner_contender
 CONTENDERS: dict[str, Factory] = {
+    "runner": runner_contender,
     "loop": loop_contender,
     "transformerlens": tl_contender,
 }

@@ -88,6 +88,7 @@ def logit_diff(answer: torch.Tensor, distractor: torch.Tensor) -> Metric:
         rows = torch.arange(last.shape[0], device=last.device)
         return last[rows, answer.to(last.device)] - last[rows, distractor.to(last.device)]
 
+    metric.answer, metric.distractor = answer, distractor  # type: ignore[attr-defined]  # for contenders that take ids
     return metric
 
 

@@ -82,7 +82,9 @@ def test_a_key_of_another_option_fails_at_composition(overrides: list[str], key:
 
 
 def test_plus_cannot_smuggle_in_a_key_of_another_option() -> None:
-    with pytest.raises(RunnerError, match=r"key: method.patching\).*belongs to method=patching / lm_patching, not to method=gradcam"):
+    with pytest.raises(
+        RunnerError, match=r"key: method.patching\).*belongs to method=patching / lm_patching, not to method=gradcam"
+    ):
         make_config("+method.patching.grid=[3,3]")
 
 

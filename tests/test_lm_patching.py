@@ -52,8 +52,15 @@ def test_every_cell_equals_the_plain_loop(tiny, direction: str) -> None:  # type
     distractor = torch.tensor([tokenizer.convert_tokens_to_ids(p["distractor"]) for p in PAIRS])
     worst = 0.0
     for site in ("resid_pre", "attn_out", "mlp_out", "head"):
-        expected = loop_patching(model, clean, corrupted, site, logit_diff(answer, distractor),
-                                 direction="denoise" if direction == "denoising" else "noise", reduce="none")
+        expected = loop_patching(
+            model,
+            clean,
+            corrupted,
+            site,
+            logit_diff(answer, distractor),
+            direction="denoise" if direction == "denoising" else "noise",
+            reduce="none",
+        )
         rows = table[table.site == site]  # fmt: skip
         cell = "head" if site == "head" else "position"
         assert len(rows) == expected.numel()

@@ -54,8 +54,13 @@ RUNS = {
     "mprt": ["method=mprt", "method.max_steps=2"],
     "cam_vs_patching": ["method=cam_vs_patching", "method.cam_methods=[gradcam]", "method.exact_patching.grid=[2,2]"],
     # A language model: the shipped induction model on two of its pairs (its own config, not TINY's image model).
-    "lm_patching": ["experiment=patching_lm_induction", "data.limit=2", "data.batch_size=2",
-                    "method.patching.sites=[resid_pre,head]", "method.patching.layers=[1]"],
+    "lm_patching": [
+        "experiment=patching_lm_induction",
+        "data.limit=2",
+        "data.batch_size=2",
+        "method.patching.sites=[resid_pre,head]",
+        "method.patching.layers=[1]",
+    ],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
+import torch
 from torch import nn
 
 from runner.data.base import Batch, to_batch
@@ -34,22 +35,41 @@ def lm_activation_patching(
     answer, distractor}], as data=prompts takes them), all pairs in one batch; `target` names the metric;
     `settings`: LmPatchingConfig's fields (sites, layers, head_positions, directions, corruption, chunk). The
     model's hooks are removed before it returns."""
+    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
+    raw = dataset.collate([dataset[i] for i in range(len(dataset))])
+    return _patch(model, to_batch(raw, next(model.parameters()).device, 0), target, settings, dataset)
+
+
+def lm_patching_on_ids(
+    model: nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor,
+    target: str = "token_logit_diff", **settings: Any,
+) -> pd.DataFrame:  # fmt: skip
+    """`lm_activation_patching` on token ids already made: clean and corrupted (B, T), answers and distractors (B,)
+    or (B, A) token sets padded with -1; no padding, no tokenizer (the `token` columns are then empty)."""
+    b, t = clean.shape
+    extras = {"attention_mask": torch.ones((b, t), dtype=torch.long, device=clean.device),
+              "answers": answers.reshape(b, -1), "distractors": distractors.reshape(b, -1)}  # fmt: skip
+    batch = Batch(torch.stack([clean, corrupted], 1), answers.reshape(b, -1)[:, 0], [f"pair-{i}" for i in range(b)],
+                  0, None, extras)  # fmt: skip
+    return _patch(model, batch, target, settings, None)
+
+
+def _patch(model: nn.Module, batch: Batch, target: str, settings: dict[str, Any], dataset: Any) -> pd.DataFrame:
     from runner.options.registry import TARGETS
 
     cfg = library_config(LmPatchingMethodConfig, patching=settings)
-    device = next(model.parameters()).device
-    runtime = Runtime(device, Precision.fp32)
+    runtime = Runtime(batch.x.device, Precision.fp32)
     runtime.target = build_target(TARGETS.get(target).schema())  # type: ignore[call-arg]
-    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
     method = LmPatching(cfg, [], runtime)
-    method.prepare(dataset)
-    batch: Batch = to_batch(dataset.collate([dataset[i] for i in range(len(dataset))]), device, 0)
+    if dataset is not None:
+        method.prepare(dataset)
+    b = batch.x.shape[0]
     with HookSession(model, []) as session:
-        method.setup(session, len(dataset))
-        session.begin_batch(len(dataset), 0)
+        method.setup(session, b)
+        session.begin_batch(b, 0)
         out = method.run_batch(model, batch, session)
         session.end_batch()
     return as_frame(out.tables["lm_patching"])
 
 
-__all__ = ["lm_activation_patching"]
+__all__ = ["lm_activation_patching", "lm_patching_on_ids"]

@@ -231,7 +231,10 @@ class LmPatching(Method):
             "layer": [cells[c].layer for c in keep_c],
             "head": [cells[c].head for c in keep_c],
             "position": positions,
-            "token": [None if p is None else pairs[r]["tokens"][p] for r, p in zip(keep_b, positions, strict=True)],
+            "token": [
+                pairs[r]["tokens"][p] if p is not None and p < len(pairs[r]["tokens"]) else None
+                for r, p in zip(keep_b, positions, strict=True)
+            ],  # fmt: skip
             "answer": [pairs[r]["answer"] for r in keep_b],
             "distractor": [pairs[r]["distractor"] for r in keep_b],
             "metric": [target_name] * len(keep_b),
