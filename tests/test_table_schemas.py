@@ -53,10 +53,12 @@ RUNS = {
     "evaluation": ["method=gradcam", "method.evaluation.metrics=[sparseness,complexity]"],
     "mprt": ["method=mprt", "method.max_steps=2"],
     "cam_vs_patching": ["method=cam_vs_patching", "method.cam_methods=[gradcam]", "method.exact_patching.grid=[2,2]"],
-    # A language model: the shipped induction model on two of its pairs (its own config, not TINY's image model).
+    # A language model: a random-weight GPT-2 saved to a folder, on two pairs (its own config, not TINY's image model).
     "lm_patching": [
-        "experiment=patching_lm_induction",
-        "data.limit=2",
+        "model=hf_lm",
+        "data=prompts",
+        "method=lm_patching",
+        "target=token_logit_diff",
         "data.batch_size=2",
         "method.patching.sites=[resid_pre,head]",
         "method.patching.layers=[1]",
@@ -68,6 +70,18 @@ SWEPT = [("sweep.seed", pa.int64()), ("sweep.method.faithfulness.enabled", pa.bo
          ("sweep.note.lr", pa.float64()), ("sweep.name", pa.string())]  # fmt: skip
 
 
+def lm_inputs(folder: Path) -> list[str]:
+    """model.name and data.file of a random-weight GPT-2 saved in `folder` and two prompt pairs beside it."""
+    import json
+
+    from tests.lm_references import build_tiny_lm
+
+    build_tiny_lm("gpt2", seed=0, folder=folder / "model")
+    pairs = [{"clean": "t01 t02 t01", "corrupted": "t03 t04 t01", "answer": "t02", "distractor": "t04"}] * 2
+    (folder / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
+    return [f"model.name={folder / 'model'}", f"data.file={folder / 'pairs.jsonl'}"]
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, pa.Schema]]]:
     """Per table, (run, file schema) of every real run above that wrote it."""
@@ -75,7 +89,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[st
     for name, extra in RUNS.items():
         overrides = OVERRIDES if name == "gradcam" else []
         with mock.patch.object(provenance, "hydra_overrides", return_value=overrides):
-            base = [] if name == "lm_patching" else TINY
+            base = lm_inputs(tmp_path_factory.mktemp("lm")) if name == "lm_patching" else TINY
             result = app.run(make_config(*base, *extra), tmp_path_factory.mktemp(name))
         for table, folder in result.tables.items():
             out.setdefault(table, []).append((name, pq.read_schema(sorted(folder.glob("part-*.parquet"))[0])))

@@ -1,6 +1,5 @@
-"""Hugging Face causal language models (`model=hf_lm`): AutoModelForCausalLM and its tokenizer from the shipped
-induction model, a folder saved with save_pretrained, the Hugging Face cache (a hub id), or random weights from a
-config. The attention implementation is set explicitly (and is part of the run's config); a device map spreads a
+"""Hugging Face causal language models (`model=hf_lm`): AutoModelForCausalLM and its tokenizer from a folder saved
+with save_pretrained, the Hugging Face cache (a hub id), or random weights from a config. The attention implementation is set explicitly (and is part of the run's config); a device map spreads a
 model larger than one device (accelerate)."""
 
 from __future__ import annotations
@@ -27,7 +26,15 @@ def shipped_folder() -> Path:
 
 def model_folder(name: str) -> str:
     """What transformers loads for model.name: the shipped model's folder for `induction`, else the name itself."""
-    return str(shipped_folder()) if name == SHIPPED_LM else name
+    if name != SHIPPED_LM:
+        return name
+    folder = shipped_folder()
+    if not (folder / "config.json").is_file():
+        raise RunnerError(
+            f"model.name=induction names the model shipped in {folder}, which this installation lacks: train it with"
+            " `python scripts/train_induction_lm.py`, or give model.name=FOLDER."
+        )
+    return str(folder)
 
 
 class HfLmSource(ModelSource):

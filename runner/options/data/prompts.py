@@ -42,7 +42,7 @@ class PromptsConfig(DataConfig):
     def check(self) -> list[str]:
         bad = super().check()
         given = [k for k, v in (("pairs", self.pairs), ("file", self.file), ("template", self.template)) if v]
-        if len(given) != 1:
+        if len(given) > 1:  # none given: the data set says so when it is built (a YAML may add them later)
             raise RunnerError(
                 "data=prompts takes its pairs from exactly one of data.pairs (in the YAML), data.file (JSONL or CSV)"
                 f" and data.template (with data.slots); given: {', '.join(given) or 'none'}."
