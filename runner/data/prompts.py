@@ -86,7 +86,10 @@ def prompts_source(cfg: PromptsConfig, tokenizer: Any, seed: int) -> Dataset:
         raise RunnerError("data=prompts is text for a language model: use model=hf_lm (it brings a tokenizer).")
     raw = _raw_pairs(cfg)
     if not raw:
-        raise RunnerError("data=prompts has no pairs: give data.pairs, data.file or data.template with data.slots.")
+        raise RunnerError(
+            "data=prompts has no pairs: give data.pairs, data.file (data.file=induction: the pairs of the shipped"
+            " induction model) or data.template with data.slots."
+        )
     bos = _bos_id(tokenizer) if cfg.bos else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     pairs = [_tokenised(i, item, tokenizer, bos) for i, item in enumerate(raw)]

@@ -1,5 +1,6 @@
-"""Hugging Face causal language models (`model=hf_lm`): AutoModelForCausalLM and its tokenizer from a folder saved
-with save_pretrained, the Hugging Face cache (a hub id), or random weights from a config. The attention implementation is set explicitly (and is part of the run's config); a device map spreads a
+"""Hugging Face causal language models (`model=hf_lm`): AutoModelForCausalLM and its tokenizer from the shipped
+induction model, a folder saved with save_pretrained, the Hugging Face cache (a hub id), or random weights from a
+config. The attention implementation is set explicitly (and is part of the run's config); a device map spreads a
 model larger than one device (accelerate)."""
 
 from __future__ import annotations

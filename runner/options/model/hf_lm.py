@@ -20,9 +20,9 @@ ATTENTION = ("eager", "sdpa", "flash_attention_2")
 @MODELS.option("runner.models.hf_lm:HfLmSource", name="hf_lm")
 @dataclass
 class HfLmModelConfig(ModelConfig):
-    # A local folder (save_pretrained), or a hub id from the Hugging Face cache; `induction`: the model shipped in
-    # runner/models/lm_induction/ where the installation has it.
-    name: str = ""
+    # `induction` (shipped in runner/models/lm_induction/: a two-layer GPT-2 trained on repeated random tokens), a
+    # local folder (save_pretrained), or a hub id from the Hugging Face cache.
+    name: str = SHIPPED_LM
     source: Optional[str] = "hf_lm"  # noqa: UP045 (OmegaConf)
     # DEFAULT: the saved weights; null: random weights from the model's config (and `config`'s overrides).
     weights: Optional[str] = "DEFAULT"  # noqa: UP045 (OmegaConf)
