@@ -98,7 +98,11 @@ def reference_grad_x_act(model: nn.Module, ids: torch.Tensor, answer: int, distr
 def test_grad_x_act_equals_plain_autograd_with_left_padding(tiny) -> None:  # type: ignore[no-untyped-def]
     """Every row of one left-padded batch of pairs of two lengths equals plain autograd on that pair alone, 1e-5."""
     model, tokenizer, _ = tiny
-    table = lm_grad_x_act(model, tokenizer, PAIRS)
+    model.requires_grad_(False)  # frozen, as a run loads it: the gradient must start at the embeddings' output
+    try:
+        table = lm_grad_x_act(model, tokenizer, PAIRS)
+    finally:
+        model.requires_grad_(True)  # the plain reference below reads gradients through the parameters' graph
     assert _hooks(model) == 0
     assert set(table.site) == {"resid_pre", "attn_out", "mlp_out", "head"} and set(table.metric) == {"token_logit_diff"}
     worst = 0.0
