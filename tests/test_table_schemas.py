@@ -63,6 +63,14 @@ RUNS = {
         "method.patching.sites=[resid_pre,head]",
         "method.patching.layers=[1]",
     ],
+    "lm_grad_x_act": [
+        "model=hf_lm",
+        "data=prompts",
+        "method=lm_grad_x_act",
+        "target=token_logit_diff",
+        "method.sites=[resid_pre,head]",
+    ],
+    "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -89,7 +97,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[st
     for name, extra in RUNS.items():
         overrides = OVERRIDES if name == "gradcam" else []
         with mock.patch.object(provenance, "hydra_overrides", return_value=overrides):
-            base = lm_inputs(tmp_path_factory.mktemp("lm")) if name == "lm_patching" else TINY
+            base = lm_inputs(tmp_path_factory.mktemp("lm")) if name.startswith("lm_") else TINY
             result = app.run(make_config(*base, *extra), tmp_path_factory.mktemp(name))
         for table, folder in result.tables.items():
             out.setdefault(table, []).append((name, pq.read_schema(sorted(folder.glob("part-*.parquet"))[0])))
@@ -106,6 +114,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         set(written)
         == set(declared())
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
+        | {"lm_grad_x_act", "lm_logit_lens"}
     )
     for table, files in written.items():
         seen: set[str] = set()

@@ -44,8 +44,9 @@ class PromptPairs(Dataset):
     model_labels = False
     classes = None
 
-    def __init__(self, pairs: list[PromptPair], pad_id: int) -> None:
+    def __init__(self, pairs: list[PromptPair], pad_id: int, tokenizer: Any = None) -> None:
         self.pairs, self.pad_id = pairs, pad_id
+        self.tokenizer = tokenizer  # names tokens a method finds (the logit lens' top token)
         self.by_id = {p.sample_id: p for p in pairs}
 
     def __len__(self) -> int:
@@ -93,7 +94,7 @@ def prompts_source(cfg: PromptsConfig, tokenizer: Any, seed: int) -> Dataset:
     bos = _bos_id(tokenizer) if cfg.bos else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     pairs = [_tokenised(i, item, tokenizer, bos) for i, item in enumerate(raw)]
-    return PromptPairs(pairs, int(pad))
+    return PromptPairs(pairs, int(pad), tokenizer)
 
 
 def _bos_id(tokenizer: Any) -> int:

@@ -1,0 +1,158 @@
+"""`method=lm_grad_x_act`: gradient x activation at every selected site, layer and position (and head) of each
+pair's clean prompt, from one forward and one backward per batch.
+
+value = sum over the hidden (per-head sites: the head's) dimension of d(target)/d(activation) * activation. Every
+selected site stays in the same forward, so each site's gradient is the total derivative of the target: through
+everything downstream of it, other selected sites included (what gradient x activation means; not the direct
+effect). The target is the run's token target at the last position (left padding: the same index for every row);
+the parameters are frozen, so the pass stops at the embeddings and no weight gradient is computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner.data.base import Batch
+from runner.data.prompts import position_ids
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.base import Method
+from runner.methods.lm_saliency.common import (
+    clean_prompts,
+    pair_strings,
+    real_cells,
+    target_name,
+    token_strings,
+    token_target,
+)
+from runner.models.lm_sites import PER_HEAD, SiteSpec, layout_of, read_site
+from runner.options.method.lm_grad_x_act import LmGradXActConfig
+from runner.rows import BatchOutput, Columns, concat_columns
+from runner.runtime import Runtime
+from runner.tables import Presentation, declare
+
+LM_GRAD_X_ACT_SCHEMA = declare(
+    "lm_grad_x_act",
+    [
+        pa.field("site", pa.string()),  # resid_pre, attn_out, mlp_out, head, ...
+        pa.field("layer", pa.int64()),  # the block's index
+        pa.field("head", pa.int64()),  # null for whole sites
+        pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
+        pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("answer", pa.string()),
+        pa.field("distractor", pa.string()),
+        pa.field("metric", pa.string()),  # the run's target, differentiated
+        pa.field("value", pa.float32()),  # gradient . activation over the hidden (or head) dimension
+        pa.field("grad_norm", pa.float32()),  # |gradient| over the same dimension
+        pa.field("act_norm", pa.float32()),  # |activation|
+    ],
+    Presentation(keys=("site", "metric"), values=("value",), shown=("metric",)),
+)
+
+
+class LmGradXAct(Method):
+    name = "lm_grad_x_act"
+    table = "lm_grad_x_act"
+    needs_layers = False
+    modality = "text"
+    summary_values = ("value",)
+
+    def __init__(self, cfg: LmGradXActConfig, layers: list[Layer], runtime: Runtime) -> None:
+        self.cfg, self.runtime = cfg, runtime
+        self.dataset: Dataset | None = None
+
+    def prepare(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        model = session.model
+        layout = layout_of(model)
+        self.target = token_target(self.runtime.target, self.name, per_position=False)
+        layers = list(range(layout.layers)) if self.cfg.layers is None else list(self.cfg.layers)
+        bad = [layer for layer in layers if not 0 <= layer < layout.layers]
+        if bad:
+            raise RunnerError(f"method.layers={bad}: the model has layers 0..{layout.layers - 1}.")
+        self.specs = [layout.site(kind, layer) for kind in self.cfg.sites for layer in layers]
+        # One hook per (module, side): q, k and v of a fused projection share its output.
+        self.raw: dict[tuple[str, str], torch.Tensor] = {}
+        self.capturing = False
+        modules = dict(model.named_modules())
+        for key in dict.fromkeys((s.module, s.where) for s in self.specs):
+            session.add_hook(modules[key[0]], self._hook(key), pre=key[1] == "input")
+        # Frozen parameters and integer ids: nothing in the forward would need a gradient; the embeddings' output
+        # is made to, so the graph starts there.
+        session.add_hook(modules[layout.arch.embed], self._grad_from_here, pre=False)
+
+    def _hook(self, key: tuple[str, str]) -> Callable[..., Any]:
+        spec = next(s for s in self.specs if (s.module, s.where) == key)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *output: Any) -> None:
+            if self.capturing:
+                self.raw[key] = read_site(spec, args, kwargs, output[0] if output else None)
+
+        return hook
+
+    def _grad_from_here(self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
+        if not self.capturing or output.requires_grad:
+            return None
+        return output.detach().requires_grad_(True)
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        prompts = clean_prompts(batch, self.name)
+        ids, mask = prompts.ids, prompts.mask
+        self.raw, self.capturing = {}, True
+        try:
+            with torch.enable_grad(), self.runtime.autocast():
+                out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                            logits_to_keep=1)  # fmt: skip
+        finally:
+            self.capturing = False
+        logits = out.logits[:, -1].float()  # (B, V)
+        score = self.target.score_tokens(logits, prompts.answers.to(logits.device),
+                                         prompts.distractors.to(logits.device), logits.detach())  # fmt: skip
+        keys = list(self.raw)
+        missing = [k[0] for k in keys if not self.raw[k].requires_grad]
+        if missing or len(keys) < len({(s.module, s.where) for s in self.specs}):
+            raise RunnerError(f"method=lm_grad_x_act: no gradient reached {', '.join(missing) or 'a site'}.")
+        # Rows are independent, so d(sum)/d(row's activation) is that row's own gradient.
+        grads = torch.autograd.grad(score.sum(), [self.raw[k] for k in keys], allow_unused=True)
+        by_key = {k: (self.raw[k].detach(), g) for k, g in zip(keys, grads, strict=True)}
+        self.raw = {}
+        strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        parts = [self._rows(batch, spec, *by_key[(spec.module, spec.where)], prompts.pads, strings)
+                 for spec in self.specs]  # fmt: skip
+        return BatchOutput(predicted=logits.detach().argmax(dim=1), tables={self.table: concat_columns(parts)})
+
+    def _rows(self, batch: Batch, spec: SiteSpec, raw: torch.Tensor, grad: torch.Tensor | None, pads: torch.Tensor,
+              strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
+        """One row per (pair, real position[, head]) of one site."""
+        act = spec.get(raw).float()  # (B, T, D) or (B, T, H, d)
+        g = torch.zeros_like(act) if grad is None else spec.get(grad).float()  # unused: no effect on the target
+        value, grad_norm, act_norm = ((g * act).sum(-1), g.norm(dim=-1), act.norm(dim=-1))  # (B, T[, H])
+        per_head = spec.kind in PER_HEAD
+        rows, index, heads = real_cells(pads, act.shape[1], spec.heads if per_head else 0)
+        at = (rows, index, heads) if per_head else (rows, index)
+        positions = (index - pads.cpu()[rows]).tolist()
+        r = rows.tolist()
+        n = len(r)
+        return {
+            "sample_index": (batch.first_index + rows).tolist(),
+            "site": [spec.kind] * n,
+            "layer": [spec.layer] * n,
+            "head": heads.tolist() if per_head else [None] * n,
+            "position": positions,
+            "token": token_strings(strings, r, positions),
+            "answer": [strings[i]["answer"] for i in r],
+            "distractor": [strings[i]["distractor"] for i in r],
+            "metric": [target_name(self.target)] * n,
+            "value": value.cpu()[at],
+            "grad_norm": grad_norm.cpu()[at],
+            "act_norm": act_norm.cpu()[at],
+        }

@@ -1,0 +1,20 @@
+"""`method=lm_logit_lens`: each layer's residual stream read through the model's own final norm and unembedding, at
+every position of each pair's clean prompt (layer -1: the embeddings; layer l: block l's output)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from runner.options.registry import METHODS
+from runner.schema import MethodConfig
+
+
+@METHODS.option("runner.methods.lm_saliency.logit_lens:LmLogitLens", tables=("lm_logit_lens",))
+@dataclass
+class LmLogitLensConfig(MethodConfig):
+    """The layers read (-1: the embeddings, l: block l's output); `value` is the run's `target` at each position's
+    lens logits (target=token_logit_diff, token_prob_diff, answer_logprob or kl_to_clean)."""
+
+    name: str = "lm_logit_lens"
+    layers: Optional[list[int]] = None  # null: -1 (the embeddings) and every block  # noqa: UP045 (OmegaConf)
