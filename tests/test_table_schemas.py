@@ -62,6 +62,8 @@ RUNS = {
         "data.batch_size=2",
         "method.patching.sites=[resid_pre,head]",
         "method.patching.layers=[1]",
+        "method.patching.mode=attribution_topk",  # writes patch_method's both values and rank_correlation
+        "method.patching.top_k=2",
     ],
     "lm_grad_x_act": [
         "model=hf_lm",

@@ -3,7 +3,8 @@
 For each prompt pair and direction (denoising: the corrupted prompt with one clean activation put in place;
 noising: the clean prompt with one corrupted activation), the metric of the patched run is reported raw and as
 restoration = (patched - corrupted) / (clean - corrupted), as for vision. Variants are stacked along the batch
-(engine.py); the table is method.py's `lm_patching`. `lm_activation_patching` runs it on a model and a list of
+(engine.py), or estimated to first order from one backward per direction (attribution.py, mode=attribution);
+the table is method.py's `lm_patching`. `lm_activation_patching` runs it on a model and a list of
 pairs from a notebook, with no run directory.
 """
 
@@ -33,8 +34,9 @@ def lm_activation_patching(
 ) -> pd.DataFrame:  # fmt: skip
     """The `lm_patching` table of `model` (a Hugging Face causal LM in eval mode) on `pairs` ([{clean, corrupted,
     answer, distractor}], as data=prompts takes them), all pairs in one batch; `target` names the metric;
-    `settings`: LmPatchingConfig's fields (sites, layers, head_positions, directions, corruption, chunk). The
-    model's hooks are removed before it returns."""
+    `settings`: LmPatchingConfig's fields (sites, layers, head_positions, directions, corruption, chunk, mode,
+    top_k); mode="attribution" gives first-order estimates (attribution.py). The model's hooks are removed before
+    it returns."""
     dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
     raw = dataset.collate([dataset[i] for i in range(len(dataset))])
     return _patch(model, to_batch(raw, next(model.parameters()).device, 0), target, settings, dataset)

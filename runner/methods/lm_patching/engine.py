@@ -47,6 +47,7 @@ class SiteHooks:
         self.specs = {s.name: s for s in specs}
         self.kept: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) view of the last kept run
         self.keeping = False
+        self.tracing = False  # a kept run whose views stay in the autograd graph (attribution patching)
         self.sources: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) source views of a patched run
         self.patches: dict[str, _Patch] = {}
         modules = dict(model.named_modules())
@@ -71,8 +72,17 @@ class SiteHooks:
 
     def _visit(self, spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if self.keeping:
-            self.kept[spec.name] = spec.get(read_site(spec, args, kwargs, output)).detach()
-            return None
+            raw = read_site(spec, args, kwargs, output)
+            view = spec.get(raw)
+            if not self.tracing:
+                self.kept[spec.name] = view.detach()
+                return None
+            # Passed on in the site's place, so the metric's gradient w.r.t. this very tensor exists; a view that
+            # nothing upstream makes require grad (frozen weights, token ids) becomes a leaf that does.
+            if not view.requires_grad:
+                view = view.detach().requires_grad_(True)
+            self.kept[spec.name] = view
+            return with_site(spec, args, kwargs, output, spec.put(raw, view))
         patch = self.patches.get(spec.name)
         if patch is None:
             return None
@@ -96,9 +106,10 @@ class SiteHooks:
                 new[rows, positions, heads] = source[pairs, positions, heads]
         return with_site(spec, args, kwargs, output, spec.put(raw, new))
 
-    def keep(self) -> _Keeping:
-        """`with hooks.keep():` the forward inside keeps every site's tensor in `kept`."""
-        return _Keeping(self)
+    def keep(self, grad: bool = False) -> _Keeping:
+        """`with hooks.keep():` the forward inside keeps every site's tensor in `kept`; `grad=True`: in the autograd
+        graph (run it with grad enabled), each tensor the one the rest of the forward reads."""
+        return _Keeping(self, grad)
 
     def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor]) -> None:
         """Set up a patched run of `cells` (cell c of pair b at row c * pairs + b) from `sources` (site name ->
@@ -128,15 +139,15 @@ class SiteHooks:
 
 
 class _Keeping:
-    def __init__(self, hooks: SiteHooks) -> None:
-        self.hooks = hooks
+    def __init__(self, hooks: SiteHooks, grad: bool) -> None:
+        self.hooks, self.grad = hooks, grad
 
     def __enter__(self) -> None:
         self.hooks.kept = {}
-        self.hooks.keeping = True
+        self.hooks.keeping, self.hooks.tracing = True, self.grad
 
     def __exit__(self, *exc: object) -> None:
-        self.hooks.keeping = False
+        self.hooks.keeping = self.hooks.tracing = False
 
 
 def cells_of(layout: LanguageModelLayout, sites: Sequence[str], layers: Sequence[int], positions: int,

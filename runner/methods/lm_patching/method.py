@@ -17,15 +17,16 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
+from runner.methods.lm_patching.attribution import Receiver, attribution_rows
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import layout_of
 from runner.options.method.lm_patching import HeadPositions, LmCorruption, LmPatchingMethodConfig
-from runner.options.method.patching import PatchDirection
+from runner.options.method.patching import PatchDirection, PatchMode
 from runner.randomness import per_sample_normal
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
-from runner.tables import Presentation, declare
+from runner.tables import Presentation, declare, optional
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,14 @@ LM_PATCHING_SCHEMA = declare(
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
         pa.field("metric", pa.string()),  # the run's target
+        pa.field("patch_method", pa.string()),  # exact | attribution (a first-order estimate)
         *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),
         pa.field("degenerate", pa.bool_()),
         pa.field("degenerate_reason", pa.string()),
         pa.field("small_span", pa.bool_()),
+        optional("rank_correlation", pa.float32(), "method.patching.mode=attribution_topk"),
     ],
-    Presentation(keys=("direction", "site", "metric"), values=("restoration",), shown=("metric",)),
+    Presentation(keys=("direction", "site", "patch_method", "metric"), values=("restoration",), shown=("metric",)),
 )
 # Rows of the stacked batch a patched forward aims for on the CPU (variants x pairs); a GPU takes more.
 ROWS_PER_FORWARD = 64
@@ -58,7 +61,7 @@ class LmPatching(Method):
     table = "lm_patching"
     needs_layers = False
     modality = "text"
-    summary_values = ("restoration",)
+    summary_values = ("restoration", "rank_correlation")
 
     def __init__(self, cfg: LmPatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
         self.cfg, self.p, self.runtime = cfg, cfg.patching, runtime
@@ -125,6 +128,12 @@ class LmPatching(Method):
             receiver_ids = corrupted_ids if denoising else clean_ids
             receiver_noise = noise if denoising else None
             sources = clean_sites if denoising else corrupted_sites
+            if self.p.mode is not PatchMode.exact:
+                run = Receiver(direction, receiver_ids, mask, receiver_noise, sources,
+                               m_corrupted if denoising else m_clean)  # fmt: skip
+                parts += attribution_rows(self, model, batch, run, cells, answers, distractors, clean_logits,
+                                          m_clean, m_corrupted, flags)  # fmt: skip
+                continue
             patched = self.patched_metrics(model, receiver_ids, mask, receiver_noise, sources, cells, answers,
                                            distractors, clean_logits)  # fmt: skip
             parts.append(self._rows(batch, direction, cells, patched, m_clean, m_corrupted, flags, mask))
@@ -205,8 +214,9 @@ class LmPatching(Method):
 
     def _rows(self, batch: Batch, direction: PatchDirection, cells: list[Cell], patched: torch.Tensor,
               m_clean: torch.Tensor, m_corrupted: torch.Tensor, flags: dict[str, list[Any]],
-              mask: torch.Tensor) -> Columns:  # fmt: skip
-        """One row per (cell, pair), leaving out cells at a pair's padding positions."""
+              mask: torch.Tensor, kind: str = "exact", select: torch.Tensor | None = None) -> Columns:  # fmt: skip
+        """One row per (cell, pair), leaving out cells at a pair's padding positions (and, given `select` (C, B),
+        the (cell, pair)s it leaves False); `kind`: how `patched` was had (exact | attribution)."""
         b, t = mask.shape
         pads = (t - mask.sum(1)).tolist()
         pairs = [self._pair(sample_id) for sample_id in batch.sample_ids]
@@ -218,6 +228,8 @@ class LmPatching(Method):
             for row in range(b):
                 if cell.position is not None and cell.position < pads[row]:
                     continue  # a padding position of this pair
+                if select is not None and not select[c, row]:
+                    continue
                 keep_c.append(c)
                 keep_b.append(row)
                 positions.append(None if cell.position is None else cell.position - pads[row])
@@ -238,6 +250,7 @@ class LmPatching(Method):
             "answer": [pairs[r]["answer"] for r in keep_b],
             "distractor": [pairs[r]["distractor"] for r in keep_b],
             "metric": [target_name] * len(keep_b),
+            "patch_method": [kind] * len(keep_b),
             "clean": m_clean.cpu()[bi],
             "corrupted": m_corrupted.cpu()[bi],
             "patched": patched.cpu()[ci, bi],

@@ -9,7 +9,7 @@ from enum import Enum
 from typing import ClassVar, Optional
 
 from runner.errors import RunnerError
-from runner.options.method.patching import PatchDirection
+from runner.options.method.patching import PatchDirection, PatchMode
 from runner.options.registry import METHODS
 from runner.schema import MethodConfig
 
@@ -47,6 +47,10 @@ class LmPatchingConfig:
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span and its
     # restoration is NaN (as for vision).
     min_span: float = 0.05
+    # exact: every cell patched; attribution: every cell's first-order estimate from one forward and one backward
+    # per direction; attribution_topk: the estimates, then each pair's top_k cells per site patched exactly.
+    mode: PatchMode = PatchMode.exact
+    top_k: int = 16  # attribution_topk: cells per (pair, direction, site) patched exactly
 
     SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)
 
@@ -70,6 +74,8 @@ class LmPatchingMethodConfig(MethodConfig):
             )
         if p.chunk is not None and p.chunk < 1:
             bad.append(f"method.patching.chunk={p.chunk}")
+        if p.top_k < 1:
+            bad.append(f"method.patching.top_k={p.top_k}")
         if not p.directions or len(set(p.directions)) != len(p.directions):
             raise RunnerError("method.patching.directions: each of denoising, noising at most once, at least one.")
         c = p.corruption

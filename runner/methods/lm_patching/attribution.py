@@ -1,0 +1,144 @@
+"""Attribution patching of a causal LM (Nanda 2023): every cell's first-order estimate of its patched metric.
+
+Per direction, the receiving run (denoising: the corrupted prompt; noising: the clean one) runs once with every
+site's tensor kept in the autograd graph, and the metric summed over pairs is differentiated once:
+
+    estimate(cell) = metric(receiver) + sum over the cell's elements of (a_source - a_receiver) * dM/da_receiver
+
+so an estimate reads like the `patched` column of an exact row. Per-head sites (head, q, k, v) are differentiated
+through their (B, T, H, d) views, so every site, layer, position and head comes from the same backward.
+`attribution_topk` then patches each pair's `top_k` best-estimated cells per site exactly (the exact engine) and
+reports Spearman's rho between their estimates and exact effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from runner.data.base import Batch
+from runner.data.prompts import position_ids
+from runner.methods.lm_patching.engine import Cell
+from runner.options.method.patching import PatchDirection, PatchMode
+from runner.ranking import spearman
+from runner.rows import Columns
+
+if TYPE_CHECKING:
+    from runner.methods.lm_patching.method import LmPatching
+
+
+@dataclass
+class Receiver:
+    """One direction's receiving run: its prompts, mask, embedding noise, and the source run's site tensors."""
+
+    direction: PatchDirection
+    ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T)
+    noise: torch.Tensor | None  # (B, T, D) added to its embeddings, or None
+    sources: dict[str, torch.Tensor]  # site name -> (B, T, ...) the source run's views
+    metric: torch.Tensor  # (B,) the receiving run's metric
+
+
+def estimate_cells(
+    method: LmPatching, model: nn.Module, run: Receiver, cells: list[Cell], answers: torch.Tensor,
+    distractors: torch.Tensor, clean_logits: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """(len(cells), B) float32 on the CPU: each cell's first-order estimate of the metric with it patched in."""
+    method.noise = run.noise
+    try:
+        with torch.enable_grad(), method.runtime.autocast(), method.hooks.keep(grad=True):
+            out = model(input_ids=run.ids, attention_mask=run.mask, position_ids=position_ids(run.mask),
+                        use_cache=False, logits_to_keep=1)  # fmt: skip
+            metric = method._metric(out.logits[:, -1].float(), answers, distractors, clean_logits)
+    finally:
+        method.noise = None
+    views = method.hooks.kept
+    method.hooks.kept = {}
+    names = sorted({f"{cell.kind}.{cell.layer}" for cell in cells})
+    # The pairs' metrics are independent (no row reads another), so one backward of their sum gives each its own.
+    grads = torch.autograd.grad(metric.sum(), [views[n] for n in names], allow_unused=True)
+    sums: dict[str, torch.Tensor] = {}  # site name -> (B, T) or (B, T, H): the estimate's terms summed per cell
+    for name, grad in zip(names, grads, strict=True):
+        view = views[name].detach()
+        if grad is None:  # a site the metric does not read: every estimate is the receiver's metric
+            grad = torch.zeros_like(view)
+        diff = run.sources[name].to(view.device).float() - view.float()
+        sums[name] = (diff * grad.float()).sum(-1).cpu()
+    del views, grads
+    rows = []
+    for cell in cells:
+        terms = sums[f"{cell.kind}.{cell.layer}"]
+        if cell.head is None:
+            rows.append(terms[:, cell.position])
+        elif cell.position is None:
+            rows.append(terms[:, :, cell.head].sum(1))
+        else:
+            rows.append(terms[:, cell.position, cell.head])
+    return run.metric.detach().float().cpu()[None] + torch.stack(rows)
+
+
+def attribution_rows(
+    method: LmPatching, model: nn.Module, batch: Batch, run: Receiver, cells: list[Cell], answers: torch.Tensor,
+    distractors: torch.Tensor, clean_logits: torch.Tensor, m_clean: torch.Tensor, m_corrupted: torch.Tensor,
+    flags: dict[str, list],
+) -> list[Columns]:  # fmt: skip
+    """One direction's rows: every cell's estimate (patch_method attribution), and in attribution_topk mode each
+    pair's top_k cells per site patched exactly (patch_method exact, with their rank correlation)."""
+    estimates = estimate_cells(method, model, run, cells, answers, distractors, clean_logits)
+    rows = method._rows(batch, run.direction, cells, estimates, m_clean, m_corrupted, flags, run.mask,
+                        kind="attribution")  # fmt: skip
+    if method.p.mode is not PatchMode.attribution_topk:
+        return [rows]
+    b, t = run.mask.shape
+    pads = (t - run.mask.sum(1)).tolist()
+    chosen = [_top_cells(cells, estimates[:, row], pads[row], method.p.top_k) for row in range(b)]
+    union = sorted({c for picked in chosen for c in picked})
+    where = {c: u for u, c in enumerate(union)}
+    patched = torch.full((len(union), b), float("nan"))
+    select = torch.zeros((len(union), b), dtype=torch.bool)
+    rho: dict[tuple[int, str], float] = {}
+    for row, picked in enumerate(chosen):
+        # One pair at a time: each pair has its own cells, and the engine patches a cell into every pair it runs.
+        exact = method.patched_metrics(
+            model, run.ids[row : row + 1], run.mask[row : row + 1],
+            None if run.noise is None else run.noise[row : row + 1],
+            {name: source[row : row + 1] for name, source in run.sources.items()},
+            [cells[c] for c in picked], answers[row : row + 1], distractors[row : row + 1],
+            clean_logits[row : row + 1],
+        )[:, 0].cpu()  # fmt: skip
+        for c, value in zip(picked, exact.tolist(), strict=True):
+            patched[where[c], row] = value
+            select[where[c], row] = True
+        effect = exact - float(run.metric[row])
+        for kind in dict.fromkeys(cells[c].kind for c in picked):
+            part = [k for k, c in enumerate(picked) if cells[c].kind == kind]
+            # a degenerate pair's effects are float noise around 0: their order says nothing
+            defined = len(part) > 1 and flags["reason"][row] is None
+            estimated = estimates[[picked[k] for k in part], row]
+            rho[(row, kind)] = float(spearman(estimated, effect[part])) if defined else float("nan")
+    exact_rows = method._rows(batch, run.direction, [cells[c] for c in union], patched, m_clean, m_corrupted, flags,
+                              run.mask, kind="exact", select=select)  # fmt: skip
+    first = batch.first_index
+    exact_rows["rank_correlation"] = torch.tensor(
+        [rho[(i - first, kind)] for i, kind in zip(exact_rows["sample_index"], exact_rows["site"], strict=True)],
+        dtype=torch.float32,
+    )  # fmt: skip
+    rows["rank_correlation"] = torch.full((len(rows["site"]),), float("nan"))
+    return [rows, exact_rows]
+
+
+def _top_cells(cells: list[Cell], estimates: torch.Tensor, pads: int, top_k: int) -> list[int]:
+    """Per site kind, the indices of the `top_k` cells with the largest estimates (as for vision), leaving out the
+    pair's padding positions."""
+    by_kind: dict[str, list[int]] = {}
+    for c, cell in enumerate(cells):
+        if cell.position is None or cell.position >= pads:
+            by_kind.setdefault(cell.kind, []).append(c)
+    picked = []
+    for members in by_kind.values():
+        order = estimates[members].argsort(descending=True, stable=True)[:top_k]
+        picked += [members[k] for k in order.tolist()]
+    return picked
