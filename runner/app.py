@@ -38,6 +38,7 @@ from runner.layers import Layer, check_selection, expand_auto, layer_order, prob
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input
+from runner.options.registry import lm_method_names
 from runner.progress import run_progress
 from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
@@ -284,8 +285,9 @@ def _check_modality(config: RunConfig, model_kind: str) -> None:
         return
     if model_kind == "text":
         raise RunnerError(
-            f"model.source={config.model.source} is a language model: it takes method=lm_patching and data=prompts"
-            f" (not method={config.method.name}, data={config.data.name})."
+            f"model.source={config.model.source} is a language model: it takes a method for language models"
+            f" (method={' | '.join(lm_method_names())}) and data=prompts (not method={config.method.name},"
+            f" data={config.data.name})."
         )
     raise RunnerError(
         f"method={config.method.name} and data={config.data.name} need "

@@ -49,6 +49,7 @@ SEQ_LEN = 48  # training sequence length, <bos> included
 RUN_LENGTHS = (8, 20)  # length of the repeated run, inclusive
 PAIR_RUN = 8  # run length in the patching pairs
 N_PAIRS = 32
+REPLACEMENT = False
 
 
 def content_token(i: int) -> str:
@@ -71,27 +72,26 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(seed: int, attention_only: bool, heads: int) -> GPT2LMHeadModel:
-    """The two-layer GPT-2, initialised from `seed`; no dropout, so training is a function of the seed alone."""
-    config = GPT2Config(
-        vocab_size=N_CONTENT + 3,
-        n_positions=64,
-        n_embd=64,
-        n_layer=2,
-        n_head=heads,
-        n_inner=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=BOS,
-        eos_token_id=BOS,
-        pad_token_id=PAD,
-    )
+def build_model(seed: int, attention_only: bool, heads: int, arch: str = "gpt2") -> torch.nn.Module:
+    """The two-layer model, initialised from `seed`; no dropout, so training is a function of the seed alone."""
+    ids = {"bos_token_id": BOS, "eos_token_id": BOS, "pad_token_id": PAD}
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=N_CONTENT + 3, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
+                             tie_word_embeddings=True, **ids)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        blocks = model.model.layers
+    else:
+        config = GPT2Config(vocab_size=N_CONTENT + 3, n_positions=64, n_embd=64, n_layer=2, n_head=heads, n_inner=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)  # fmt: skip
+        model = GPT2LMHeadModel(config)
+        blocks = model.transformer.h
     if attention_only:
-        # GPT-2 has no switch for attention-only blocks: zero MLP weights that never train give a zero MLP output.
-        for block in model.transformer.h:
+        # No switch for attention-only blocks: zero MLP weights that never train give a zero MLP output.
+        for block in blocks:
             for parameter in block.mlp.parameters():
                 parameter.data.zero_()
                 parameter.requires_grad_(False)
@@ -108,7 +108,10 @@ def training_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.T
     for row, label in zip(rows, labels, strict=True):
         length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
         start = 1 + int(torch.randint(0, SEQ_LEN - 2 * length, (1,), generator=generator))
-        tokens = torch.randperm(N_CONTENT, generator=generator)
+        if REPLACEMENT:
+            tokens = torch.randint(0, N_CONTENT, (SEQ_LEN,), generator=generator)
+        else:
+            tokens = torch.randperm(N_CONTENT, generator=generator)
         run, filler = tokens[:length], tokens[length : length + SEQ_LEN - 1 - 2 * length]
         row[1:] = torch.cat([filler[: start - 1], run, run, filler[start - 1 :]])
         # The second copy's first token is unpredictable (nothing marks where the copy starts); the rest is.
@@ -183,13 +186,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-only", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--replacement", action="store_true")
     args = parser.parse_args()
+    global REPLACEMENT
+    REPLACEMENT = args.replacement
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
     tokenizer = build_tokenizer()
-    model = build_model(args.seed, args.attention_only, args.heads)
+    model = build_model(args.seed, args.attention_only, args.heads, args.arch)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)

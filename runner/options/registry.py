@@ -60,6 +60,16 @@ class Option:
         return (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
+# The `family` of the methods that take a language model (model=hf_lm, data=prompts).
+LM_FAMILY = "lm"
+
+
+def lm_method_names() -> list[str]:
+    """The registered methods for language models, for messages that name them."""
+    discover()
+    return sorted(option.name for option in METHODS if option.family == LM_FAMILY)
+
+
 def resolve(reference: Any) -> Any:
     """`module:attribute` imported; anything else as it is."""
     if not isinstance(reference, str):

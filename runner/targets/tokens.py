@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from runner.errors import RunnerError
+from runner.options.registry import lm_method_names
 from runner.schema import TargetConfig
 
 
@@ -36,8 +37,9 @@ class TokenTarget:
     def score(self, output: torch.Tensor, classes: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """A class target's call: refused (a token target needs a pair's answer and distractor tokens)."""
         raise RunnerError(
-            f"target={self.name} scores a language model's next token for a prompt pair: it takes method=lm_patching"
-            " (image methods take target=logit, probability, logit_difference, ...)."
+            f"target={self.name} scores a language model's next token for a prompt pair: it takes a method for"
+            f" language models (method={' | '.join(lm_method_names())}); image methods take target=logit,"
+            " probability, logit_difference, ..."
         )
 
     def score_tokens(

@@ -8,11 +8,11 @@ from typing import Optional
 
 from runner.errors import RunnerError
 from runner.options.method.lm_patching import LM_SITES
-from runner.options.registry import METHODS
+from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
 
 
-@METHODS.option("runner.methods.lm_saliency.grad_x_act:LmGradXAct", tables=("lm_grad_x_act",))
+@METHODS.option("runner.methods.lm_saliency.grad_x_act:LmGradXAct", tables=("lm_grad_x_act",), family=LM_FAMILY)
 @dataclass
 class LmGradXActConfig(MethodConfig):
     """The sites and layers read; the score differentiated is the run's `target` (target=token_logit_diff,

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from runner.options.registry import METHODS
+from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
 
 
-@METHODS.option("runner.methods.lm_saliency.logit_lens:LmLogitLens", tables=("lm_logit_lens",))
+@METHODS.option("runner.methods.lm_saliency.logit_lens:LmLogitLens", tables=("lm_logit_lens",), family=LM_FAMILY)
 @dataclass
 class LmLogitLensConfig(MethodConfig):
     """The layers read (-1: the embeddings, l: block l's output); `value` is the run's `target` at each position's

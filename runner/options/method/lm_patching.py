@@ -10,7 +10,7 @@ from typing import ClassVar, Optional
 
 from runner.errors import RunnerError
 from runner.options.method.patching import PatchDirection, PatchMode
-from runner.options.registry import METHODS
+from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
 
 LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
@@ -55,7 +55,7 @@ class LmPatchingConfig:
     SPEED_KEYS: ClassVar[tuple[str, ...]] = ("chunk",)
 
 
-@METHODS.option("runner.methods.lm_patching.method:LmPatching", tables=("lm_patching",))
+@METHODS.option("runner.methods.lm_patching.method:LmPatching", tables=("lm_patching",), family=LM_FAMILY)
 @dataclass
 class LmPatchingMethodConfig(MethodConfig):
     """`method=lm_patching`: what is patched sits under `method.patching`; the metric is the run's `target`
