@@ -13,7 +13,7 @@ from runner.options.method.patching import PatchDirection
 from runner.options.registry import METHODS
 from runner.schema import MethodConfig
 
-LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
+LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
 
 
 class LmCorruption(str, Enum):
