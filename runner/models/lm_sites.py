@@ -96,7 +96,11 @@ def _split_heads(heads: int) -> tuple[Callable, Callable]:
 
 
 def _query_first(raw: torch.Tensor) -> torch.Tensor:
-    return raw.transpose(1, 2)  # (B, H, Tq, Tk) <-> (B, Tq, H, Tk): positions second, as every site's view
+    return raw.transpose(1, 2)  # (B, H, Tq, Tk) -> (B, Tq, H, Tk): positions second, as every site's view
+
+
+def _heads_first(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new.transpose(1, 2)
 
 
 def _fused_part(layout: str, part: int, heads: int) -> tuple[Callable, Callable]:
@@ -163,7 +167,7 @@ class LanguageModelLayout:
                     f"Site pattern needs the attention pattern, which attn_implementation={self.attn_implementation}"
                     " never materialises (a fused kernel): load the model with model.attn_implementation=eager."
                 )
-            return SiteSpec(kind, layer, f"{block}.{a.attn}", "softmax", _query_first, _query_first, self.heads)
+            return SiteSpec(kind, layer, f"{block}.{a.attn}", "softmax", _query_first, _heads_first, self.heads)
         part = "qkv".index(kind)
         heads = self.heads if kind == "q" else self.kv_heads
         if isinstance(a.qkv, tuple):
