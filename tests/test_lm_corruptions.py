@@ -274,10 +274,16 @@ def test_pattern_refused_without_eager_attention(tiny) -> None:  # type: ignore[
     assert "pattern" in layout_of(model).available()
 
 
-def test_cli_refusals(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_refusals(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """From the CLI: the pattern site with sdpa attention, and resample with a pair of a length no other has; each
-    one message, exit 2, no traceback."""
+    one message, exit 2, no traceback. `runner layers` lists the pattern sites of an eager model, shaped
+    (batch, query positions, heads, key positions)."""
+    from runner.commands.layers import main as layers_main
+
     _, _, folder = tiny
+    assert layers_main(["model=hf_lm", f"model.name={folder}", "method=lm_patching", "data=prompts"]) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if "pattern.1" in line]
+    assert len(listed) == 1 and "[1, 4, 4, 4]" in listed[0], listed
     pairs = tmp_path / "pairs.jsonl"
     import json
 
