@@ -91,6 +91,7 @@ def test_resample_is_the_same_in_any_batching(tiny) -> None:  # type: ignore[no-
     def run(first: int, last: int):  # type: ignore[no-untyped-def]
         raw = dataset.collate([dataset[i] for i in range(first, last)])
         table = _patch(model, to_batch(raw, torch.device("cpu"), first), "token_logit_diff", settings, dataset)
+        table["sample_index"] += first  # the row in the batch -> the index in the data set
         return table.sort_values(["sample_index", "position"])
 
     whole = run(0, 4)
@@ -298,3 +299,28 @@ def test_cli_refusals(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     done = run_cli(*common, "method.patching.corruption.kind=resample", f"hydra.run.dir={tmp_path / 'resample'}")
     assert done.returncode == 2 and "no other pair has the length of pair-4 (4 tokens)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_cli_resample_in_batches_of_any_size(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """From the CLI, batches of four and of three (the last one holding one pair) write the same rows: each pair
+    named by its own sample_id and resampled from the same partner."""
+    from runner.results import load
+
+    _, _, folder = tiny
+    pairs = tmp_path / "pairs.jsonl"
+    import json
+
+    pairs.write_text("\n".join(json.dumps(p) for p in PAIRS))
+    tables = []
+    for size in (4, 3):
+        done = run_cli("model=hf_lm", f"model.name={folder}", "data=prompts", f"data.file={pairs}",
+                       f"data.batch_size={size}", "method=lm_patching", "target=token_logit_diff",
+                       "method.patching.sites=[resid_pre]", "method.patching.corruption.kind=resample",
+                       f"hydra.run.dir={tmp_path / str(size)}")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        table = load(tmp_path / str(size)).sort_values(["sample_id", "layer", "position"]).reset_index(drop=True)
+        tables.append(table)
+    one, other = tables
+    assert sorted(set(one.sample_id)) == [f"pair-{i}" for i in range(len(PAIRS))]
+    assert one.corrupted_id.equals(other.corrupted_id) and (one.sample_id != one.corrupted_id).all()
+    assert (one.patched - other.patched).abs().max() <= 1e-5

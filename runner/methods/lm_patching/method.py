@@ -205,7 +205,7 @@ class LmPatching(Method):
         ci, bi = torch.tensor(keep_c, dtype=torch.long), torch.tensor(keep_b, dtype=torch.long)
         target_name = getattr(self.target, "name", type(self.target).__name__)
         return {
-            "sample_index": (batch.first_index + bi).tolist(),
+            "sample_index": bi.tolist(),  # the pair's row in the batch: the writer adds the batch's first index
             "corrupted_id": [corrupted_names[r] for r in keep_b],
             "direction": [direction.value] * len(keep_b),
             "site": [cells[c].kind for c in keep_c],
