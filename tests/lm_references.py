@@ -80,6 +80,37 @@ def build_tiny_lm(arch: str, seed: int, folder: str | Path | None = None) -> tup
     return model, AutoTokenizer.from_pretrained(folder), folder
 
 
+def prompt_words(data: Any) -> list[str]:
+    """Every whitespace-separated word a data=prompts template config can produce (template, answer, distractor
+    and slot values), for a word-level tokenizer that covers them."""
+    words = set(data.template.replace("{", " {").replace("}", "} ").split())
+    for values in [*data.slots.values(), *data.corrupted_slots.values()]:
+        words.update(str(v) for v in values)
+    return sorted(w for w in words if not w.startswith("{"))
+
+
+def build_word_lm(words: list[str], folder: str | Path, seed: int = 0) -> Path:
+    """A random two-layer GPT-2 saved in `folder` with a WordLevel tokenizer over `words` (plus the specials): a
+    stand-in, offline, for a hub model whose tokenizer the machine lacks."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({w: len(SPECIALS) + i for i, w in enumerate(words)})
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=len(vocab), n_positions=64,
+                        initializer_range=INIT, bos_token_id=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    folder = Path(folder)
+    GPT2LMHeadModel(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def logit_diff(answer: torch.Tensor, distractor: torch.Tensor) -> Metric:
     """Per pair: logit of its answer token minus its distractor's, at the last position."""
 

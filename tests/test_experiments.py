@@ -13,7 +13,9 @@ import runner.app as app
 import runner.models
 from runner.hooks import count_hooks
 from runner.models.embedded import EMBEDDED
+from runner.options.model.hf_lm import SHIPPED_LM
 from tests.conftest import CONF, make_config
+from tests.lm_references import build_word_lm, prompt_words
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +24,10 @@ EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
 # experiment fails here until it is listed: say what it should write.
 TABLES = {
     "attribution_patching_effnet": {"patching"},
+    "attribution_patching_lm": {"lm_patching"},
+    "causal_tracing_lm": {"lm_patching"},
+    "patching_lm_induction": {"lm_patching"},
+    "patching_lm_ioi": {"lm_patching"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -58,12 +64,17 @@ def built_models(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
-def offline(name: str) -> list[str]:
+def offline(name: str, folder: Path) -> list[str]:
     """What an experiment needs to run here: torchvision models have no cached weights (random init); the
-    embedded EfficientNet-Lite0 keeps its real weights. ViT-B/16 takes only its own image size: 32 px."""
-    model = make_config(f"experiment={name}").model.name
-    if model == EMBEDDED:
+    embedded EfficientNet-Lite0 and the shipped induction LM keep their real weights. ViT-B/16 takes only its own
+    image size: 32 px. A hub language model (GPT-2 small) is neither cached nor downloadable: a random two-layer
+    GPT-2 with a word-level tokenizer over the experiment's words stands in, saved in `folder`."""
+    config = make_config(f"experiment={name}")
+    model = config.model.name
+    if model in (EMBEDDED, SHIPPED_LM):
         return []
+    if config.model.source == "hf_lm":
+        return [f"model.name={build_word_lm(prompt_words(config.data), folder)}"]
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
 
 
@@ -90,7 +101,7 @@ def test_every_experiment_is_listed() -> None:
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: str) -> None:
-    result = app.run(make_config(f"experiment={name}", "debug=tiny", *offline(name)), tmp_path)
+    result = app.run(make_config(f"experiment={name}", "debug=tiny", *offline(name, tmp_path / "lm")), tmp_path)
     assert set(result.tables) == TABLES.get(name, set())
     for table, path in result.tables.items():
         frame = pd.read_parquet(path)

@@ -13,14 +13,17 @@ import pyarrow.parquet as pq
 import pytest
 
 import runner.app as app
-import runner.methods  # noqa: F401  (imports every method module: their tables get declared)
 import runner.store.provenance as provenance
 from runner.methods.hook_check import HookCheck
+from runner.options.registry import METHODS, discover
 from runner.store.writer import TableWriter
 from runner.tables import ID_FIELDS, SWEEP_PREFIX, SchemaError, declared, full_schema, is_optional
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
+discover()
+for _option in METHODS:  # each method's module declares its tables when it is imported
+    _option.load()
 TINY = [
     "model._target_=tests.conftest.TinyNet",
     "model.weights=null",

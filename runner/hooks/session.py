@@ -238,14 +238,15 @@ class HookSession:
 
         return swap
 
-    def add_hook(self, module: nn.Module, hook: Callable[..., Any], pre: bool) -> Removable:
+    def add_hook(self, module: nn.Module, hook: Callable[..., Any], pre: bool, always_call: bool = False) -> Removable:
         """Register a method's own hook on `module`, owned by the session (removed on exit, also after an error):
         a forward pre-hook `(module, args, kwargs)` when `pre`, else a forward hook `(module, args, kwargs, output)`.
-        The language-model sites (runner/models/lm_sites.py) are read and replaced through these."""
+        The language-model sites (runner/models/lm_sites.py) are read and replaced through these. `always_call`: the
+        forward hook runs also when the forward raises (it undoes what the pre-hook set up)."""
         if pre:
             handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         else:
-            handle = module.register_forward_hook(hook, with_kwargs=True)
+            handle = module.register_forward_hook(hook, with_kwargs=True, always_call=always_call)
         self._handles.append(handle)
         return handle
 

@@ -3,9 +3,12 @@
 A site is a tensor of one block that a method reads or replaces: `resid_pre` (the block's input), `resid_mid` (the
 residual stream between attention and MLP, where the block has one), `resid_post` (the block's output), `attn_out`,
 `mlp_out` (the attention's and the MLP's outputs), `head` (each head's output before the output projection), `q`,
-`k`, `v` (per head, before rotary embeddings). Each is found as a module's input or output (`SiteSpec.module`,
-`where`) and, for per-head sites, viewed as (batch, positions, heads, head size) by `get` and written back by `put`;
-so a site works with hooks alone, on transformers 4.x (blocks return tuples) and 5.x (tensors) alike.
+`k`, `v` (per head, before rotary embeddings), `pattern` (each head's attention pattern after the softmax; eager
+attention only). Each is found as a module's input or output (`SiteSpec.module`, `where`) and, for per-head sites,
+viewed as (batch, positions, heads, head size) by `get` and written back by `put`; so a site works with hooks alone,
+on transformers 4.x (blocks return tuples) and 5.x (tensors) alike. `pattern` is the one site inside a module's
+forward (`where="softmax"`): the attention module's only softmax, which eager attention computes in every family and
+version (runner/methods/lm_patching/engine.py reads it there); fused kernels (sdpa, flash) never materialise it.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from torch import nn
 
 from runner.errors import RunnerError, suggest
 
-SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
-PER_HEAD = ("head", "q", "k", "v")
+SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
+PER_HEAD = ("head", "q", "k", "v", "pattern")
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ class SiteSpec:
     kind: str
     layer: int
     module: str  # dotted name in the model
-    where: str  # "input": the first positional argument (or hidden_states); "output": the first output
-    get: Callable[[torch.Tensor], torch.Tensor]  # the raw tensor -> the site's view (B, T, D) or (B, T, H, d)
+    where: str  # "input": the first positional argument (or hidden_states); "output": the first output;
+    # "softmax": the one softmax computed inside the module's forward (the attention pattern)
+    # the raw tensor -> the site's view (B, T, D) or (B, T, H, d); pattern: (B, T_query, H, T_key)
+    get: Callable[[torch.Tensor], torch.Tensor]
     put: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (raw, new view) -> the raw tensor to pass on
     heads: int = 0  # per-head sites: how many heads the view has (k and v: the key-value heads)
 
@@ -88,6 +93,14 @@ def _split_heads(heads: int) -> tuple[Callable, Callable]:
         return new.flatten(-2)
 
     return get, put
+
+
+def _query_first(raw: torch.Tensor) -> torch.Tensor:
+    return raw.transpose(1, 2)  # (B, H, Tq, Tk) -> (B, Tq, H, Tk): positions second, as every site's view
+
+
+def _heads_first(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new.transpose(1, 2)
 
 
 def _fused_part(layout: str, part: int, heads: int) -> tuple[Callable, Callable]:
@@ -148,6 +161,13 @@ class LanguageModelLayout:
         if kind == "head":
             get, put = _split_heads(self.heads)
             return SiteSpec(kind, layer, f"{block}.{a.out_proj}", "input", get, put, self.heads)
+        if kind == "pattern":
+            if self.attn_implementation != "eager":
+                raise RunnerError(
+                    f"Site pattern needs the attention pattern, which attn_implementation={self.attn_implementation}"
+                    " never materialises (a fused kernel): load the model with model.attn_implementation=eager."
+                )
+            return SiteSpec(kind, layer, f"{block}.{a.attn}", "softmax", _query_first, _heads_first, self.heads)
         part = "qkv".index(kind)
         heads = self.heads if kind == "q" else self.kv_heads
         if isinstance(a.qkv, tuple):
@@ -157,8 +177,11 @@ class LanguageModelLayout:
         return SiteSpec(kind, layer, f"{block}.{a.qkv}", "output", get, put, heads)
 
     def available(self) -> list[str]:
-        """The site kinds this model has."""
-        return [k for k in SITE_KINDS if k != "resid_mid" or self.arch.mid_norm is not None]
+        """The site kinds this model has (pattern: with eager attention only)."""
+        lacks = {"resid_mid"} if self.arch.mid_norm is None else set()
+        if self.attn_implementation != "eager":
+            lacks.add("pattern")
+        return [k for k in SITE_KINDS if k not in lacks]
 
 
 def layout_of(model: nn.Module) -> LanguageModelLayout:

@@ -21,6 +21,7 @@ from torch import nn
 
 from runner.data.base import Batch
 from runner.data.prompts import position_ids
+from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell
 from runner.options.method.patching import PatchDirection, PatchMode
 from runner.ranking import spearman
@@ -32,14 +33,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class Receiver:
-    """One direction's receiving run: its prompts, mask, embedding noise, and the source run's site tensors."""
+    """One direction's receiving run: its prompts, mask, embedding edit, and the source run's site tensors."""
 
     direction: PatchDirection
     ids: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T)
-    noise: torch.Tensor | None  # (B, T, D) added to its embeddings, or None
+    edit: EmbeddingEdit | None  # the edit of its embeddings (noise, zero, mean), or None
     sources: dict[str, torch.Tensor]  # site name -> (B, T, ...) the source run's views
     metric: torch.Tensor  # (B,) the receiving run's metric
+    corrupted_names: list[str]  # per pair, what the `corrupted_id` column names
 
 
 def estimate_cells(
@@ -47,14 +49,14 @@ def estimate_cells(
     distractors: torch.Tensor, clean_logits: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """(len(cells), B) float32 on the CPU: each cell's first-order estimate of the metric with it patched in."""
-    method.noise = run.noise
+    method.corruption.active = run.edit
     try:
         with torch.enable_grad(), method.runtime.autocast(), method.hooks.keep(grad=True):
             out = model(input_ids=run.ids, attention_mask=run.mask, position_ids=position_ids(run.mask),
                         use_cache=False, logits_to_keep=1)  # fmt: skip
             metric = method._metric(out.logits[:, -1].float(), answers, distractors, clean_logits)
     finally:
-        method.noise = None
+        method.corruption.active = None
     views = method.hooks.kept
     method.hooks.kept = {}
     names = sorted({f"{cell.kind}.{cell.layer}" for cell in cells})
@@ -89,7 +91,7 @@ def attribution_rows(
     pair's top_k cells per site patched exactly (patch_method exact, with their rank correlation)."""
     estimates = estimate_cells(method, model, run, cells, answers, distractors, clean_logits)
     rows = method._rows(batch, run.direction, cells, estimates, m_clean, m_corrupted, flags, run.mask,
-                        kind="attribution")  # fmt: skip
+                        run.corrupted_names, kind="attribution")  # fmt: skip
     if method.p.mode is not PatchMode.attribution_topk:
         return [rows]
     b, t = run.mask.shape
@@ -104,7 +106,7 @@ def attribution_rows(
         # One pair at a time: each pair has its own cells, and the engine patches a cell into every pair it runs.
         exact = method.patched_metrics(
             model, run.ids[row : row + 1], run.mask[row : row + 1],
-            None if run.noise is None else run.noise[row : row + 1],
+            None if run.edit is None else run.edit.rows(row),
             {name: source[row : row + 1] for name, source in run.sources.items()},
             [cells[c] for c in picked], answers[row : row + 1], distractors[row : row + 1],
             clean_logits[row : row + 1],
@@ -120,10 +122,9 @@ def attribution_rows(
             estimated = estimates[[picked[k] for k in part], row]
             rho[(row, kind)] = float(spearman(estimated, effect[part])) if defined else float("nan")
     exact_rows = method._rows(batch, run.direction, [cells[c] for c in union], patched, m_clean, m_corrupted, flags,
-                              run.mask, kind="exact", select=select)  # fmt: skip
-    first = batch.first_index
+                              run.mask, run.corrupted_names, kind="exact", select=select)  # fmt: skip
     exact_rows["rank_correlation"] = torch.tensor(
-        [rho[(i - first, kind)] for i, kind in zip(exact_rows["sample_index"], exact_rows["site"], strict=True)],
+        [rho[(i, kind)] for i, kind in zip(exact_rows["sample_index"], exact_rows["site"], strict=True)],
         dtype=torch.float32,
     )  # fmt: skip
     rows["rank_correlation"] = torch.full((len(rows["site"]),), float("nan"))

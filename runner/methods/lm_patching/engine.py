@@ -5,6 +5,10 @@ site's tensor (a base run), replace some rows' cells from a source run's tensor 
 patched run stacks many variants in the batch: C cells x B pairs rows, row c * B + b being pair b with cell c
 patched, so one forward measures C cells of every pair. Cells of a site at one position write only that position
 (and head); the causal mask then leaves every earlier position as the receiving run had it.
+
+The `pattern` site lives inside the attention's forward: a pre-hook on the attention module enters a torch function
+mode that sees the one softmax eager attention computes (the same call in GPT-2, Llama and GPT-NeoX, transformers
+4.x and 5.x) and keeps or replaces its output; the module's forward hook leaves the mode, also after an error.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.models.lm_sites import LanguageModelLayout, SiteSpec, read_site, with_site
+from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, read_site, with_site
+
+SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax, torch.special.softmax}
 
 
 @dataclass(frozen=True)
@@ -53,26 +61,32 @@ class SiteHooks:
         modules = dict(model.named_modules())
         for spec in specs:
             module = modules[spec.module]
-            if spec.where == "input":
+            if spec.where == "softmax":
+                mode = _SoftmaxSite(self, spec)
+                session.add_hook(module, mode.enter, pre=True)
+                session.add_hook(module, mode.leave, pre=False, always_call=True)
+            elif spec.where == "input":
                 session.add_hook(module, self._pre_hook(spec), pre=True)
             else:
                 session.add_hook(module, self._hook(spec), pre=False)
 
     def _pre_hook(self, spec: SiteSpec) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return self._visit(spec, args, kwargs, None)
+            new = self.visit(spec, read_site(spec, args, kwargs, None))
+            return None if new is None else with_site(spec, args, kwargs, None, new)
 
         return hook
 
     def _hook(self, spec: SiteSpec) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-            return self._visit(spec, args, kwargs, output)
+            new = self.visit(spec, read_site(spec, args, kwargs, output))
+            return None if new is None else with_site(spec, args, kwargs, output, new)
 
         return hook
 
-    def _visit(self, spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    def visit(self, spec: SiteSpec, raw: torch.Tensor) -> torch.Tensor | None:
+        """Keep the site's tensor `raw`, or return it with this run's cells patched in (None: leave it)."""
         if self.keeping:
-            raw = read_site(spec, args, kwargs, output)
             view = spec.get(raw)
             if not self.tracing:
                 self.kept[spec.name] = view.detach()
@@ -82,11 +96,10 @@ class SiteHooks:
             if not view.requires_grad:
                 view = view.detach().requires_grad_(True)
             self.kept[spec.name] = view
-            return with_site(spec, args, kwargs, output, spec.put(raw, view))
+            return spec.put(raw, view)
         patch = self.patches.get(spec.name)
         if patch is None:
             return None
-        raw = read_site(spec, args, kwargs, output)
         view = spec.get(raw)
         new = view.clone()
         source = self.sources[spec.name].to(new.device, new.dtype)  # a device-mapped model: the module's device
@@ -104,7 +117,7 @@ class SiteHooks:
             else:
                 heads = patch.heads.to(new.device)
                 new[rows, positions, heads] = source[pairs, positions, heads]
-        return with_site(spec, args, kwargs, output, spec.put(raw, new))
+        return spec.put(raw, new)
 
     def keep(self, grad: bool = False) -> _Keeping:
         """`with hooks.keep():` the forward inside keeps every site's tensor in `kept`; `grad=True`: in the autograd
@@ -138,6 +151,38 @@ class SiteHooks:
         self.patches, self.sources, self.kept = {}, {}, {}
 
 
+class _SoftmaxSite(TorchFunctionMode):
+    """The attention pattern of one attention module: the output of the one softmax its forward computes."""
+
+    def __init__(self, hooks: SiteHooks, spec: SiteSpec) -> None:
+        super().__init__()
+        self.hooks, self.spec, self.seen, self.inside = hooks, spec, 0, False
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.hooks.keeping or self.spec.name in self.hooks.patches:  # other runs pay nothing
+            self.seen, self.inside = 0, True
+            self.__enter__()
+
+    def leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not self.inside:
+            return
+        self.inside = False
+        self.__exit__(None, None, None)
+        if self.seen != 1:
+            raise RunnerError(
+                f"Site {self.spec.name}: {self.spec.module} computed {self.seen} softmaxes in one forward, not the one"
+                " of eager attention; the pattern site needs model.attn_implementation=eager."
+            )
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SOFTMAX:
+            self.seen += 1
+            new = self.hooks.visit(self.spec, out)
+            return out if new is None else new
+        return out
+
+
 class _Keeping:
     def __init__(self, hooks: SiteHooks, grad: bool) -> None:
         self.hooks, self.grad = hooks, grad
@@ -157,7 +202,7 @@ def cells_of(layout: LanguageModelLayout, sites: Sequence[str], layers: Sequence
     cells = []
     for kind in sites:
         for layer in layers:
-            if kind in ("head", "q", "k", "v"):
+            if kind in PER_HEAD:
                 heads = layout.site(kind, layer).heads
                 for head in range(heads):
                     if each_head_position:

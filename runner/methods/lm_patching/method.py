@@ -18,12 +18,12 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
 from runner.methods.lm_patching.attribution import Receiver, attribution_rows
+from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import layout_of
-from runner.options.method.lm_patching import HeadPositions, LmCorruption, LmPatchingMethodConfig
+from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
 from runner.options.method.patching import PatchDirection, PatchMode
-from runner.randomness import per_sample_normal
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare, optional
@@ -67,9 +67,11 @@ class LmPatching(Method):
         self.cfg, self.p, self.runtime = cfg, cfg.patching, runtime
         self.dataset: Dataset | None = None
         self.warned: set[str] = set()
+        self.corruption = Corruption(self.p.corruption)
 
     def prepare(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self.corruption.prepare(dataset)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
@@ -88,14 +90,7 @@ class LmPatching(Method):
         self.layers = layers
         specs = [self.layout.site(kind, layer) for kind in self.p.sites for layer in layers]
         self.hooks = SiteHooks(model, specs, session)
-        self.embed = dict(model.named_modules())[self.layout.arch.embed]
-        self.noise: torch.Tensor | None = None  # (rows, T, D) added to the embeddings' output, when set
-        if self.p.corruption.kind is LmCorruption.noise:
-            session.add_hook(self.embed, self._add_noise, pre=False)
-            self.embed_std = float(self.embed.weight.detach().float().std())
-
-    def _add_noise(self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
-        return None if self.noise is None else output + self.noise.to(output.device, output.dtype)
+        self.corruption.setup(session, model, self.layout)
 
     # ---- one batch of pairs ---------------------------------------------------------------------------
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
@@ -105,18 +100,18 @@ class LmPatching(Method):
         mask = batch.extras["attention_mask"]
         answers, distractors = batch.extras["answers"], batch.extras["distractors"]
         b, t = clean_ids.shape
-        noise = None
-        if self.p.corruption.kind is LmCorruption.noise:
-            corrupted_ids = clean_ids
-            noise = self._noise(batch, mask)
+        corrupted = self.corruption.corrupt(batch, clean_ids, corrupted_ids, mask)
+        corrupted_ids, noise = corrupted.ids, corrupted.edit  # noise: the corrupted run's embedding edit, if any
         with self.hooks.keep():
             clean_logits = self._logits(model, clean_ids, mask)
         clean_sites = self.hooks.kept
-        self.noise = noise
-        with self.hooks.keep():
-            corrupted_logits = self._logits(model, corrupted_ids, mask)
+        self.corruption.active = noise
+        try:
+            with self.hooks.keep():
+                corrupted_logits = self._logits(model, corrupted_ids, mask)
+        finally:
+            self.corruption.active = None
         corrupted_sites = self.hooks.kept
-        self.noise = None
         m_clean = self._metric(clean_logits, answers, distractors, clean_logits)
         m_corrupted = self._metric(corrupted_logits, answers, distractors, clean_logits)
         flags = self._flags(batch, clean_ids, corrupted_ids, noise, m_clean, m_corrupted)
@@ -130,23 +125,25 @@ class LmPatching(Method):
             sources = clean_sites if denoising else corrupted_sites
             if self.p.mode is not PatchMode.exact:
                 run = Receiver(direction, receiver_ids, mask, receiver_noise, sources,
-                               m_corrupted if denoising else m_clean)  # fmt: skip
+                               m_corrupted if denoising else m_clean, corrupted.names)  # fmt: skip
                 parts += attribution_rows(self, model, batch, run, cells, answers, distractors, clean_logits,
                                           m_clean, m_corrupted, flags)  # fmt: skip
                 continue
             patched = self.patched_metrics(model, receiver_ids, mask, receiver_noise, sources, cells, answers,
                                            distractors, clean_logits)  # fmt: skip
-            parts.append(self._rows(batch, direction, cells, patched, m_clean, m_corrupted, flags, mask))
+            parts.append(self._rows(batch, direction, cells, patched, m_clean, m_corrupted, flags, mask,
+                                    corrupted.names))  # fmt: skip
         self.hooks.clear()
         columns = concat_columns(parts)
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: columns})
 
     def patched_metrics(
-        self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor | None,
+        self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, noise: EmbeddingEdit | None,
         sources: dict[str, torch.Tensor], cells: list[Cell], answers: torch.Tensor, distractors: torch.Tensor,
         clean_logits: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """(len(cells), B) metric of every cell patched into the run of `ids` (with `noise` on its embeddings)."""
+        """(len(cells), B) metric of every cell patched into the run of `ids` (with the edit `noise` of its
+        embeddings)."""
         b = ids.shape[0]
         chunk = self.p.chunk or max(1, ROWS_PER_FORWARD // b)
         out = []
@@ -154,11 +151,11 @@ class LmPatching(Method):
             part = cells[start : start + chunk]
             c = len(part)
             self.hooks.plan(part, b, sources)
-            self.noise = None if noise is None else noise.repeat(c, 1, 1)
+            self.corruption.active = None if noise is None else noise.repeat(c)
             try:
                 logits = self._logits(model, ids.repeat(c, 1), mask.repeat(c, 1))
             finally:
-                self.noise = None
+                self.corruption.active = None
                 self.hooks.patches = {}
             metric = self._metric(logits, answers.repeat(c, 1), distractors.repeat(c, 1), clean_logits.repeat(c, 1))
             out.append(metric.view(c, b))
@@ -176,23 +173,7 @@ class LmPatching(Method):
         return self.target.score_tokens(logits, answers.to(logits.device), distractors.to(logits.device),
                                         clean.to(logits.device))  # fmt: skip
 
-    def _noise(self, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) Gaussian noise of corruption.std x the embeddings' std on the span's positions, per pair
-        seeded by (seed, sample): the same noise in the corrupted run and in every variant that receives it."""
-        c = self.p.corruption
-        b, t = mask.shape
-        d = self.embed.weight.shape[1]
-        first = batch.first_index
-        noise = per_sample_normal([t, d], c.seed, range(first, first + b), "lm_noise") * (c.std * self.embed_std)
-        pads = t - mask.sum(1)  # (B,) left padding: the table's position p is row index pads + p
-        where = torch.zeros((b, t), dtype=torch.bool)
-        for row in range(b):
-            start, end = (0, t) if c.span is None else c.span
-            lo = int(pads[row]) + start
-            where[row, lo : min(t, int(pads[row]) + end)] = True
-        return noise * where[..., None].to(noise.dtype)
-
-    def _flags(self, batch: Batch, clean_ids: torch.Tensor, corrupted_ids: torch.Tensor, noise: torch.Tensor | None,
+    def _flags(self, batch: Batch, clean_ids: torch.Tensor, corrupted_ids: torch.Tensor, noise: EmbeddingEdit | None,
                m_clean: torch.Tensor, m_corrupted: torch.Tensor) -> dict[str, list[Any]]:  # fmt: skip
         """Per pair: why its restoration is undefined (identical prompts, an equal metric) and small spans."""
         same = (clean_ids == corrupted_ids).all(1).tolist() if noise is None else [False] * clean_ids.shape[0]
@@ -214,7 +195,8 @@ class LmPatching(Method):
 
     def _rows(self, batch: Batch, direction: PatchDirection, cells: list[Cell], patched: torch.Tensor,
               m_clean: torch.Tensor, m_corrupted: torch.Tensor, flags: dict[str, list[Any]],
-              mask: torch.Tensor, kind: str = "exact", select: torch.Tensor | None = None) -> Columns:  # fmt: skip
+              mask: torch.Tensor, corrupted_names: list[str], kind: str = "exact",
+              select: torch.Tensor | None = None) -> Columns:  # fmt: skip
         """One row per (cell, pair), leaving out cells at a pair's padding positions (and, given `select` (C, B),
         the (cell, pair)s it leaves False); `kind`: how `patched` was had (exact | attribution)."""
         b, t = mask.shape
@@ -236,8 +218,8 @@ class LmPatching(Method):
         ci, bi = torch.tensor(keep_c, dtype=torch.long), torch.tensor(keep_b, dtype=torch.long)
         target_name = getattr(self.target, "name", type(self.target).__name__)
         return {
-            "sample_index": (batch.first_index + bi).tolist(),
-            "corrupted_id": [f"{batch.sample_ids[r]} (corrupted)" for r in keep_b],
+            "sample_index": bi.tolist(),  # the pair's row in the batch: the writer adds the batch's first index
+            "corrupted_id": [corrupted_names[r] for r in keep_b],
             "direction": [direction.value] * len(keep_b),
             "site": [cells[c].kind for c in keep_c],
             "layer": [cells[c].layer for c in keep_c],

@@ -13,12 +13,15 @@ from runner.options.method.patching import PatchDirection, PatchMode
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
 
-LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v")
+LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
 
 
 class LmCorruption(str, Enum):
     pair = "pair"  # the pair's own corrupted prompt
+    resample = "resample"  # another pair's clean prompt of the same token length (chosen with `seed`)
     noise = "noise"  # the clean prompt, its embeddings on `span` plus Gaussian noise of std x the embeddings' std
+    zero = "zero"  # the clean prompt, its embeddings on `span` replaced by zeros
+    mean = "mean"  # the clean prompt, its embeddings on `span` replaced by their mean over the data set's tokens
 
 
 class HeadPositions(str, Enum):
@@ -30,9 +33,10 @@ class HeadPositions(str, Enum):
 class LmCorruptionConfig:
     kind: LmCorruption = LmCorruption.pair
     std: float = 3.0  # noise: in standard deviations of the embedding matrix's entries (Meng et al. 2022: 3)
-    # noise: the token positions noised, [start, end) counted as the table's positions (BOS = 0); null: all
+    # noise, zero, mean: the token positions edited, [start, end) counted as the table's positions (BOS = 0); null:
+    # every position but a leading BOS token
     span: Optional[list[int]] = None  # noqa: UP045 (OmegaConf)
-    seed: int = 0
+    seed: int = 0  # noise: the noise; resample: which pair of the same length each pair takes its prompt from
 
 
 @dataclass
