@@ -3,13 +3,14 @@
     python scripts/train_induction_lm.py                      # writes runner/models/lm_induction/ (a few CPU minutes)
     python scripts/train_induction_lm.py --out /tmp/lm --steps 500
 
-A two-layer GPT-2 (`transformers.GPT2LMHeadModel`) is trained on sequences that hold a random run of content tokens
-repeated once, amid random filler. The only predictable tokens are those of the second copy, and a two-layer
-transformer learns them the way Olsson et al. (2022) describe: a previous-token head in layer 0 writes "the token
-before me was A" into each position, and an induction head in layer 1 attends from a later A to the token that
-followed the earlier A and copies it. GPT-2 has no attention-only switch, so each block keeps a small MLP
-(`n_inner` = 64); the circuit forms in attention regardless, which tests/lm_circuits.py's attention-pattern
-scores confirm.
+A two-layer attention-only Llama (rotary positions; 64 wide, 4 heads; its MLPs are zero and frozen, since Llama
+has no attention-only switch) is trained on sequences that hold a random run of content tokens repeated once, amid
+random filler. The only predictable tokens are those of the second copy, and a two-layer transformer learns them the
+way Olsson et al. (2022) describe: a previous-token head in layer 0 writes "the token before me was A" into each
+position, and an induction head in layer 1 attends from a later A to the token that followed the earlier A and
+copies it; tests/lm_circuits.py's attention-pattern scores confirm it. (A GPT-2 of the same size, with learned
+absolute positions, reaches the same accuracy with a diffuse, position-smeared circuit instead: rotary positions
+make the one-token offset easy to learn.)
 
 Vocabulary: 64 content tokens `t00`..`t63` (ids 0..63), then `<bos>`, `<pad>`, `<unk>`. The tokenizer is a
 word-level one (one id per whitespace-separated token) that adds no BOS itself: whoever feeds the model prepends it.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
 # The attention-pattern scores are defined once, in the tests' helper module, so the figures printed here are the
@@ -49,7 +50,6 @@ SEQ_LEN = 48  # training sequence length, <bos> included
 RUN_LENGTHS = (8, 20)  # length of the repeated run, inclusive
 PAIR_RUN = 8  # run length in the patching pairs
 N_PAIRS = 32
-REPLACEMENT = False
 
 
 def content_token(i: int) -> str:
@@ -72,29 +72,18 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(seed: int, attention_only: bool, heads: int, arch: str = "gpt2") -> torch.nn.Module:
-    """The two-layer model, initialised from `seed`; no dropout, so training is a function of the seed alone."""
-    ids = {"bos_token_id": BOS, "eos_token_id": BOS, "pad_token_id": PAD}
+def build_model(seed: int, heads: int) -> LlamaForCausalLM:
+    """The two-layer attention-only Llama, initialised from `seed` (no dropout: training is a function of the seed)."""
+    config = LlamaConfig(vocab_size=N_CONTENT + 3, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=BOS, pad_token_id=PAD)  # fmt: skip
     torch.manual_seed(seed)
-    if arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(vocab_size=N_CONTENT + 3, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
-                             tie_word_embeddings=True, **ids)  # fmt: skip
-        model = LlamaForCausalLM(config)
-        blocks = model.model.layers
-    else:
-        config = GPT2Config(vocab_size=N_CONTENT + 3, n_positions=64, n_embd=64, n_layer=2, n_head=heads, n_inner=64,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)  # fmt: skip
-        model = GPT2LMHeadModel(config)
-        blocks = model.transformer.h
-    if attention_only:
-        # No switch for attention-only blocks: zero MLP weights that never train give a zero MLP output.
-        for block in blocks:
-            for parameter in block.mlp.parameters():
-                parameter.data.zero_()
-                parameter.requires_grad_(False)
+    model = LlamaForCausalLM(config)
+    # Llama has no switch for attention-only blocks: zero MLP weights that never train give a zero MLP output.
+    for block in model.model.layers:
+        for parameter in block.mlp.parameters():
+            parameter.data.zero_()
+            parameter.requires_grad_(False)
     return model
 
 
@@ -108,10 +97,7 @@ def training_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.T
     for row, label in zip(rows, labels, strict=True):
         length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
         start = 1 + int(torch.randint(0, SEQ_LEN - 2 * length, (1,), generator=generator))
-        if REPLACEMENT:
-            tokens = torch.randint(0, N_CONTENT, (SEQ_LEN,), generator=generator)
-        else:
-            tokens = torch.randperm(N_CONTENT, generator=generator)
+        tokens = torch.randperm(N_CONTENT, generator=generator)
         run, filler = tokens[:length], tokens[length : length + SEQ_LEN - 1 - 2 * length]
         row[1:] = torch.cat([filler[: start - 1], run, run, filler[start - 1 :]])
         # The second copy's first token is unpredictable (nothing marks where the copy starts); the rest is.
@@ -120,7 +106,7 @@ def training_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.T
 
 
 @torch.no_grad()
-def induction_accuracy(model: GPT2LMHeadModel, generator: torch.Generator, n: int = 256) -> float:
+def induction_accuracy(model: LlamaForCausalLM, generator: torch.Generator, n: int = 256) -> float:
     """Top-1 accuracy on the second copy of held-out `<bos> S S` rows (all of it but its unpredictable first token)."""
     lo, hi = 10, 20
     correct = total = 0
@@ -156,7 +142,7 @@ def patching_pairs(generator: torch.Generator) -> list[dict[str, str]]:
 
 
 @torch.no_grad()
-def logit_differences(model: GPT2LMHeadModel, tokenizer: PreTrainedTokenizerFast, pairs: list[dict]) -> tuple:
+def logit_differences(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pairs: list[dict]) -> tuple:
     """Mean logit(answer) - logit(distractor) at the last position, over the clean and over the corrupted prompts."""
     means = []
     for side in ("clean", "corrupted"):
@@ -180,23 +166,18 @@ def format_scores(name: str, scores: torch.Tensor) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "runner" / "models" / "lm_induction")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-only", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
-    parser.add_argument("--replacement", action="store_true")
     args = parser.parse_args()
-    global REPLACEMENT
-    REPLACEMENT = args.replacement
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
 
     tokenizer = build_tokenizer()
-    model = build_model(args.seed, args.attention_only, args.heads, args.arch)
+    model = build_model(args.seed, args.heads)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
@@ -218,7 +199,9 @@ def main() -> None:
     pairs = patching_pairs(torch.Generator().manual_seed(args.seed + 2))
     clean, corrupted = logit_differences(model, tokenizer, pairs)
     log.info("induction accuracy (second copy, held out): %.4f", induction_accuracy(model, held_out))
-    log.info("logit(answer) - logit(distractor), mean over %d pairs: clean %.3f, corrupted %.3f", N_PAIRS, clean, corrupted)
+    log.info(
+        "logit(answer) - logit(distractor), mean over %d pairs: clean %.3f, corrupted %.3f", N_PAIRS, clean, corrupted
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)

@@ -1,6 +1,7 @@
 """The shipped induction LM (runner/models/lm_induction/, trained by scripts/train_induction_lm.py): it loads
 offline with the Auto classes, has the circuit its docstring claims by independent attention-pattern scores
-(tests/lm_circuits.py), and its patching pairs are well formed and answered by induction."""
+(tests/lm_circuits.py), its patching pairs are well formed and answered by induction, and activation patching finds
+the same circuit."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from lm_circuits import induction_scores, previous_token_scores
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runner.methods.lm_patching import lm_activation_patching
 
 FOLDER = Path(str(importlib.resources.files("runner.models") / "lm_induction"))
 
@@ -61,7 +64,7 @@ def test_layer_0_holds_the_previous_token_head(shipped):
 def test_random_weights_fail_the_thresholds(shipped):
     model, tokenizer = shipped
     torch.manual_seed(0)
-    random = GPT2LMHeadModel(model.config).eval()
+    random = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
     assert induction_scores(random, tokenizer).max() < 0.5
     assert previous_token_scores(random, tokenizer).max() < 0.5
 
@@ -88,3 +91,28 @@ def test_induction_answers_the_pairs(pairs, shipped):
         last = model(ids).logits[:, -1]  # (N, V)
         means[side] = float((last[rows, answer] - last[rows, distractor]).mean())
     assert means["clean"] > 3 and means["corrupted"] < 0, means
+
+
+def test_patching_ranks_first_the_head_the_attention_scores_call_the_induction_head(pairs, shipped):
+    """Patching each head's clean output (all positions) into the corrupted run: the head that restores the answer
+    most is the one whose attention pattern is the most induction-like, found by code that shares nothing with the
+    patching engine."""
+    model, tokenizer = shipped
+    frame = lm_activation_patching(model, tokenizer, pairs, sites=["head"], directions=["denoising"])
+    restoration = frame.groupby(["layer", "head"]).restoration.mean()  # mean over the 32 pairs
+    scores = induction_scores(model, tokenizer)  # (layers, heads)
+    assert restoration.idxmax() == divmod(int(scores.argmax()), scores.shape[1]), (restoration, scores)
+    assert restoration.max() > 0.3  # one head carries a real share of the answer; layer 0's heads carry none
+    assert restoration.loc[0].abs().max() < 0.05
+
+
+def test_patching_locates_the_answers_first_occurrence(pairs, shipped):
+    """The residual stream carries the answer from its first occurrence (position 8: the one token that differs and
+    that induction copies) and layer 1's attention moves it to the last position: restoring either restores all."""
+    model, tokenizer = shipped
+    frame = lm_activation_patching(model, tokenizer, pairs, sites=["resid_pre", "attn_out"], directions=["denoising"])
+    mean = frame.groupby(["site", "layer", "position"]).restoration.mean()
+    last = int(frame.position.max())
+    assert mean.loc[("resid_pre", 0, 8)] > 0.95 and mean.loc[("attn_out", 1, last)] > 0.95
+    others = mean.drop([("resid_pre", 0, 8), ("resid_pre", 1, 8), ("attn_out", 1, last)])
+    assert others.abs().max() < 0.1, others.sort_values().tail()
