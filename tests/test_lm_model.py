@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,21 @@ def test_patching_locates_the_answers_first_occurrence(pairs, shipped):
     assert mean.loc[("resid_pre", 0, 8)] > 0.95 and mean.loc[("attn_out", 1, last)] > 0.95
     others = mean.drop([("resid_pre", 0, 8), ("resid_pre", 1, 8), ("attn_out", 1, last)])
     assert others.abs().max() < 0.1, others.sort_values().tail()
+
+
+@pytest.mark.slow
+def test_training_script_is_deterministic(tmp_path: Path):
+    """A short run of scripts/train_induction_lm.py writes a loadable folder, and the same command the same weights."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_induction_lm.py"
+    weights = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        done = subprocess.run([sys.executable, str(script), "--out", str(out), "--steps", "60"], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert {"config.json", "model.safetensors", "tokenizer.json", "induction_pairs.jsonl"} <= {
+            p.name for p in out.iterdir()
+        }
+        weights.append((out / "model.safetensors").read_bytes())
+    assert weights[0] == weights[1]
+    assert (tmp_path / "a" / "induction_pairs.jsonl").read_text() == (FOLDER / "induction_pairs.jsonl").read_text()
