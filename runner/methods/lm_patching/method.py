@@ -50,7 +50,12 @@ LM_PATCHING_SCHEMA = declare(
         pa.field("small_span", pa.bool_()),
         optional("rank_correlation", pa.float32(), "method.patching.mode=attribution_topk"),
     ],
-    Presentation(keys=("direction", "site", "patch_method", "metric"), values=("restoration",), shown=("metric",)),
+    Presentation(
+        keys=("direction", "site", "patch_method", "metric"),
+        values=("restoration",),
+        shown=("metric",),
+        figures="runner.viz.lm_plots:lm_patching_figures",
+    ),
 )
 # Rows of the stacked batch a patched forward aims for on the CPU (variants x pairs); a GPU takes more.
 ROWS_PER_FORWARD = 64

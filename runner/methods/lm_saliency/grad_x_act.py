@@ -53,7 +53,12 @@ LM_GRAD_X_ACT_SCHEMA = declare(
         pa.field("grad_norm", pa.float32()),  # |gradient| over the same dimension
         pa.field("act_norm", pa.float32()),  # |activation|
     ],
-    Presentation(keys=("site", "metric"), values=("value",), shown=("metric",)),
+    Presentation(
+        keys=("site", "metric"),
+        values=("value",),
+        shown=("metric",),
+        figures="runner.viz.lm_plots:lm_grad_x_act_figures",
+    ),
 )
 
 

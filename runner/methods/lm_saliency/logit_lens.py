@@ -59,7 +59,12 @@ LM_LOGIT_LENS_SCHEMA = declare(
         pa.field("top_token", pa.string()),  # its string (null without the tokenizer)
         pa.field("top_prob", pa.float32()),  # its probability
     ],
-    Presentation(keys=("metric",), values=("value", "top_prob"), shown=("metric",)),
+    Presentation(
+        keys=("metric",),
+        values=("value", "top_prob"),
+        shown=("metric",),
+        figures="runner.viz.lm_plots:lm_logit_lens_figures",
+    ),
 )
 
 

@@ -1,0 +1,197 @@
+"""The language-model tables' heatmaps (runner/viz/lm_plots.py): the drawn grid is the mean over pairs of the frame,
+tokens label the position axis, NaN cells stay NaN, the colour scale is centred at 0; and a CLI run's report holds
+them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from runner.schema import FiguresConfig
+from runner.viz import lm_plots
+from runner.viz.figure_style import pyplot
+from tests.conftest import run_cli
+from tests.test_report import check_page
+
+TOKENS = {0: ["<bos>", " A", " B", " C"], 1: ["<bos>", " A", " D", " C"]}  # pairs differ at position 2
+
+
+def patching_frame(directions: tuple[str, ...] = ("denoising",)) -> pd.DataFrame:
+    """Two pairs x 2 layers x 4 positions of resid_pre, restoration = layer + position / 10 + pair / 100, and
+    (layer 1, position 0) NaN in both pairs."""
+    rows = []
+    for direction in directions:
+        for sample, tokens in TOKENS.items():
+            for layer in (0, 1):
+                for position, token in enumerate(tokens):
+                    value = np.nan if (layer, position) == (1, 0) else -layer + position / 10 + sample / 100
+                    rows.append({"sample": sample, "direction": direction, "site": "resid_pre", "layer": layer,
+                                 "head": None, "position": position, "token": token, "metric": "token_logit_diff",
+                                 "patch_method": "exact", "restoration": value, "small_span": False})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def image_of(fig) -> tuple[np.ma.MaskedArray, list[str], object]:  # noqa: ANN001
+    """(the heatmap's array, its x tick labels, the image) of the figure's first panel."""
+    ax = fig.axes[0]
+    image = ax.images[0]
+    return image.get_array(), [t.get_text() for t in ax.get_xticklabels()], image
+
+
+def close(drawn: list) -> None:
+    for _, fig in drawn:
+        pyplot().close(fig)
+
+
+def test_layer_position_map_is_the_mean_over_pairs_with_tokens_on_the_axis() -> None:
+    frame = patching_frame()
+    drawn = lm_plots.lm_patching_figures(frame, None, FiguresConfig())
+    assert len(drawn) == 1
+    caption, fig = drawn[0]
+    array, ticks, image = image_of(fig)
+    expected = frame.pivot_table(index="layer", columns="position", values="restoration", aggfunc="mean",
+                                 dropna=False).reindex(columns=range(4)).to_numpy()  # fmt: skip
+    assert array.shape == (2, 4)
+    assert np.allclose(array.filled(np.nan), expected, equal_nan=True)
+    assert array.mask[1, 0] and not array.mask[0, 0]  # NaN stays NaN: drawn as a blank (grey) cell
+    assert ticks == ["<bos>", " A", " B*", " C"]  # pair 0's token where the pairs differ, marked
+    low, high = image.get_clim()
+    assert low == -high and high == pytest.approx(np.nanmax(np.abs(expected)))  # centred at 0
+    assert image.get_cmap().name.startswith("RdBu")
+    assert "N = 2 pairs" in caption and "first pair's token" in caption and "resid_pre" in caption
+    assert len(fig.axes) == 2  # the heatmap and its colour bar
+    close(drawn)
+
+
+def test_noising_draws_the_drop_and_each_direction_has_its_figure() -> None:
+    frame = patching_frame(("denoising", "noising"))
+    drawn = lm_plots.lm_patching_figures(frame, None, FiguresConfig())
+    assert [(c.startswith("Patching (resid_pre, noising"), "drop" in c) for c, _ in drawn] == [
+        (False, False),
+        (True, True),
+    ]
+    denoised, _, _ = image_of(drawn[0][1])
+    noised, _, _ = image_of(drawn[1][1])
+    assert np.allclose(noised.filled(np.nan), 1 - denoised.filled(np.nan), equal_nan=True)
+    close(drawn)
+
+
+def test_pairs_of_different_lengths_align_at_the_last_token() -> None:
+    frame = patching_frame()
+    short = frame[(frame["sample"] == 1) & (frame["position"] > 0)].assign(position=lambda f: f["position"] - 1)
+    frame = pd.concat([frame[frame["sample"] == 0], short])  # pair 1 lacks the BOS: one token shorter
+    moved, slots, note = lm_plots.position_axis(frame)
+    assert slots["_x"].tolist() == [-3, -2, -1, 0]
+    assert slots["label"].tolist() == ["<bos>", " A", " B*", " C"]  # the same roles line up from the end
+    assert "aligned at their last token" in note
+    caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
+    array, _, _ = image_of(fig)
+    last = frame[(frame["layer"] == 0) & (frame["token"] == " C")]["restoration"].mean()
+    assert array[0, -1] == pytest.approx(last)
+    assert array[0, 0] == pytest.approx(frame[(frame["sample"] == 0) & (frame["layer"] == 0)]["restoration"].iloc[0])
+    assert "aligned at their last token" in caption
+    pyplot().close(fig)
+
+
+def test_long_prompts_show_the_last_positions() -> None:
+    n = lm_plots.MAX_POSITIONS + 6
+    frame = pd.DataFrame({"sample": 0, "direction": "denoising", "site": "attn_out", "layer": 0, "head": None,
+                          "position": range(n), "token": [f"t{i}" for i in range(n)], "metric": "m",
+                          "patch_method": "exact", "restoration": np.arange(n) / n, "small_span": False})  # fmt: skip
+    caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
+    array, ticks, _ = image_of(fig)
+    assert array.shape == (1, lm_plots.MAX_POSITIONS)
+    assert ticks == [f"t{i}" for i in range(6, n)]
+    assert np.allclose(array[0], np.arange(6, n) / n)
+    assert f"the last {lm_plots.MAX_POSITIONS} of {n} positions" in caption
+    pyplot().close(fig)
+
+
+def head_frame(position_each: bool) -> pd.DataFrame:
+    """Two pairs x 2 layers x 3 heads of `head` cells (at every position at once, or at positions 0 and 1);
+    layer 1 head 2 has the largest effect."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for sample in (0, 1):
+        for layer in (0, 1):
+            for head in range(3):
+                for position in (0, 1) if position_each else (None,):
+                    big = 0.9 if (layer, head, position) in ((1, 2, None), (1, 2, 1)) else 0.0
+                    rows.append({"sample": sample, "direction": "denoising", "site": "head", "layer": layer,
+                                 "head": head, "position": position, "token": None if position is None else f"x{position}",
+                                 "metric": "m", "patch_method": "exact", "small_span": False,
+                                 "restoration": big + rng.uniform(-0.1, 0.1)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_layer_by_head_map_of_heads_at_every_position() -> None:
+    frame = head_frame(False)
+    caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
+    array, ticks, _ = image_of(fig)
+    expected = frame.pivot_table(index="layer", columns="head", values="restoration", aggfunc="mean").to_numpy()
+    assert np.allclose(array, expected)
+    assert ticks == ["0", "1", "2"] and "per layer and head" in caption
+    pyplot().close(fig)
+
+
+def test_heads_at_each_position_draw_the_layer_with_the_largest_effect() -> None:
+    frame = head_frame(True)
+    drawn = lm_plots.lm_patching_figures(frame, None, FiguresConfig())
+    assert len(drawn) == 1  # one head x position map, not one per layer or head
+    caption, fig = drawn[0]
+    array, ticks, _ = image_of(fig)
+    layer1 = frame[frame["layer"] == 1]
+    expected = layer1.pivot_table(index="head", columns="position", values="restoration", aggfunc="mean").to_numpy()
+    assert np.allclose(array, expected)
+    assert ticks == ["x0", "x1"] and "layer 1, the layer with the largest |mean| cell" in caption
+    close(drawn)
+
+
+def test_grad_x_act_sums_heads_and_logit_lens_labels_the_embeddings() -> None:
+    heads = head_frame(True).rename(columns={"restoration": "value"})
+    drawn = lm_plots.lm_grad_x_act_figures(heads, None, FiguresConfig())
+    assert len(drawn) == 2  # layer x position summed over heads, layer x head summed over positions
+    by_position, _, _ = image_of(drawn[0][1])
+    per_pair = heads.groupby(["sample", "layer", "position"])["value"].sum()
+    assert np.allclose(by_position, per_pair.groupby(["layer", "position"]).mean().unstack().to_numpy())
+    by_head, _, _ = image_of(drawn[1][1])
+    per_pair = heads.groupby(["sample", "layer", "head"])["value"].sum()
+    assert np.allclose(by_head, per_pair.groupby(["layer", "head"]).mean().unstack().to_numpy())
+    close(drawn)
+    lens = pd.DataFrame({"sample": 0, "layer": [-1, -1, 0, 0], "position": [0, 1, 0, 1],
+                         "token": ["a", "b", "a", "b"], "metric": "m", "value": [0.5, 1.0, 2.0, 3.0]})  # fmt: skip
+    caption, fig = lm_plots.lm_logit_lens_figures(lens, None, FiguresConfig())[0]
+    array, ticks, image = image_of(fig)
+    assert np.allclose(array, [[0.5, 1.0], [2.0, 3.0]]) and ticks == ["a", "b"]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["emb", "0"]
+    assert image.get_clim() == (0.5, 3.0)  # one sign: a sequential scale over the values
+    pyplot().close(fig)
+
+
+def test_a_swept_column_makes_panels_on_one_scale() -> None:
+    frame = pd.concat([patching_frame().assign(**{"sweep.seed": s, "restoration": lambda f, s=s: f["restoration"] * s})
+                       for s in (1, 2)])  # fmt: skip
+    caption, fig = lm_plots.lm_patching_figures(frame, "sweep.seed", FiguresConfig())[0]
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["seed=1", "seed=2"]
+    assert panels[0].images[0].get_clim() == panels[1].images[0].get_clim()
+    assert np.allclose(panels[1].images[0].get_array() * 1, 2 * panels[0].images[0].get_array())
+    pyplot().close(fig)
+
+
+@pytest.mark.slow
+def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None:
+    from runner.viz.report import write_report
+
+    done = run_cli("model=hf_lm", "data=prompts", "data.file=induction", "method=lm_patching",
+                   "target=token_logit_diff", "debug=tiny", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    source, text = check_page(write_report(tmp_path))
+    table = source.split('id="table-lm-patching"', 1)[1].split("<h2", 1)[0]
+    for site in ("resid_pre", "attn_out", "mlp_out"):
+        assert f"Patching ({site}, denoising exact token_logit_diff): mean over pairs" in table
+    assert "per layer and head" in table  # the head cells at every position
+    assert table.count('<img src="data:image/png;base64,') == 4
