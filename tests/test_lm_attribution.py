@@ -173,7 +173,8 @@ def test_estimates_match_exact_patching_of_a_tiny_perturbation(tiny, direction: 
 
 def test_topk_rows_equal_exact_mode_and_carry_the_rank_correlation(tiny) -> None:  # type: ignore[no-untyped-def]
     """attribution_topk: per (pair, direction, site) the top_k cells by estimate, patched exactly, equal mode=exact's
-    rows for those cells (1e-6); rank_correlation in [-1, 1] on them, NaN on the estimates' rows and for a self
+    rows for those cells (within 4e-6: float32 rounding of other batch makeups and prefix lengths, on values about 2);
+    rank_correlation in [-1, 1] on them, NaN on the estimates' rows and for a self
     pair."""
     _, model, tokenizer, _ = tiny
     pairs = [*PAIRS, {**PAIRS[0], "corrupted": PAIRS[0]["clean"]}]  # the last one is a self pair
@@ -195,8 +196,8 @@ def test_topk_rows_equal_exact_mode_and_carry_the_rank_correlation(tiny) -> None
     assert len(both) == len(checked)
     # the same engine on the same cells; only the variants stacked beside them differ (a pair's own cells here, every
     # pair's there), which moves a float32 matmul's last bit at most
-    assert (both.patched - both.patched_exact).abs().max() <= 1e-6
-    assert ((both.restoration - both.restoration_exact).abs() <= 1e-6).sum() == both.restoration_exact.notna().sum()
+    assert (both.patched - both.patched_exact).abs().max() <= 4e-6
+    assert ((both.restoration - both.restoration_exact).abs() <= 4e-6).sum() == both.restoration_exact.notna().sum()
     self_pair = checked.sample_index == len(PAIRS)
     assert checked[self_pair].rank_correlation.isna().all()
     rho = checked[~self_pair].rank_correlation

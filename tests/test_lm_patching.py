@@ -175,3 +175,64 @@ def test_restoration_is_nan_where_undefined_only(tiny) -> None:  # type: ignore[
     table = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre"])
     defined = table[~table.degenerate & ~table.small_span]
     assert all(math.isfinite(v) for v in defined.restoration)
+
+
+@pytest.mark.slow
+def test_a_device_mapped_model_gives_the_same_rows(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """model.device_map with an explicit per-block map (accelerate's dispatch, its hooks on every block, one block
+    offloaded to disk) gives the rows the plain model gives; random weights with a device map are refused, since the map places weights as they
+    load. On a machine with several devices the same map spreads the blocks and each tensor follows its module."""
+    model, _, folder = tiny
+    import json
+
+    from runner.results import load
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps(p) for p in PAIRS))
+    base = ["model=hf_lm", f"model.name={folder}", "data=prompts", f"data.file={pairs}", "method=lm_patching",
+            "target=token_logit_diff"]  # fmt: skip
+    blocks = [name for name, _ in model.named_children()]  # transformer / model, lm_head
+    inner = getattr(model, blocks[0])
+    modules = [f"{blocks[0]}.{name}" for name, _ in inner.named_children() if name not in ("h", "layers")]
+    layers = [
+        f"{blocks[0]}.{'h' if hasattr(inner, 'h') else 'layers'}.{i}" for i in range(model.config.num_hidden_layers)
+    ]
+    # The last block offloaded to disk: accelerate dispatches the model (an all-CPU map would load it plainly), its
+    # hooks bring that block's weights in for each forward, beside the runner's on the same modules.
+    places = {name: "cpu" for name in [*modules, *layers, *blocks[1:]]} | {layers[-1]: "disk"}
+    mapping = ",".join(f"{name}:{place}" for name, place in places.items())
+    plain = run_cli(*base, f"hydra.run.dir={tmp_path / 'plain'}")
+    mapped = run_cli(*base, f"model.device_map={{{mapping}}}", f"+model.kwargs.offload_folder={tmp_path / 'offload'}",
+                     f"hydra.run.dir={tmp_path / 'mapped'}")  # fmt: skip
+    assert plain.returncode == 0 and mapped.returncode == 0, mapped.stderr
+    a, b = load(tmp_path / "plain"), load(tmp_path / "mapped")
+    assert len(a) == len(b) > 0
+    assert (a.patched.to_numpy() == b.patched.to_numpy()).all()
+    refused = run_cli(*base, "model.weights=null", f"model.device_map={{{mapping}}}",
+                      f"hydra.run.dir={tmp_path / 'random'}")  # fmt: skip
+    assert refused.returncode == 2 and "model.device_map places saved weights" in refused.stderr
+
+
+@pytest.mark.parametrize("corruption", [{"kind": "pair"}, {"kind": "noise", "std": 3.0, "span": [1, 4]}])
+def test_the_reused_prefix_gives_the_rows_of_whole_prompts_on_fewer_positions(tiny, corruption) -> None:  # type: ignore[no-untyped-def]
+    """reuse_prefix: each chunk runs only the positions its cells can change, on the receiving run's cached keys
+    and values: the rows equal those of whole-prompt runs (1e-5), with fewer token positions through the model."""
+    model, tokenizer, _ = tiny
+    embed = model.get_input_embeddings()
+    seen: list[int] = []
+    handle = embed.register_forward_hook(lambda module, args, output: seen.append(output.shape[0] * output.shape[1]))
+    try:
+        tables = {}
+        for reuse in (False, True):
+            seen.clear()
+            tables[reuse] = lm_activation_patching(
+                model, tokenizer, PAIRS, sites=["resid_pre", "attn_out", "k", "head"], head_positions="each",
+                directions=["denoising", "noising"], corruption=corruption, reuse_prefix=reuse, chunk=4,
+            )  # fmt: skip
+            tables[reuse].attrs["positions"] = sum(seen)
+    finally:
+        handle.remove()
+    whole, reused = tables[False], tables[True]
+    assert len(whole) == len(reused) > 0
+    assert (whole.patched - reused.patched).abs().max() <= 1e-5
+    assert reused.attrs["positions"] < 0.75 * whole.attrs["positions"], (reused.attrs, whole.attrs)

@@ -38,6 +38,16 @@ def model_folder(name: str) -> str:
     return str(folder)
 
 
+def _need_accelerate() -> None:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise RunnerError(
+            "model.device_map spreads the model with accelerate, which is not installed: pip install accelerate"
+            " (or `pip install -e '.[models]'`), or leave model.device_map=null."
+        ) from None
+
+
 class HfLmSource(ModelSource):
     accepts = "a Hugging Face causal LM folder or hub id with model=hf_lm"
 
@@ -57,6 +67,11 @@ class HfLmSource(ModelSource):
         transformers = transformers_module()
         name = model_folder(cfg.name)
         options: dict[str, Any] = {"attn_implementation": cfg.attn_implementation, **cfg.kwargs}
+        if cfg.weights is None and cfg.device_map is not None:
+            raise RunnerError(
+                "model.device_map places saved weights across devices as they load; random weights (model.weights="
+                "null) are built in memory: leave model.device_map=null, or load saved weights."
+            )
         if cfg.weights is None:
             config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local))
             for key, value in cfg.config.items():
@@ -70,6 +85,7 @@ class HfLmSource(ModelSource):
                     " come with their own config)."
                 )
             if cfg.device_map is not None:
+                _need_accelerate()
                 options["device_map"] = cfg.device_map
             model = from_hub(
                 name, lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options)

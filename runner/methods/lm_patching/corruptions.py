@@ -44,6 +44,10 @@ class EmbeddingEdit:
         """The same edit for `times` copies of the batch stacked along the rows (a patched run's variants)."""
         return EmbeddingEdit(self.scale.repeat(times, 1, 1), self.shift.repeat(times, 1, 1))
 
+    def suffix(self, start: int) -> EmbeddingEdit:
+        """The edit of positions `start`.. (a run whose prefix is reused reads only those)."""
+        return EmbeddingEdit(self.scale[:, start:], self.shift[:, start:])
+
     def rows(self, row: int) -> EmbeddingEdit:
         """The edit of one pair (row `row` of the batch) alone."""
         return EmbeddingEdit(self.scale[row : row + 1], self.shift[row : row + 1])

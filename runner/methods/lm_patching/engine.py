@@ -124,13 +124,14 @@ class SiteHooks:
         graph (run it with grad enabled), each tensor the one the rest of the forward reads."""
         return _Keeping(self, grad)
 
-    def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor]) -> None:
+    def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor], start: int = 0) -> None:
         """Set up a patched run of `cells` (cell c of pair b at row c * pairs + b) from `sources` (site name ->
-        (pairs, T, ...) views of the source run)."""
+        (pairs, T, ...) views of the source run); `start`: the run reads positions `start`.. only (the prefix
+        reused, prefix.py), so the sources and the cells' positions are cut and shifted to match."""
         grouped: dict[str, list[tuple[int, Cell]]] = {}
         for c, cell in enumerate(cells):
             grouped.setdefault(f"{cell.kind}.{cell.layer}", []).append((c, cell))
-        self.sources = sources
+        self.sources = sources if start == 0 else {name: view[:, start:] for name, view in sources.items()}
         self.patches = {}
         b = torch.arange(pairs)
         for name, members in grouped.items():
@@ -139,7 +140,7 @@ class SiteHooks:
             first = members[0][1]
             positions = (
                 None if first.position is None
-                else torch.tensor([cell.position for _, cell in members]).repeat_interleave(pairs)
+                else torch.tensor([cell.position - start for _, cell in members]).repeat_interleave(pairs)
             )  # fmt: skip
             heads = (
                 None if first.head is None

@@ -20,6 +20,7 @@ from runner.methods.base import Method
 from runner.methods.lm_patching.attribution import Receiver, attribution_rows
 from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
+from runner.methods.lm_patching.prefix import chunks_by_start, prefix_cache, receiving_cache
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import layout_of
 from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
@@ -148,23 +149,44 @@ class LmPatching(Method):
         clean_logits: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """(len(cells), B) metric of every cell patched into the run of `ids` (with the edit `noise` of its
-        embeddings)."""
+        embeddings); with method.patching.reuse_prefix, each chunk runs only the positions its cells can change, on
+        the receiving run's cached keys and values of the others (prefix.py)."""
         b = ids.shape[0]
         chunk = self.p.chunk or max(1, ROWS_PER_FORWARD // b)
-        out = []
-        for start in range(0, len(cells), chunk):
-            part = cells[start : start + chunk]
-            c = len(part)
-            self.hooks.plan(part, b, sources)
-            self.corruption.active = None if noise is None else noise.repeat(c)
+        positions = position_ids(mask)
+        chunks = chunks_by_start(cells, chunk) if self.p.reuse_prefix else [
+            (0, list(range(first, min(first + chunk, len(cells))))) for first in range(0, len(cells), chunk)
+        ]  # fmt: skip
+        keys_values = None
+        if any(start > 0 for start, _ in chunks):
+            self.corruption.active = noise
             try:
-                logits = self._logits(model, ids.repeat(c, 1), mask.repeat(c, 1))
+                with self.runtime.autocast():
+                    keys_values = receiving_cache(model, ids, mask, positions)
+            finally:
+                self.corruption.active = None
+        out = torch.empty((len(cells), b), dtype=torch.float32)
+        for start, part in chunks:
+            c = len(part)
+            if keys_values is None:
+                start = 0
+            self.hooks.plan([cells[i] for i in part], b, sources, start)
+            edit = None if noise is None else (noise.suffix(start) if start else noise).repeat(c)
+            self.corruption.active = edit
+            try:
+                with torch.no_grad(), self.runtime.autocast():
+                    logits = model(
+                        input_ids=ids[:, start:].repeat(c, 1), attention_mask=mask.repeat(c, 1),
+                        position_ids=positions[:, start:].repeat(c, 1),
+                        past_key_values=None if start == 0 else prefix_cache(keys_values, start, c),
+                        use_cache=start > 0, logits_to_keep=1,
+                    ).logits[:, -1].float()  # fmt: skip
             finally:
                 self.corruption.active = None
                 self.hooks.patches = {}
             metric = self._metric(logits, answers.repeat(c, 1), distractors.repeat(c, 1), clean_logits.repeat(c, 1))
-            out.append(metric.view(c, b))
-        return torch.cat(out)
+            out[torch.tensor(part)] = metric.view(c, b).cpu()
+        return out
 
     def _logits(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(N, V) float32 next-token logits at the last position (left padding: the same index for every row)."""
