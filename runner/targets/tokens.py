@@ -30,6 +30,9 @@ class TokenTarget:
     """A language-model target; `text = True` tells methods that take token targets apart from class targets."""
 
     text = True
+    # Whether score_tokens reads only the answer and distractor columns of the logits (then any (B, K) logits of
+    # those tokens, with the sets' ids renumbered into 0..K-1, give the same score).
+    reads_only_answer_logits = False
 
     def __init__(self, config: TargetConfig | None = None) -> None:
         self.name = config.name if config is not None else type(self).__name__
@@ -49,6 +52,8 @@ class TokenTarget:
 
 
 class TokenLogitDiff(TokenTarget):
+    reads_only_answer_logits = True  # a patching engine may compute only those logits (lm_patching/readout.py)
+
     def score_tokens(
         self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
     ) -> torch.Tensor:

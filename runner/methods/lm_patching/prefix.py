@@ -71,8 +71,9 @@ def receiving_cache(
 ) -> KeyValues | None:
     """The receiving run's keys and values at every layer (one forward with the cache on), or None where the model
     returns none the runner can read (logged once per model)."""
+    base = getattr(model, "base_model", model)  # the blocks alone: the unembedding's output is not needed
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     found = cached_keys_values(getattr(out, "past_key_values", None))
     if found is None and not getattr(model, "_runner_no_prefix_logged", False):
         log.info("lm_patching: %s returns no key/value cache the runner can read: each variant runs the whole"
