@@ -94,9 +94,10 @@ def size_stack(
         torch.cuda.empty_cache()
         return Sizing(stack=max(1, probe_size // 2), measured=True)
     per_variant = (large - small) // probe_size
-    if per_variant <= 0:  # no growth seen (allocator rounding): charge the whole larger peak to its variants
-        per_variant = max(1, large // (2 * probe_size))
-    fixed = max(0, small - probe_size * per_variant)
+    if per_variant > 0:
+        fixed = max(0, small - probe_size * per_variant)
+    else:  # no growth seen (allocator rounding): charge the whole larger peak to its variants
+        per_variant, fixed = max(1, large // (2 * probe_size)), 0
     usable = usable_bytes(device)
     stack = int((fraction * usable - fixed) // per_variant)
     return Sizing(max(1, min(cap, stack)), per_variant, fixed, usable, measured=True)

@@ -159,7 +159,7 @@ class LmPatching(Method):
         the receiving run's cached keys and values of the others (prefix.py)."""
         b, t = ids.shape
         positions = position_ids(mask)
-        out = torch.empty((len(cells), b), dtype=torch.float32)
+        out = torch.full((len(cells), b), float("nan"))  # NaN, not stale memory, in a cell no forward wrote
         keys_values = None  # the receiving run's cache, made for the first part that starts after position 0
 
         def forward(part: Sequence[int]) -> None:
