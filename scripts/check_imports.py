@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.interrupts",
             "runner.distributed",
             "runner.chunks",
+            "runner.chunk_sizing",
             "runner.frames",
             "runner.fingerprints",
             "runner.analysis",

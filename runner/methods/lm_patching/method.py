@@ -4,6 +4,7 @@ patched in each direction, many cells per forward, into the `lm_patching` table.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from runner.chunk_sizing import CAP, StackSizer
 from runner.data.base import Batch
 from runner.data.prompts import position_ids
 from runner.errors import RunnerError
@@ -20,7 +22,7 @@ from runner.methods.base import Method
 from runner.methods.lm_patching.attribution import Receiver, attribution_rows
 from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
-from runner.methods.lm_patching.prefix import chunks_by_start, prefix_cache, receiving_cache
+from runner.methods.lm_patching.prefix import chunks_by_start, prefix_cache, receiving_cache, start_of
 from runner.methods.lm_patching.readout import Readout
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import layout_of
@@ -76,6 +78,7 @@ class LmPatching(Method):
         self.dataset: Dataset | None = None
         self.warned: set[str] = set()
         self.corruption = Corruption(self.p.corruption)
+        self.stacks = StackSizer(self.p.chunk, "patched cell")
 
     def prepare(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -154,25 +157,22 @@ class LmPatching(Method):
         """(len(cells), B) metric of every cell patched into the run of `ids` (with the edit `noise` of its
         embeddings); with method.patching.reuse_prefix, each chunk runs only the positions its cells can change, on
         the receiving run's cached keys and values of the others (prefix.py)."""
-        b = ids.shape[0]
-        chunk = self.p.chunk or max(1, ROWS_PER_FORWARD // b)
+        b, t = ids.shape
         positions = position_ids(mask)
-        chunks = chunks_by_start(cells, chunk) if self.p.reuse_prefix else [
-            (0, list(range(first, min(first + chunk, len(cells))))) for first in range(0, len(cells), chunk)
-        ]  # fmt: skip
-        keys_values = None
-        if any(start > 0 for start, _ in chunks):
-            self.corruption.active = noise
-            try:
-                with self.runtime.autocast():
-                    keys_values = receiving_cache(model, ids, mask, positions)
-            finally:
-                self.corruption.active = None
-        out = torch.empty((len(cells), b), dtype=torch.float32)
-        for start, part in chunks:
+        out = torch.full((len(cells), b), float("nan"))  # NaN, not stale memory, in a cell no forward wrote
+        keys_values = None  # the receiving run's cache, made for the first part that starts after position 0
+
+        def forward(part: Sequence[int]) -> None:
+            nonlocal keys_values
             c = len(part)
-            if keys_values is None:
-                start = 0
+            start = min(start_of(cells[i]) for i in part) if self.p.reuse_prefix else 0
+            if start > 0 and keys_values is None:
+                self.corruption.active = noise
+                try:
+                    with self.runtime.autocast():
+                        keys_values = receiving_cache(model, ids, mask, positions)
+                finally:
+                    self.corruption.active = None
             self.hooks.plan([cells[i] for i in part], b, sources, start)
             edit = None if noise is None else (noise.suffix(start) if start else noise).repeat(c)
             self.corruption.active = edit
@@ -188,6 +188,17 @@ class LmPatching(Method):
                 self.corruption.active = None
                 self.hooks.patches = {}
             out[torch.tensor(part)] = metric.detach().float().view(c, b).cpu()
+
+        # cells (each b rows) per forward; the probes that size it on CUDA run the cells that start first (the most
+        # positions: the largest forwards)
+        by_start = sorted(range(len(cells)), key=lambda i: start_of(cells[i]))
+        key = f"{b} pairs x {t} tokens"
+        chunk = self.stacks.stack(key, ids.device, len(cells), lambda k: forward(by_start[:k]),
+                                  otherwise=max(1, ROWS_PER_FORWARD // b), cap=max(1, CAP // b))  # fmt: skip
+        parts = [part for _, part in chunks_by_start(cells, chunk)] if self.p.reuse_prefix else [
+            list(range(first, min(first + chunk, len(cells)))) for first in range(0, len(cells), chunk)
+        ]  # fmt: skip
+        self.stacks.run(parts, forward, key)
         return out
 
     def _logits(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

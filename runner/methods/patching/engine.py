@@ -11,10 +11,12 @@ the batch-1 tensors). A model that cannot (one that reshapes with the input's ba
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from runner.chunk_sizing import StackSizer
 from runner.chunks import spans
 from runner.hooks import Capture, HookSession, Replacement
 from runner.methods.patching.cone import Cone
@@ -25,6 +27,9 @@ from runner.progress import within_batch
 from runner.runtime import Runtime
 
 log = logging.getLogger(__name__)
+
+# Variants per forward off CUDA when no chunk is set (on CUDA: sized from free memory, runner.chunk_sizing).
+CPU_CHUNK = 64
 
 
 class ExactEngine:
@@ -40,16 +45,7 @@ class ExactEngine:
         # (this call's index, calls in the batch) while a method reports its batch's progress chunk by chunk
         self.site: tuple[int, int] | None = None
         self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
-
-    def _chunk(self, base: torch.Tensor) -> int:
-        if self.p.chunk:
-            return self.p.chunk
-        if base.device.type != "cuda":
-            return 64
-        free, _ = torch.cuda.mem_get_info(base.device)
-        # A variant's forward keeps a few times the patched activation per later layer; a rough, safe budget.
-        per_variant = base.numel() * base.element_size() * 64
-        return int(max(1, min(1024, free // 4 // per_variant)))
+        self.stacks = StackSizer(p.chunk, "patched variant")
 
     @torch.no_grad()
     def patched_metrics(
@@ -59,27 +55,34 @@ class ExactEngine:
         """Metric of each patched variant (units in `order`, default all), chunked, prefix reused where possible."""
         order = order if order is not None else list(range(units.count))
         diff = source - base
-        out = []
-        chunk = self._chunk(base)
+        out: list[torch.Tensor] = []
         cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
-        with self.capture.paused():  # the variants' forwards need no capture
-            for span in spans(len(order), chunk):
-                picked = order[span.start : span.stop]
-                if cone is not None:  # only the patched cell's cone is recomputed through the local chain
-                    chain, replacement = cone
-                    # under autocast as the model's own forward: bf16 activations meet the convs' fp32 weights
-                    with self.runtime.autocast():
-                        variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # (n, ...)
-                    logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
-                else:
-                    masks = units.masks_of(picked, base.device)  # one op per block; (1, ...) for a layer unit
-                    variants = base + masks * diff  # (n, ...)
-                    logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
-                n = variants.shape[0]
-                out.append(metric(self.p.metric, logits, target.expand(n), contrast.expand(n)))
-                if self.site is not None:  # a long batch moves the run's bar chunk by chunk
-                    done, (site, sites) = span.stop, self.site
-                    within_batch((site + done / len(order)) / sites, f"patching {name}: {done}/{len(order)} variants")
+
+        def metrics(picked: Sequence[int]) -> torch.Tensor:
+            """(n,) the metric of the variants of units `picked`, in one forward."""
+            if cone is not None:  # only the patched cell's cone is recomputed through the local chain
+                chain, replacement = cone
+                # under autocast as the model's own forward: bf16 activations meet the convs' fp32 weights
+                with self.runtime.autocast():
+                    variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # (n, ...)
+                logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
+            else:
+                masks = units.masks_of(list(picked), base.device)  # one op per block; (1, ...) for a layer unit
+                variants = base + masks * diff  # (n, ...)
+                logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
+            n = variants.shape[0]
+            return metric(self.p.metric, logits, target.expand(n), contrast.expand(n))
+
+        def forward(picked: Sequence[int]) -> None:
+            out.append(metrics(picked))
+            if self.site is not None:  # a long batch moves the run's bar chunk by chunk
+                done, (site, sites) = sum(len(o) for o in out), self.site
+                within_batch((site + done / len(order)) / sites, f"patching {name}: {done}/{len(order)} variants")
+
+        key = f"{name} ({units.kind.value}{', cone' if cone else ''})"
+        with self.capture.paused():  # the variants' forwards need no capture (nor the probes that size them)
+            chunk = self.stacks.stack(key, base.device, len(order), lambda k: metrics(order[:k]), CPU_CHUNK)
+            self.stacks.run((order[span.start : span.stop] for span in spans(len(order), chunk)), forward, key)
         return torch.cat(out)
 
     def _cone(self, model: nn.Module, name: str) -> tuple[Cone, Replacement] | None:
@@ -111,7 +114,7 @@ class ExactEngine:
                         self.prefix_ok[name] = True
                         return logits
                 except torch.cuda.OutOfMemoryError:
-                    raise  # not a model that cannot broadcast: the run loop's back-off halves the batch
+                    raise  # not a model that cannot broadcast: StackSizer.run halves the stack
                 except RuntimeError:
                     pass
                 if name not in self.prefix_ok or self.prefix_ok[name]:

@@ -46,7 +46,8 @@ class LmPatchingConfig:
     head_positions: HeadPositions = HeadPositions.all  # per-head sites (head, q, k, v)
     directions: list[PatchDirection] = field(default_factory=lambda: [PatchDirection.denoising])
     corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
-    # Patched variants per forward (each a copy of the batch's pairs); null: automatic (enough to fill ~32 rows).
+    # Patched variants per forward (each a copy of the batch's pairs); null: automatic (~32 rows on CPU; on CUDA
+    # sized from free memory, runner.chunk_sizing).
     chunk: Optional[int] = None  # noqa: UP045 (OmegaConf)
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span and its
     # restoration is NaN (as for vision).
