@@ -241,11 +241,14 @@ def test_cli_writes_each_table_and_refuses_an_image_model(tmp_path: Path) -> Non
     from runner.results import load
 
     for method, sites in (("lm_grad_x_act", {"resid_pre", "attn_out", "mlp_out", "head"}), ("lm_logit_lens", None)):
-        done = run_cli("debug=tiny", "model=hf_lm", f"model.name={folder}", "data=prompts", f"data.file={pairs}",
-                       f"method={method}", "target=token_logit_diff", f"hydra.run.dir={tmp_path / method}")  # fmt: skip
+        # batches of one pair: rows of the second batch name its own pair (the writer adds the batch's first index)
+        done = run_cli("debug=tiny", "data.batch_size=1", "model=hf_lm", f"model.name={folder}", "data=prompts",
+                       f"data.file={pairs}", f"method={method}", "target=token_logit_diff",
+                       f"hydra.run.dir={tmp_path / method}")  # fmt: skip
         assert done.returncode == 0, done.stderr
         table = load(tmp_path / method)
-        assert set(table.method) == {method} and len(set(table.sample_id)) >= 1
+        assert set(table.method) == {method} and set(table["sample"]) == {0, 1}
+        assert set(table.sample_id) == {"pair-0", "pair-1"}
         assert table.value.notna().all()
         if sites is not None:
             assert set(table.site) == sites

@@ -148,7 +148,7 @@ class LmGradXAct(Method):
         r = rows.tolist()
         n = len(r)
         return {
-            "sample_index": (batch.first_index + rows).tolist(),
+            "sample_index": rows.tolist(),  # the pair's row in the batch: the writer adds the first index
             "site": [spec.kind] * n,
             "layer": [spec.layer] * n,
             "head": heads.tolist() if per_head else [None] * n,

@@ -154,7 +154,7 @@ class LmLogitLens(Method):
         r = rows.tolist()
         n = len(r)
         return {
-            "sample_index": (batch.first_index + rows).tolist(),
+            "sample_index": rows.tolist(),  # the pair's row in the batch: the writer adds the first index
             "layer": [layer] * n,
             "position": positions,
             "token": token_strings(strings, r, positions),
