@@ -48,8 +48,7 @@ def block_terms(blocks: torch.Tensor) -> torch.Tensor:
     work = torch.float64 if blocks.dtype == torch.float64 or not blocks.is_floating_point() else torch.float32
     b = blocks.shape[-1]
     x = blocks.to(work)  # (N, nb, b); under compile a cast in registers, not a copy
-    lo = x.amin(dim=-1)  # (N, nb); NaN propagates, inf shows as itself
-    hi = x.amax(dim=-1)
+    lo, hi = torch.aminmax(x, dim=-1)  # (N, nb); NaN propagates, inf shows as itself
     zeros = (x == 0).sum(dim=-1).to(work)
     m = x.sum(dim=-1) / b
     # A block sum that overflows (values near 1e33 in float32): the midrange is a finite centre.
@@ -57,9 +56,9 @@ def block_terms(blocks: torch.Tensor) -> torch.Tensor:
     spread = torch.maximum(hi - m, m - lo)  # (N, nb) the largest |x - m|
     # 1/spread, capped where spread is subnormal (its inverse would overflow); 1 for a constant or non-finite block.
     k = torch.where((spread > 0) & torch.isfinite(spread), (1 / spread).clamp_max(2.0**100), torch.ones_like(spread))
-    c = (x - m[..., None]) * k[..., None]  # (N, nb, b), |c| <= 1
+    c = torch.sub(x, m[..., None]).mul_(k[..., None])  # (N, nb, b), |c| <= 1; in place: one temporary in eager
     s1 = c.sum(dim=-1)
-    s2 = (c * c).sum(dim=-1)
+    s2 = c.square_().sum(dim=-1)
     return torch.stack([lo, hi, zeros, m, k, s1, s2], dim=-1)
 
 
