@@ -96,8 +96,9 @@ def _compiled_fused(flat: torch.Tensor, b: int) -> torch.Tensor:
         try:
             if _compiled is None:
                 _compiled = torch.compile(_fused, fullgraph=True)
-            # Samples and blocks per row vary with the layer: symbolic, so one kernel serves them; the block
-            # (the reduction) stays static, so it is kept in registers.
+            # Batch sizes differ (an OOM split, a short last batch): symbolic from the start. Row and block sizes,
+            # which differ by layer, turn symbolic at their second value (Dynamo's automatic dynamic shapes), so a
+            # model's layers cost a few compilations, not one each (which would pass Dynamo's recompile limit).
             torch._dynamo.maybe_mark_dynamic(flat, 0)
             return _compiled(flat, b)
         except Exception as error:  # no Triton, no compiler, an unsupported op: the same values eagerly
