@@ -59,13 +59,21 @@ def run_columns(config: RunConfig, run_id: str) -> dict[str, Any]:
 
 
 def rows_for(
-    part: tuple[Batch, BatchOutput, dict[str, Any] | None], id_columns: dict[str, Any], names: ClassNames
+    part: tuple[Batch, BatchOutput, dict[str, Any] | None],
+    id_columns: dict[str, Any],
+    names: ClassNames,
+    on_samples: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> Callable[[], list[tuple[str, dict[str, Any]]]]:
-    """The writer thread's job for one batch: move rows to the host and add the identifier columns."""
+    """The writer thread's job for one batch: move rows to the host and add the identifier columns.
+
+    `on_samples` gets the batch's sample id columns (on the writer thread), for rows written later
+    (runner/shard_stats.py)."""
     batch, output, recorded = part
 
     def produce() -> list[tuple[str, dict[str, Any]]]:
         samples = sample_columns(batch, output.predicted, names)
+        if on_samples is not None:
+            on_samples(samples)
         rows = [
             (table, with_ids(id_columns, samples, with_target_names(to_host(columns), names.model)))
             for table, columns in output.tables.items()

@@ -35,12 +35,17 @@ from runner.interrupts import (
 from runner.progress import RunProgress
 from runner.rows import BatchOutput
 from runner.schema import RunConfig
+from runner.shard_stats import ShardStats
 from runner.store.writer import ShardedWriter
 
 if TYPE_CHECKING:  # the loop runs any method through the protocol; it imports none
     from runner.methods.base import Method
 
 log = logging.getLogger(__name__)
+
+# The `hooks` table's statistics stay on the device until the shard ends and cross to the host in one copy
+# (runner/shard_stats.py); False copies them per batch (the reference the tests compare with).
+DEFER_HOOK_STATS = True
 
 
 @contextmanager
@@ -133,11 +138,16 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
     indices = shard_range(shard, loop.shard_samples, len(loop.dataset))  # type: ignore[arg-type]
     start = indices.start
     first = start
+    deferred = ShardStats() if DEFER_HOOK_STATS else None
     for _ in range(-(-len(indices) // loop.config.data.batch_size)):  # this shard's batches, from the run's loader
         raw = next(loop.batches)
         batch = to_batch(raw, loop.device, first, loop.config.channels_last)
         for part in run_with_backoff(batch, loop.model, loop.method, loop.session, loop.config):
-            loop.writer.submit(rows_for(part, loop.id_columns, loop.categories))
+            on_samples = None
+            if deferred is not None and part[2] is not None:  # recorded rows: their statistics wait for the shard
+                on_samples = deferred.add(part[2])
+                part = (part[0], part[1], None)
+            loop.writer.submit(rows_for(part, loop.id_columns, loop.categories, on_samples))
         if loop.progress is not None:
             loop.progress.batch_done()
         if loop.stop.is_set():
@@ -149,6 +159,9 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
                 loop.writer.directory,
             )
         first += batch.x.shape[0]
+    hook_rows = deferred.flush(loop.id_columns) if deferred is not None else None
+    if hook_rows is not None:
+        loop.writer.submit(hook_rows)
 
 
 def run_with_backoff(

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.randomness",
             "runner.ranking",
             "runner.stats",
+            "runner.fused_stats",
             "runner.tables",
             "runner.rows",
             "runner.progress",
@@ -49,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hooks", ("runner.hooks",)),
     ("metrics", ("runner.metrics",)),
     ("methods", ("runner.methods",)),
-    ("app", ("runner.app", "runner.loop", "runner.ids")),
+    ("app", ("runner.app", "runner.loop", "runner.ids", "runner.shard_stats")),
     ("commands", ("runner.commands", "runner.__main__")),
 ]
 

@@ -20,11 +20,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from runner.errors import RunnerError
+from runner.fused_stats import fused_stats
 from runner.hooks.tensors import TensorSaver
 from runner.layers import Layer
 from runner.randomness import per_sample_normal
 from runner.schema import HookAction, HookKind, HookSpec, check_hook_spec
-from runner.stats import per_sample_stats, stat_fields
+from runner.stats import stat_fields
 from runner.tables import Presentation, declare
 
 GRADIENT_KINDS = (HookKind.backward, HookKind.tensor)
@@ -231,7 +232,7 @@ class SpecHooks:
 
     def record(self, spec: HookSpec, name: str, module: nn.Module, role: str, call: int, tensor: torch.Tensor) -> None:
         """Take `tensor`'s per-sample statistics as rows of the batch (and keep the tensor with `save_tensors`)."""
-        stats, per_sample = per_sample_stats(tensor, self.batch_size)
+        stats, per_sample = fused_stats(tensor, self.batch_size)  # (N, 7) on the device: one read of the tensor
         # Per-sample rows carry the shape of one sample; a tensor without a batch dimension, its own.
         shape = tensor.shape[1:] if per_sample else tensor.shape
         index = torch.arange(self.batch_size) if per_sample else torch.tensor([-1])
