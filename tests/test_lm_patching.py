@@ -267,3 +267,18 @@ def test_the_answer_readout_equals_the_full_vocabulary(tiny, target: str) -> Non
     expected = target == "token_logit_diff"
     chosen = TokenLogitDiff() if expected else TokenProbDiff()
     assert Readout(model, layout_of(model), chosen).compact is expected
+
+
+def test_a_model_without_a_readable_cache_runs_whole_prompts(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the model returns no key/value cache the runner can read, every variant runs the whole prompt (asked
+    for once, not per chunk), with the same rows."""
+    import runner.methods.lm_patching.prefix as prefix
+
+    model, tokenizer, _ = tiny
+    settings = {"sites": ["resid_pre", "attn_out"], "chunk": 2}
+    expected = lm_activation_patching(model, tokenizer, PAIRS, reuse_prefix=False, **settings)
+    asked = []
+    monkeypatch.setattr(prefix, "cached_keys_values", lambda past: asked.append(1))
+    got = lm_activation_patching(model, tokenizer, PAIRS, **settings)
+    assert len(asked) == 1
+    assert (got.patched - expected.patched).abs().max() <= 1e-5

@@ -161,11 +161,12 @@ class LmPatching(Method):
         positions = position_ids(mask)
         out = torch.full((len(cells), b), float("nan"))  # NaN, not stale memory, in a cell no forward wrote
         keys_values = None  # the receiving run's cache, made for the first part that starts after position 0
+        unreadable = False  # the model returned no cache the runner can read: whole prompts for every part
 
         def forward(part: Sequence[int]) -> None:
-            nonlocal keys_values
+            nonlocal keys_values, unreadable
             c = len(part)
-            start = min(start_of(cells[i]) for i in part) if self.p.reuse_prefix else 0
+            start = min(start_of(cells[i]) for i in part) if self.p.reuse_prefix and not unreadable else 0
             if start > 0 and keys_values is None:
                 self.corruption.active = noise
                 try:
@@ -173,6 +174,9 @@ class LmPatching(Method):
                         keys_values = receiving_cache(model, ids, mask, positions)
                 finally:
                     self.corruption.active = None
+                unreadable = keys_values is None
+                if unreadable:
+                    start = 0
             self.hooks.plan([cells[i] for i in part], b, sources, start)
             edit = None if noise is None else (noise.suffix(start) if start else noise).repeat(c)
             self.corruption.active = edit
