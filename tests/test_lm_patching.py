@@ -14,6 +14,7 @@ from runner.data.prompts import prompts_source
 from runner.errors import RunnerError
 from runner.hooks import count_hooks
 from runner.methods.lm_patching import lm_activation_patching
+from runner.models.lm_sites import layout_of
 from runner.options.data.prompts import PromptsConfig
 from tests.conftest import run_cli
 from tests.lm_references import build_tiny_lm, logit_diff, loop_patching
@@ -218,11 +219,15 @@ def test_a_device_mapped_model_gives_the_same_rows(tiny, tmp_path: Path) -> None
 @pytest.mark.parametrize("corruption", [{"kind": "pair"}, {"kind": "noise", "std": 3.0, "span": [1, 4]}])
 def test_the_reused_prefix_gives_the_rows_of_whole_prompts_on_fewer_positions(tiny, corruption) -> None:  # type: ignore[no-untyped-def]
     """reuse_prefix: each chunk runs only the positions its cells can change, on the receiving run's cached keys
-    and values: the rows equal those of whole-prompt runs (1e-5), with fewer token positions through the model."""
+    and values, and only the blocks from its lowest patched layer (the ones below replayed from the receiving run):
+    the rows equal those of whole-prompt runs (1e-5), with fewer token positions through the last block."""
     model, tokenizer, _ = tiny
-    embed = model.get_input_embeddings()
+    blocks = dict(model.named_modules())[layout_of(model).arch.blocks]
+    first, last = blocks[0], blocks[-1]
     seen: list[int] = []
-    handle = embed.register_forward_hook(lambda module, args, output: seen.append(output.shape[0] * output.shape[1]))
+    below: list[int] = []
+    handle = last.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0] * args[0].shape[1]))
+    handle_first = first.register_forward_hook(lambda module, args, output: below.append(1))
     try:
         tables = {}
         for reuse in (False, True):
@@ -232,12 +237,16 @@ def test_the_reused_prefix_gives_the_rows_of_whole_prompts_on_fewer_positions(ti
                 directions=["denoising", "noising"], corruption=corruption, reuse_prefix=reuse, chunk=4,
             )  # fmt: skip
             tables[reuse].attrs["positions"] = sum(seen)
+            tables[reuse].attrs["first_block_calls"] = len(below)
+            below.clear()
     finally:
         handle.remove()
+        handle_first.remove()
     whole, reused = tables[False], tables[True]
     assert len(whole) == len(reused) > 0
     assert (whole.patched - reused.patched).abs().max() <= 1e-5
     assert reused.attrs["positions"] < 0.75 * whole.attrs["positions"], (reused.attrs, whole.attrs)
+    assert reused.attrs["first_block_calls"] < whole.attrs["first_block_calls"], (reused.attrs, whole.attrs)
 
 
 @pytest.mark.parametrize("target", ["token_logit_diff", "token_prob_diff"])

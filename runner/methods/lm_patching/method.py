@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import pyarrow as pa
@@ -22,7 +23,13 @@ from runner.methods.base import Method
 from runner.methods.lm_patching.attribution import Receiver, attribution_rows
 from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
-from runner.methods.lm_patching.prefix import chunks_by_start, prefix_cache, receiving_cache, start_of
+from runner.methods.lm_patching.prefix import (
+    BlockReplay,
+    chunks_by_tile,
+    prefix_cache,
+    receiving_cache,
+    start_of,
+)
 from runner.methods.lm_patching.readout import Readout
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import layout_of
@@ -89,6 +96,7 @@ class LmPatching(Method):
         self.layout = layout_of(model)
         target = self.runtime.target
         self.readout = Readout(model, self.layout, target)
+        self.replay = BlockReplay(model, self.layout.arch.blocks, session)
         if not getattr(target, "text", False):
             raise RunnerError(
                 "method=lm_patching measures a language model's answer: use target=token_logit_diff,"
@@ -162,21 +170,31 @@ class LmPatching(Method):
         out = torch.full((len(cells), b), float("nan"))  # NaN, not stale memory, in a cell no forward wrote
         keys_values = None  # the receiving run's cache, made for the first part that starts after position 0
         unreadable = False  # the model returned no cache the runner can read: whole prompts for every part
+        received = False  # the receiving run was run (its cache and block inputs kept)
+        replay = self.replay if self.p.reuse_prefix else None
 
         def forward(part: Sequence[int]) -> None:
-            nonlocal keys_values, unreadable
+            nonlocal keys_values, unreadable, received
             c = len(part)
             start = min(start_of(cells[i]) for i in part) if self.p.reuse_prefix and not unreadable else 0
-            if start > 0 and keys_values is None:
+            lowest = min(cells[i].layer for i in part) if replay is not None else 0
+            if (start > 0 or lowest > 0) and not received:
+                received = True
                 self.corruption.active = noise
+                if replay is not None:
+                    replay.inputs, replay.recording = {}, True
                 try:
                     with self.runtime.autocast():
                         keys_values = receiving_cache(model, ids, mask, positions)
                 finally:
                     self.corruption.active = None
+                    if replay is not None:
+                        replay.recording = False
                 unreadable = keys_values is None
-                if unreadable:
-                    start = 0
+            if unreadable:
+                start = 0
+            if replay is None or not replay.ready():
+                lowest = 0
             self.hooks.plan([cells[i] for i in part], b, sources, start)
             edit = None if noise is None else (noise.suffix(start) if start else noise).repeat(c)
             self.corruption.active = edit
@@ -186,8 +204,9 @@ class LmPatching(Method):
                 "past_key_values": None if start == 0 else prefix_cache(keys_values, start, c), "use_cache": start > 0,
             }  # fmt: skip
             try:
-                metric = self.readout.metric(inputs, answers.repeat(c, 1), distractors.repeat(c, 1),
-                                             clean_logits.repeat(c, 1), self.runtime.autocast)  # fmt: skip
+                with replay.skipping(lowest, start, c) if lowest else nullcontext():
+                    metric = self.readout.metric(inputs, answers.repeat(c, 1), distractors.repeat(c, 1),
+                                                 clean_logits.repeat(c, 1), self.runtime.autocast)  # fmt: skip
             finally:
                 self.corruption.active = None
                 self.hooks.patches = {}
@@ -199,7 +218,7 @@ class LmPatching(Method):
         key = f"{b} pairs x {t} tokens"
         chunk = self.stacks.stack(key, ids.device, len(cells), lambda k: forward(by_start[:k]),
                                   otherwise=max(1, ROWS_PER_FORWARD // b), cap=max(1, CAP // b))  # fmt: skip
-        parts = [part for _, part in chunks_by_start(cells, chunk)] if self.p.reuse_prefix else [
+        parts = chunks_by_tile(cells, chunk, self.layout.layers, t) if self.p.reuse_prefix else [
             list(range(first, min(first + chunk, len(cells)))) for first in range(0, len(cells), chunk)
         ]  # fmt: skip
         self.stacks.run(parts, forward, key)

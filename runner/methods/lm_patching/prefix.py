@@ -1,11 +1,12 @@
-"""The unpatched prefix of a patched run, computed once per receiving run and reused by every variant.
+"""The unpatched prefix of a patched run, computed once per receiving run and reused by every variant: the positions
+before a chunk's first patched one (the KV cache) and the blocks below its lowest patched layer (BlockReplay).
 
 A cell patched at position p changes nothing at positions < p (the causal mask): every variant of a chunk whose
 cells all sit at p or later shares the receiving run's keys and values there. The receiving run is run once with the
 KV cache on; each chunk then runs only its positions >= p, on a copy of the cached keys and values of positions < p
-(repeated for its variants), the sites' tensors and the embedding edit cut to the same positions. Chunks take the
-cells in order of position, so most chunks start late in the prompt. A model whose cache the runner cannot read
-(or a cell with no position: a head at every position, an attention pattern) runs the whole prompt instead.
+(repeated for its variants), the sites' tensors and the embedding edit cut to the same positions. A model whose
+cache the runner cannot read (or a cell with no position: a head at every position, an attention pattern) runs the
+whole prompt instead. Chunks are tiles of layers x positions (`chunks_by_tile`), so that both cuts are large.
 """
 
 from __future__ import annotations
@@ -30,15 +31,14 @@ def start_of(cell: Cell) -> int:
     return 0 if cell.position is None or cell.kind == "pattern" else cell.position
 
 
-def chunks_by_start(cells: Sequence[Cell], chunk: int) -> list[tuple[int, list[int]]]:
-    """The cells' indices in chunks of at most `chunk`, in order of start position, each with the chunk's start (the
-    smallest of its cells' starts)."""
-    order = sorted(range(len(cells)), key=lambda i: start_of(cells[i]))
-    out = []
-    for first in range(0, len(order), chunk):
-        part = order[first : first + chunk]
-        out.append((min(start_of(cells[i]) for i in part), part))
-    return out
+def chunks_by_tile(cells: Sequence[Cell], chunk: int, layers: int, positions: int) -> list[list[int]]:
+    """The cells' indices in chunks of at most `chunk`, ordered by tiles of g layers x all positions (then by start
+    position, then layer), so that a chunk's cells share a high lowest layer and a late first position: its forward
+    runs blocks from its lowest layer at positions from its first (BlockReplay, the cached prefix). g ~
+    sqrt(chunk x layers / positions) balances the two."""
+    g = max(1, round((chunk * layers / max(1, positions)) ** 0.5))
+    order = sorted(range(len(cells)), key=lambda i: (cells[i].layer // g, start_of(cells[i]), cells[i].layer))
+    return [order[first : first + chunk] for first in range(0, len(order), chunk)]
 
 
 def cached_keys_values(past: Any) -> KeyValues | None:
@@ -80,3 +80,76 @@ def receiving_cache(
                  " prompt", type(model).__name__)  # fmt: skip
         model._runner_no_prefix_logged = True  # type: ignore[attr-defined]
     return found
+
+
+class _Replay(nn.Module):
+    """Stands in for a block below a chunk's lowest patched layer: returns the receiving run's input of the next
+    block at the chunk's positions (`value`), or its own input unchanged (`value` None: a block whose output the
+    next stand-in ignores), in the block's own output form."""
+
+    def __init__(self, value: torch.Tensor | None, as_tuple: bool) -> None:
+        super().__init__()
+        self.value, self.as_tuple = value, as_tuple
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = hidden_states if self.value is None else self.value
+        return (out,) if self.as_tuple else out
+
+
+class BlockReplay:
+    """Blocks below a chunk's lowest patched layer computed once, not per variant.
+
+    A cell at layer l changes nothing below block l, at any position: every variant of a chunk whose cells sit at
+    layer l0 or above reads, at block l0's input, the receiving run's residual stream there. The receiving run's
+    block inputs are kept (session-owned pre-hooks, on while `recording`); a chunk's forward then runs with blocks
+    0..l0-1 replaced by stand-ins that hand block l0 that tensor (cut to the chunk's positions, repeated for its
+    variants), and the blocks are put back after it, also after an error.
+    """
+
+    def __init__(self, model: nn.Module, blocks_name: str, session: Any) -> None:
+        self.blocks: nn.ModuleList = dict(model.named_modules())[blocks_name]  # type: ignore[assignment]
+        self.recording = False
+        self.inputs: dict[int, torch.Tensor] = {}  # block index -> (B, T, D) the receiving run's input
+        self.as_tuple: bool | None = None  # whether a block returns a tuple (transformers 4.x) or a tensor (5.x)
+        for index, block in enumerate(self.blocks):
+            session.add_hook(block, self._keeper(index), pre=True)
+        session.add_hook(self.blocks[0], self._form, pre=False)
+
+    def _keeper(self, index: int) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self.recording:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self.inputs[index] = hidden.detach()
+
+        return hook
+
+    def _form(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.recording:
+            self.as_tuple = isinstance(output, tuple)
+
+    def ready(self) -> bool:
+        return self.as_tuple is not None and len(self.inputs) == len(self.blocks)
+
+    def skipping(self, lowest: int, start: int, copies: int) -> _Swapped:
+        """`with replay.skipping(l0, p, c):` the forward inside runs blocks l0.. only, at positions p.., for c
+        variants stacked along the batch."""
+        return _Swapped(self, lowest, start, copies)
+
+
+class _Swapped:
+    def __init__(self, replay: BlockReplay, lowest: int, start: int, copies: int) -> None:
+        self.replay, self.lowest, self.start, self.copies = replay, lowest, start, copies
+        self.saved: list[nn.Module] = []
+
+    def __enter__(self) -> None:
+        r = self.replay
+        if self.lowest == 0:
+            return
+        value = r.inputs[self.lowest][:, self.start :].repeat(self.copies, 1, 1)
+        self.saved = [r.blocks[j] for j in range(self.lowest)]
+        for j in range(self.lowest):
+            r.blocks[j] = _Replay(value if j == self.lowest - 1 else None, bool(r.as_tuple))
+
+    def __exit__(self, *exc: object) -> None:
+        for j, block in enumerate(self.saved):
+            self.replay.blocks[j] = block
