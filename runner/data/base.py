@@ -111,24 +111,28 @@ def build_dataset(cfg: DataConfig, preprocess: Callable | None, seed: int) -> Da
     return dataset
 
 
-def skipped_files(dataset: Dataset) -> list[str]:
-    """The input files the data set left out as unreadable (for the log and the tables' metadata)."""
+def underlying(dataset: Dataset) -> Dataset:
+    """The data source under any Subsets (data.limit, a shard) that wrap it: the object that holds its attributes."""
     while isinstance(dataset, torch.utils.data.Subset):
         dataset = dataset.dataset
+    return dataset
+
+
+def skipped_files(dataset: Dataset) -> list[str]:
+    """The input files the data set left out as unreadable (for the log and the tables' metadata)."""
+    dataset = underlying(dataset)
     return list(getattr(dataset, "skipped", []))
 
 
 def sample_masks(dataset: Dataset) -> Callable[[str], torch.Tensor] | None:
     """The data set's mask of a sample id ((H, W) bool at input resolution), or None when it has no masks."""
-    while isinstance(dataset, torch.utils.data.Subset):
-        dataset = dataset.dataset
+    dataset = underlying(dataset)
     return getattr(dataset, "masks", None)
 
 
 def label_classes(dataset: Dataset) -> tuple[list[str] | None, bool]:
     """(the data set's own names of its labels by index, or None; whether its labels are the model's classes)."""
-    while isinstance(dataset, torch.utils.data.Subset):
-        dataset = dataset.dataset
+    dataset = underlying(dataset)
     classes = getattr(dataset, "classes", None)
     if not isinstance(classes, (list, tuple)) or not all(isinstance(c, str) for c in classes):
         classes = None  # e.g. torchvision's ImageNet: a tuple of synonyms per class
@@ -137,8 +141,7 @@ def label_classes(dataset: Dataset) -> tuple[list[str] | None, bool]:
 
 def own_collate(dataset: Dataset) -> Callable | None:
     """A data set's own batching (prompt pairs pad to the longest pair), or None: the loader's default."""
-    while isinstance(dataset, torch.utils.data.Subset):
-        dataset = dataset.dataset
+    dataset = underlying(dataset)
     return getattr(dataset, "collate", None)
 
 

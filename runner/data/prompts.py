@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from runner.data.base import Batch, to_batch, underlying
 from runner.errors import RunnerError
 from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig
 
@@ -210,3 +211,27 @@ def _one_token(tokenizer: Any, text: str, sample_id: str, what: str) -> int:
 
 def _shown(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.convert_ids_to_tokens(ids))
+
+
+def pair_strings(dataset: Dataset | None, sample_id: str) -> dict[str, Any]:
+    """The pair's clean tokens as strings (by position), its answer and distractor as text; empty without a data
+    set of pairs (a library call on token ids)."""
+    dataset = underlying(dataset)
+    pair = getattr(dataset, "by_id", {}).get(sample_id)
+    if pair is None:
+        return {"tokens": [], "answer": None, "distractor": None}
+    return {"tokens": pair.tokens, "answer": " ".join(pair.answer_tokens),
+            "distractor": " ".join(pair.distractor_tokens)}  # fmt: skip
+
+
+def tokenizer_of(dataset: Dataset | None) -> Any:
+    """The tokenizer of a data set of pairs (under any Subset); None for another data set."""
+    dataset = underlying(dataset)
+    return getattr(dataset, "tokenizer", None)
+
+
+def pairs_batch(pairs: list[dict[str, Any]], tokenizer: Any, bos: bool, device: torch.device) -> tuple[Dataset, Batch]:
+    """A library call's pairs ([{clean, corrupted, answer, distractor}], as data.pairs takes them) as their data set
+    and one batch of all of them on `device`, checked and left-padded as a run makes them."""
+    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
+    return dataset, to_batch(dataset.collate([dataset[i] for i in range(len(dataset))]), device, 0)

@@ -65,7 +65,12 @@ def run_on_batch(
     What the library functions (cam_maps, mprt, activation_patching) run their method through."""
     b = x.shape[0]
     labels = torch.full((b,), NO_LABEL, dtype=torch.long) if labels is None else labels
-    batch = Batch(x, labels, [str(i) for i in range(b)], 0)
+    return run_prepared(method, model, Batch(x, labels, [str(i) for i in range(b)], 0), dataset)
+
+
+def run_prepared(method: Method, model: nn.Module, batch: Batch, dataset: Dataset | None = None) -> BatchOutput:
+    """`run_on_batch` for a batch already made (the language-model methods' pairs, with their extras)."""
+    b = batch.x.shape[0]
     if dataset is not None:
         method.prepare(dataset)
     with HookSession(model, []) as session:
@@ -104,6 +109,17 @@ def library_config(config: type[C], **fields: Any) -> C:
 def library_runtime(x: torch.Tensor) -> Runtime:
     """How a library call runs: on the input's device, in float32, with no pictures."""
     return Runtime(x.device, Precision.fp32)
+
+
+def library_token_runtime(device: torch.device, target: str) -> Runtime:
+    """`library_runtime` for a language-model method: on `device`, in float32, scoring with the token target named
+    `target` (token_logit_diff, ...)."""
+    from runner.options.registry import TARGETS
+    from runner.targets import build_target
+
+    runtime = Runtime(device, Precision.fp32)
+    runtime.target = build_target(TARGETS.get(target).schema())  # type: ignore[attr-defined, call-arg]
+    return runtime
 
 
 def as_frame(columns: Columns) -> pd.DataFrame:

@@ -7,6 +7,8 @@ Each returns (B,) and is differentiable in `logits` (attribution patching and th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from runner.errors import RunnerError
@@ -83,3 +85,21 @@ class KlToClean(TokenTarget):
         assert clean is not None, "kl_to_clean needs the clean run's logits"
         p = clean.log_softmax(-1)
         return (p.exp() * (p - logits.log_softmax(-1))).sum(-1)
+
+
+def token_target(target: Any, method: str, per_position: bool) -> TokenTarget:
+    """The run's target if it scores tokens; RunnerError naming the ones that do otherwise."""
+    names = "token_logit_diff, token_prob_diff, answer_logprob" + (" or kl_to_clean" if per_position else "")
+    if not getattr(target, "text", False):
+        raise RunnerError(f"method={method} measures a language model's answer: use target={names}.")
+    if not per_position and getattr(target, "name", "") == "kl_to_clean":
+        # On the clean prompt KL(clean || clean) is 0 and so is its gradient: every value would be 0.
+        raise RunnerError(
+            f"target=kl_to_clean is 0 on the clean prompt that method={method} reads: use target={names}."
+        )
+    return target
+
+
+def target_name(target: Any) -> str:
+    """The name a table's `metric` column gives the run's target."""
+    return str(getattr(target, "name", type(target).__name__))

@@ -16,16 +16,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from runner.data.base import Batch, to_batch
-from runner.data.prompts import prompts_source
-from runner.hooks import HookSession
-from runner.methods.base import as_frame, library_config
+from runner.data.base import Batch
+from runner.data.prompts import pairs_batch
+from runner.methods.base import as_frame, library_config, library_token_runtime, run_prepared
 from runner.methods.lm_patching.method import LmPatching
-from runner.options.data.prompts import PromptsConfig
 from runner.options.method.lm_patching import LmPatchingMethodConfig
-from runner.runtime import Runtime
-from runner.schema import Precision
-from runner.targets import build_target
 
 
 def lm_activation_patching(
@@ -37,9 +32,8 @@ def lm_activation_patching(
     `settings`: LmPatchingConfig's fields (sites, layers, head_positions, directions, corruption, chunk, mode,
     top_k); mode="attribution" gives first-order estimates (attribution.py). The model's hooks are removed before
     it returns."""
-    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
-    raw = dataset.collate([dataset[i] for i in range(len(dataset))])
-    return _patch(model, to_batch(raw, next(model.parameters()).device, 0), target, settings, dataset)
+    dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    return _patch(model, batch, target, settings, dataset)
 
 
 def lm_patching_on_ids(
@@ -57,21 +51,9 @@ def lm_patching_on_ids(
 
 
 def _patch(model: nn.Module, batch: Batch, target: str, settings: dict[str, Any], dataset: Any) -> pd.DataFrame:
-    from runner.options.registry import TARGETS
-
     cfg = library_config(LmPatchingMethodConfig, patching=settings)
-    runtime = Runtime(batch.x.device, Precision.fp32)
-    runtime.target = build_target(TARGETS.get(target).schema())  # type: ignore[call-arg]
-    method = LmPatching(cfg, [], runtime)
-    if dataset is not None:
-        method.prepare(dataset)
-    b = batch.x.shape[0]
-    with HookSession(model, []) as session:
-        method.setup(session, b)
-        session.begin_batch(b, 0)
-        out = method.run_batch(model, batch, session)
-        session.end_batch()
-    return as_frame(out.tables["lm_patching"])
+    method = LmPatching(cfg, [], library_token_runtime(batch.x.device, target))
+    return as_frame(run_prepared(method, model, batch, dataset).tables["lm_patching"])
 
 
 __all__ = ["lm_activation_patching", "lm_patching_on_ids"]

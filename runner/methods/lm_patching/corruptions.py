@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from runner.data.base import Batch
+from runner.data.base import Batch, underlying
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.models.lm_sites import LanguageModelLayout
@@ -81,10 +81,7 @@ class Corruption:
     def prepare(self, dataset: Dataset) -> None:
         """Read the data source's pairs (from under any Subset: a subset or a shard resamples from the same pool)
         and refuse a resample that some pair of this run cannot have."""
-        base = dataset
-        while isinstance(base, Subset):
-            base = base.dataset
-        self.pairs = list(getattr(base, "pairs", []))
+        self.pairs = list(getattr(underlying(dataset), "pairs", []))
         self.index = {p.sample_id: i for i, p in enumerate(self.pairs)}
         self.by_length = {}
         for i, pair in enumerate(self.pairs):

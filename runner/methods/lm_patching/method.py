@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from runner.chunk_sizing import CAP, StackSizer
 from runner.data.base import Batch
-from runner.data.prompts import position_ids
+from runner.data.prompts import pair_strings, position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
@@ -38,6 +38,7 @@ from runner.options.method.patching import PatchDirection, PatchMode
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare, optional
+from runner.targets.tokens import target_name, token_target
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,9 @@ class LmPatching(Method):
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         self.layout = layout_of(model)
-        target = self.runtime.target
-        self.readout = Readout(model, self.layout, target)
+        self.target = token_target(self.runtime.target, self.name, per_position=True)
+        self.readout = Readout(model, self.layout, self.target)
         self.replay = BlockReplay(model, self.layout.arch.blocks, session)
-        if not getattr(target, "text", False):
-            raise RunnerError(
-                "method=lm_patching measures a language model's answer: use target=token_logit_diff,"
-                " token_prob_diff, answer_logprob or kl_to_clean."
-            )
-        self.target = target
         layers = list(range(self.layout.layers)) if self.p.layers is None else list(self.p.layers)
         bad = [layer for layer in layers if not 0 <= layer < self.layout.layers]
         if bad:
@@ -264,7 +259,7 @@ class LmPatching(Method):
         the (cell, pair)s it leaves False); `kind`: how `patched` was had (exact | attribution)."""
         b, t = mask.shape
         pads = (t - mask.sum(1)).tolist()
-        pairs = [self._pair(sample_id) for sample_id in batch.sample_ids]
+        pairs = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
         span = (m_clean - m_corrupted).cpu()
         undefined = torch.tensor([r is not None or s for r, s in zip(flags["reason"], flags["small"], strict=True)])
         restoration = ((patched.cpu() - m_corrupted.cpu()) / span).masked_fill(undefined, float("nan"))
@@ -279,7 +274,6 @@ class LmPatching(Method):
                 keep_b.append(row)
                 positions.append(None if cell.position is None else cell.position - pads[row])
         ci, bi = torch.tensor(keep_c, dtype=torch.long), torch.tensor(keep_b, dtype=torch.long)
-        target_name = getattr(self.target, "name", type(self.target).__name__)
         return {
             "sample_index": bi.tolist(),  # the pair's row in the batch: the writer adds the batch's first index
             "corrupted_id": [corrupted_names[r] for r in keep_b],
@@ -294,7 +288,7 @@ class LmPatching(Method):
             ],  # fmt: skip
             "answer": [pairs[r]["answer"] for r in keep_b],
             "distractor": [pairs[r]["distractor"] for r in keep_b],
-            "metric": [target_name] * len(keep_b),
+            "metric": [target_name(self.target)] * len(keep_b),
             "patch_method": [kind] * len(keep_b),
             "clean": m_clean.cpu()[bi],
             "corrupted": m_corrupted.cpu()[bi],
@@ -304,14 +298,3 @@ class LmPatching(Method):
             "degenerate_reason": [flags["reason"][r] for r in keep_b],
             "small_span": [flags["small"][r] for r in keep_b],
         }
-
-    def _pair(self, sample_id: str) -> dict[str, Any]:
-        """The pair's token strings, answer and distractor as text (from the data set the run prepared)."""
-        dataset = self.dataset
-        while isinstance(dataset, torch.utils.data.Subset):
-            dataset = dataset.dataset
-        pair = getattr(dataset, "by_id", {}).get(sample_id)
-        if pair is None:
-            return {"tokens": [], "answer": None, "distractor": None}
-        return {"tokens": pair.tokens, "answer": " ".join(pair.answer_tokens),
-                "distractor": " ".join(pair.distractor_tokens)}  # fmt: skip

@@ -11,16 +11,10 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
-from runner.data.base import to_batch
-from runner.data.prompts import prompts_source
-from runner.hooks import HookSession
-from runner.methods.base import Method, as_frame, library_config
-from runner.options.data.prompts import PromptsConfig
+from runner.data.prompts import pairs_batch
+from runner.methods.base import Method, as_frame, library_config, library_token_runtime, run_prepared
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
-from runner.runtime import Runtime
-from runner.schema import Precision
-from runner.targets import build_target
 
 
 def lm_grad_x_act(
@@ -33,8 +27,8 @@ def lm_grad_x_act(
     from runner.methods.lm_saliency.grad_x_act import LmGradXAct
 
     cfg = library_config(LmGradXActConfig, **settings)
-    return _run(LmGradXAct(cfg, [], Runtime(next(model.parameters()).device, Precision.fp32)), model, tokenizer,
-                pairs, target, bos)  # fmt: skip
+    return _run(LmGradXAct(cfg, [], library_token_runtime(next(model.parameters()).device, target)), model,
+                tokenizer, pairs, bos)  # fmt: skip
 
 
 def lm_logit_lens(
@@ -45,25 +39,13 @@ def lm_logit_lens(
     from runner.methods.lm_saliency.logit_lens import LmLogitLens
 
     cfg = library_config(LmLogitLensConfig, **settings)
-    return _run(LmLogitLens(cfg, [], Runtime(next(model.parameters()).device, Precision.fp32)), model, tokenizer,
-                pairs, target, bos)  # fmt: skip
+    return _run(LmLogitLens(cfg, [], library_token_runtime(next(model.parameters()).device, target)), model,
+                tokenizer, pairs, bos)  # fmt: skip
 
 
-def _run(method: Method, model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], target: str,
-         bos: bool) -> pd.DataFrame:  # fmt: skip
-    from runner.options.registry import TARGETS
-
-    dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
-    batch = to_batch(dataset.collate([dataset[i] for i in range(len(dataset))]), next(model.parameters()).device, 0)
-    method.runtime.target = build_target(TARGETS.get(target).schema())  # type: ignore[attr-defined, call-arg]
-    method.prepare(dataset)
-    b = batch.x.shape[0]
-    with HookSession(model, []) as session:
-        method.setup(session, b)
-        session.begin_batch(b, 0)
-        out = method.run_batch(model, batch, session)
-        session.end_batch()
-    return as_frame(out.tables[method.table])
+def _run(method: Method, model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], bos: bool) -> pd.DataFrame:
+    dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    return as_frame(run_prepared(method, model, batch, dataset).tables[method.table])
 
 
 __all__ = ["lm_grad_x_act", "lm_logit_lens"]

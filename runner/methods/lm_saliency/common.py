@@ -1,5 +1,5 @@
-"""What the language-model saliency methods share: the clean prompt of each pair, the run's token target, the
-pair's strings, and the (pair, position) grid of a left-padded batch without its padding."""
+"""What the language-model saliency methods share: the clean prompt of each pair and the (pair, position) grid of a
+left-padded batch without its padding."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
-from runner.targets.tokens import TokenTarget
 
 
 @dataclass
@@ -35,41 +33,6 @@ def clean_prompts(batch: Batch, method: str) -> CleanPrompts:
         raise RunnerError(f"method={method} takes prompt pairs: use data=prompts.")
     extras = batch.extras
     return CleanPrompts(batch.x[:, 0], extras["attention_mask"], extras["answers"], extras["distractors"])
-
-
-def token_target(target: Any, method: str, per_position: bool) -> TokenTarget:
-    """The run's target if it scores tokens; RunnerError naming the ones that do otherwise."""
-    names = "token_logit_diff, token_prob_diff, answer_logprob" + (" or kl_to_clean" if per_position else "")
-    if not getattr(target, "text", False):
-        raise RunnerError(f"method={method} measures a language model's answer: use target={names}.")
-    if not per_position and getattr(target, "name", "") == "kl_to_clean":
-        # On the clean prompt KL(clean || clean) is 0 and so is its gradient: every value would be 0.
-        raise RunnerError(
-            f"target=kl_to_clean is 0 on the clean prompt that method={method} reads: use target={names}."
-        )
-    return target
-
-
-def target_name(target: Any) -> str:
-    return str(getattr(target, "name", type(target).__name__))
-
-
-def pair_strings(dataset: Dataset | None, sample_id: str) -> dict[str, Any]:
-    """The pair's clean tokens as strings (by position), its answer and distractor as text; empty without a data
-    set of pairs (a library call on token ids)."""
-    while isinstance(dataset, torch.utils.data.Subset):
-        dataset = dataset.dataset
-    pair = getattr(dataset, "by_id", {}).get(sample_id)
-    if pair is None:
-        return {"tokens": [], "answer": None, "distractor": None}
-    return {"tokens": pair.tokens, "answer": " ".join(pair.answer_tokens),
-            "distractor": " ".join(pair.distractor_tokens)}  # fmt: skip
-
-
-def tokenizer_of(dataset: Dataset | None) -> Any:
-    while isinstance(dataset, torch.utils.data.Subset):
-        dataset = dataset.dataset
-    return getattr(dataset, "tokenizer", None)
 
 
 def real_cells(pads: torch.Tensor, positions: int, heads: int = 0) -> tuple[torch.Tensor, ...]:

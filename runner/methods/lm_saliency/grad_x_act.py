@@ -19,24 +19,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.data.prompts import position_ids
+from runner.data.prompts import pair_strings, position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
-from runner.methods.lm_saliency.common import (
-    clean_prompts,
-    pair_strings,
-    real_cells,
-    target_name,
-    token_strings,
-    token_target,
-)
+from runner.methods.lm_saliency.common import clean_prompts, real_cells, token_strings
 from runner.models.lm_sites import PER_HEAD, SiteSpec, layout_of, read_site
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
+from runner.targets.tokens import target_name, token_target
 
 LM_GRAD_X_ACT_SCHEMA = declare(
     "lm_grad_x_act",

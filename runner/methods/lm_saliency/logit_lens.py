@@ -18,27 +18,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.data.prompts import position_ids
+from runner.data.prompts import pair_strings, position_ids, tokenizer_of
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
-from runner.methods.lm_saliency.common import (
-    CleanPrompts,
-    clean_prompts,
-    pair_strings,
-    real_cells,
-    target_name,
-    token_strings,
-    token_target,
-    tokenizer_of,
-)
+from runner.methods.lm_saliency.common import CleanPrompts, clean_prompts, real_cells, token_strings
 from runner.models.lm_sites import SiteSpec, layout_of, read_site
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
-from runner.targets.tokens import AnswerLogprob, _set_mean
+from runner.targets.tokens import AnswerLogprob, _set_mean, target_name, token_target
 
 EMBEDDINGS = -1  # the layer of the embeddings (block 0's input)
 
