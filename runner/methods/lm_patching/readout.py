@@ -36,20 +36,19 @@ class Readout:
                clean_logits: torch.Tensor, autocast: Any) -> torch.Tensor:  # fmt: skip
         """(rows,) the target's metric at the last position of the forward of `inputs` (answers and distractors:
         (rows, A) token sets padded with -1; clean_logits (rows, V), for kl_to_clean)."""
-        with torch.no_grad(), autocast():
-            if self.compact:
-                assert self.base is not None and self.unembed is not None
-                hidden = self.base(**inputs).last_hidden_state[:, -1]  # (rows, D), after the final norm
         if not self.compact:
             with torch.no_grad(), autocast():
                 logits = self.model(**inputs, logits_to_keep=1).logits[:, -1].float()
             device = logits.device
             return self.target.score_tokens(logits, answers.to(device), distractors.to(device),
                                             clean_logits.to(device))  # fmt: skip
-        weight = self.unembed.weight  # type: ignore[union-attr]
+        assert self.base is not None and self.unembed is not None
+        with torch.no_grad(), autocast():
+            hidden = self.base(**inputs).last_hidden_state[:, -1]  # (rows, D), after the final norm
+        weight = self.unembed.weight.detach()  # a metric of patched runs: no gradient (as the full path's no_grad)
         sets = torch.cat([answers, distractors], dim=1)
         tokens = torch.unique(sets[sets >= 0])  # (K,) sorted
-        bias = self.unembed.bias  # type: ignore[union-attr]
+        bias = None if self.unembed.bias is None else self.unembed.bias.detach()
         rows = weight[tokens.to(weight.device)].float()  # (K, D)
         logits = hidden.to(weight.device).float() @ rows.T  # (rows, K): the unembedding's columns the target reads
         if bias is not None:
