@@ -4,7 +4,8 @@ Two ways of computing the same layer x position / layer x head patching results,
 patching engine and as contenders in scripts/bench_lm_patching.py:
   - `loop_patching`: one full forward per cell, plain torch hooks on the HF modules;
   - `tl_patching`: TransformerLens 4.3's `patching.get_act_patch_*` through its `TransformerBridge`.
-`build_tiny_lm` makes the random-weight GPT-2 and Llama (grouped-query) models both are run on, offline.
+`build_tiny_lm` makes the random-weight models both are run on, offline: GPT-2, Llama (grouped-query) and the
+other families in FAMILIES.
 """
 
 from __future__ import annotations
@@ -41,43 +42,60 @@ def build_tokenizer(n_tokens: int = N_TOKENS) -> Any:
     )
 
 
+# The decoder families a tiny model is built for (model_type, or a variant): the same small shape, each family's own
+# config class. gpt_neox_seq: GPT-NeoX with attention and MLP in sequence (the only NeoX with a resid_mid).
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_seq")
+
+
+def tiny_config(arch: str, vocab: int) -> Any:
+    """The config of a 2-layer, 32-wide, 4-head random model of `arch` (key/value heads: 2 where the family has
+    grouped-query attention)."""
+    import transformers
+
+    ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, initializer_range=INIT, **ids
+        )
+    if arch.startswith("gpt_neox"):
+        return transformers.GPTNeoXConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=vocab,
+            max_position_embeddings=32, initializer_range=INIT, use_parallel_residual=arch == "gpt_neox",
+            rotary_pct=0.5, **ids,
+        )  # fmt: skip
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}: one of {FAMILIES}")
+    extra = {"head_dim": 8} if arch == "qwen3" else {}
+    return getattr(transformers, classes[arch])(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, max_position_embeddings=32, initializer_range=INIT, **extra, **ids,
+    )  # fmt: skip
+
+
 def build_tiny_lm(arch: str, seed: int, folder: str | Path | None = None) -> tuple[nn.Module, Any, Path]:
-    """A random-weight causal LM (`gpt2` or `llama`), fp32, eval, eager attention, saved with its tokenizer.
+    """A random-weight causal LM of a family in FAMILIES, fp32, eval, eager attention, saved with its tokenizer;
+    norm weights and biases randomised too (at their init, 1 and 0, a norm hides mistakes about where it sits).
 
     The tokenizer is reloaded from the folder: TransformerLens' bridge reloads it by its `name_or_path`.
     """
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     tokenizer = build_tokenizer()
-    vocab = len(tokenizer)
-    ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
     torch.manual_seed(seed)
-    if arch == "gpt2":
-        config = GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, initializer_range=INIT, **ids
-        )
-        model = GPT2LMHeadModel(config)
-    elif arch == "llama":
-        config = LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            max_position_embeddings=32,
-            initializer_range=INIT,
-            **ids,
-        )
-        model = LlamaForCausalLM(config)
-    else:
-        raise ValueError(f"unknown arch {arch!r}: use 'gpt2' or 'llama'")
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tokenizer)), attn_implementation="eager")
+    if arch not in ("gpt2", "llama"):  # gpt2 and llama keep the weights their tests were written against
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    param.add_(torch.randn_like(param) * 0.2)
     model.config._attn_implementation = "eager"
     model = model.float().eval()
     folder = Path(folder if folder is not None else tempfile.mkdtemp(prefix=f"tiny_{arch}_"))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return model, AutoTokenizer.from_pretrained(folder), folder
+    # the word-level tokenizer's own class (AutoTokenizer would pick a family's BPE class from config.json)
+    return model, PreTrainedTokenizerFast.from_pretrained(folder), folder
 
 
 def prompt_words(data: Any) -> list[str]:

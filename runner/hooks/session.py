@@ -250,6 +250,12 @@ class HookSession:
         self._handles.append(handle)
         return handle
 
+    def own(self, handle: Removable) -> Removable:
+        """Make `handle.remove()` part of closing the session: an undo that must run also after an interrupt
+        (KeyboardInterrupt skips torch's `always_call` forward hooks, which catch Exception only)."""
+        self._handles.append(handle)
+        return handle
+
     # ---- reversible model edits ---------------------------------------------------------------------
     def reinitialise(self, modules: list[nn.Module], seed: int) -> Reinitialised:
         """Re-initialise `modules` in place, in order, after seeding a forked random state with `seed` (each by its

@@ -1,7 +1,8 @@
 """Named sites of a Hugging Face causal language model, from one adapter per architecture family.
 
 A site is a tensor of one block that a method reads or replaces: `resid_pre` (the block's input), `resid_mid` (the
-residual stream between attention and MLP, where the block has one), `resid_post` (the block's output), `attn_out`,
+residual stream between attention and MLP, where the block has one: what both the MLP's branch and the skip connection
+around it read), `resid_post` (the block's output), `attn_out`,
 `mlp_out` (the attention's and the MLP's outputs), `head` (each head's output before the output projection), `q`,
 `k`, `v` (per head, before rotary embeddings), `pattern` (each head's attention pattern after the softmax; eager
 attention only). Each is found as a module's input or output (`SiteSpec.module`, `where`) and, for per-head sites,
@@ -9,6 +10,11 @@ viewed as (batch, positions, heads, head size) by `get` and written back by `put
 on transformers 4.x (blocks return tuples) and 5.x (tensors) alike. `pattern` is the one site inside a module's
 forward (`where="softmax"`): the attention module's only softmax, which eager attention computes in every family and
 version (runner/methods/lm_patching/engine.py reads it there); fused kernels (sdpa, flash) never materialise it.
+
+`resid_mid` is read as the mid-block norm's input, which is the stream itself; but a replacement given there would
+reach only the MLP's branch (the skip connection keeps the tensor it already holds). So the site also names how it is
+written (`SiteSpec.stream`): the block's input plus the attention's output, a replacement written into the attention's
+output as (new - stream), so that every reader of the stream gets the new value.
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ class Architecture:
     attn: str  # a block's attention module
     mlp: str
     out_proj: str  # the attention's output projection: its input is the heads' outputs side by side
-    mid_norm: str | None  # the norm whose input is resid_mid (None: parallel attention and MLP, no resid_mid)
+    mid_norm: str | None  # the norm whose input is the residual stream between attention and MLP (resid_mid);
+    # None: parallel attention and MLP, no resid_mid
     final_norm: str
-    unembed: str
     embed: str
     qkv: tuple[str, str, str] | str  # separate q, k, v projections, or one fused module
     fused_layout: str = ""  # a fused qkv's layout: "gpt2" (q | k | v) or "neox" (per head: q k v)
@@ -45,17 +51,27 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", "transformer.h", "attn", "mlp", "attn.c_proj", "ln_2", "transformer.ln_f",
-                         "lm_head", "transformer.wte", "attn.c_attn", "gpt2"),
+                         "transformer.wte", "attn.c_attn", "gpt2"),
     "llama": Architecture("llama", "model.layers", "self_attn", "mlp", "self_attn.o_proj", "post_attention_layernorm",
-                          "model.norm", "lm_head", "model.embed_tokens",
+                          "model.norm", "model.embed_tokens",
                           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     "gpt_neox": Architecture("gpt_neox", "gpt_neox.layers", "attention", "mlp", "attention.dense",
-                             "post_attention_layernorm", "gpt_neox.final_layer_norm", "embed_out",
+                             "post_attention_layernorm", "gpt_neox.final_layer_norm",
                              "gpt_neox.embed_in", "attention.query_key_value", "neox"),
 }  # fmt: skip
-# model_type (config.json) -> family: Llama's layout is shared by Mistral, Qwen2/3 and Gemma-like models.
+# model_type (config.json) -> family: Llama's layout is shared by Mistral, Qwen2 and Qwen3 (their blocks add the
+# attention's output straight onto the stream, with one norm before attention and one before the MLP).
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "gpt_neox": "gpt_neox"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StreamSum:
+    """How a residual-stream site that no module's input carries alone is written: it is the input of `base` plus
+    the output of `branch` (resid_mid: the block's input plus its attention's output)."""
+
+    base: str  # dotted name of the module whose input is the stream before the branch (the block)
+    branch: str  # dotted name of the module whose output the block adds onto it (the attention)
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ class SiteSpec:
     get: Callable[[torch.Tensor], torch.Tensor]
     put: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (raw, new view) -> the raw tensor to pass on
     heads: int = 0  # per-head sites: how many heads the view has (k and v: the key-value heads)
+    stream: StreamSum | None = None  # a stream site written as a sum (resid_mid); None: written where it is read
 
     @property
     def name(self) -> str:
@@ -153,7 +170,8 @@ class LanguageModelLayout:
         if kind == "resid_mid":
             if a.mid_norm is None:
                 raise RunnerError(f"{a.family} runs attention and MLP in parallel: it has no resid_mid site.")
-            return SiteSpec(kind, layer, f"{block}.{a.mid_norm}", "input", _same, _replace)
+            stream = StreamSum(block, f"{block}.{a.attn}")
+            return SiteSpec(kind, layer, f"{block}.{a.mid_norm}", "input", _same, _replace, stream=stream)
         if kind == "attn_out":
             return SiteSpec(kind, layer, f"{block}.{a.attn}", "output", _same, _replace)
         if kind == "mlp_out":
@@ -204,6 +222,15 @@ def layout_of(model: nn.Module) -> LanguageModelLayout:
     return LanguageModelLayout(arch, layers, heads, kv_heads, implementation)
 
 
+def unembedding(model: nn.Module) -> nn.Module:
+    """The model's unembedding (the map from the final hidden state to the logits), found as transformers itself
+    finds it, not by a name that changes between versions (GPT-NeoX: `embed_out` in 4.x, `lm_head` in 5.x)."""
+    found = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if found is None:
+        raise RunnerError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None).")
+    return found
+
+
 def read_site(spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> torch.Tensor:
     """The raw tensor of a site from a hook's arguments (input sites) or output (output sites)."""
     if spec.where == "input":
@@ -218,6 +245,11 @@ def with_site(spec: SiteSpec, args: tuple[Any, ...], kwargs: dict[str, Any], out
         if args:
             return (raw, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": raw}
+    return with_output(output, raw)
+
+
+def with_output(output: Any, raw: torch.Tensor) -> Any:
+    """A module's output with `raw` in the place of its first tensor (the whole output, or a tuple's first element)."""
     if isinstance(output, tuple):
         return (raw, *output[1:])
     return raw

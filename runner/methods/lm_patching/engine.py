@@ -6,9 +6,15 @@ patched run stacks many variants in the batch: C cells x B pairs rows, row c * B
 patched, so one forward measures C cells of every pair. Cells of a site at one position write only that position
 (and head); the causal mask then leaves every earlier position as the receiving run had it.
 
+`resid_mid` is the residual stream between attention and MLP, which both the MLP's branch and the skip connection
+read: it is kept and replaced at the attention's output (`SiteSpec.stream`), as the block's input (kept by a
+pre-hook on the block) plus that output, and a replacement is written back as the attention's output plus
+(new - stream), exact zeros wherever nothing is patched.
+
 The `pattern` site lives inside the attention's forward: a pre-hook on the attention module enters a torch function
 mode that sees the one softmax eager attention computes (the same call in GPT-2, Llama and GPT-NeoX, transformers
-4.x and 5.x) and keeps or replaces its output; the module's forward hook leaves the mode, also after an error.
+4.x and 5.x) and keeps or replaces its output; the module's forward hook leaves the mode, also after an error (and
+the hook session's close, or the next forward, after an interrupt, which torch's forward hooks do not see).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, read_site, with_site
+from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, read_site, with_output, with_site
 
 SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax, torch.special.softmax}
 
@@ -58,13 +64,18 @@ class SiteHooks:
         self.tracing = False  # a kept run whose views stay in the autograd graph (attribution patching)
         self.sources: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) source views of a patched run
         self.patches: dict[str, _Patch] = {}
+        self.bases: dict[str, torch.Tensor] = {}  # stream site name -> this forward's (B, T, D) block input
         modules = dict(model.named_modules())
         for spec in specs:
             module = modules[spec.module]
-            if spec.where == "softmax":
+            if spec.stream is not None:
+                session.add_hook(modules[spec.stream.base], self._base_hook(spec), pre=True)
+                session.add_hook(modules[spec.stream.branch], self._stream_hook(spec), pre=False)
+            elif spec.where == "softmax":
                 mode = _SoftmaxSite(self, spec)
                 session.add_hook(module, mode.enter, pre=True)
                 session.add_hook(module, mode.leave, pre=False, always_call=True)
+                session.own(mode)  # an interrupt inside the module skips `leave`: the session's close exits it
             elif spec.where == "input":
                 session.add_hook(module, self._pre_hook(spec), pre=True)
             else:
@@ -81,6 +92,35 @@ class SiteHooks:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             new = self.visit(spec, read_site(spec, args, kwargs, output))
             return None if new is None else with_site(spec, args, kwargs, output, new)
+
+        return hook
+
+    def _active(self, spec: SiteSpec) -> bool:
+        return self.keeping or spec.name in self.patches
+
+    def _base_hook(self, spec: SiteSpec) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._active(spec):
+                self.bases[spec.name] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _stream_hook(self, spec: SiteSpec) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if not self._active(spec):
+                return None
+            base = self.bases.pop(spec.name)
+            branch = output[0] if isinstance(output, tuple) else output
+            stream = base + branch  # what the block adds: the input of its mid norm, bit for bit
+            if self.keeping and self.tracing:
+                # The branch's output becomes (view - base): the block's sum is then `view` (up to rounding), read
+                # by the MLP and the skip connection alike, so dM/dview is the stream's total derivative; the
+                # gradient of upstream sites reaches them through `view` only (the two `base` terms cancel).
+                view = stream if stream.requires_grad else stream.detach().requires_grad_(True)
+                self.kept[spec.name] = view
+                return with_output(output, view - base)
+            new = self.visit(spec, stream)
+            return None if new is None else with_output(output, branch + (new - stream))
 
         return hook
 
@@ -149,7 +189,7 @@ class SiteHooks:
             self.patches[name] = _Patch(rows, pair_ids, positions, heads)
 
     def clear(self) -> None:
-        self.patches, self.sources, self.kept = {}, {}, {}
+        self.patches, self.sources, self.kept, self.bases = {}, {}, {}, {}
 
 
 class _SoftmaxSite(TorchFunctionMode):
@@ -160,15 +200,21 @@ class _SoftmaxSite(TorchFunctionMode):
         self.hooks, self.spec, self.seen, self.inside = hooks, spec, 0, False
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.remove()  # still inside: an earlier forward was interrupted before `leave`
         if self.hooks.keeping or self.spec.name in self.hooks.patches:  # other runs pay nothing
             self.seen, self.inside = 0, True
             self.__enter__()
 
+    def remove(self) -> None:
+        """Leave the mode if this site is inside it (torch's mode stack keeps it, and the model, alive otherwise)."""
+        if self.inside:
+            self.inside = False
+            self.__exit__(None, None, None)
+
     def leave(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not self.inside:
             return
-        self.inside = False
-        self.__exit__(None, None, None)
+        self.remove()
         if self.seen != 1:
             raise RunnerError(
                 f"Site {self.spec.name}: {self.spec.module} computed {self.seen} softmaxes in one forward, not the one"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.models.lm_sites import LanguageModelLayout
+from runner.models.lm_sites import LanguageModelLayout, unembedding
 
 
 class Readout:
@@ -24,7 +24,7 @@ class Readout:
     def __init__(self, model: nn.Module, layout: LanguageModelLayout, target: Any) -> None:
         self.model, self.target = model, target
         self.base: nn.Module | None = getattr(model, "base_model", None)
-        unembed = dict(model.named_modules()).get(layout.arch.unembed)
+        unembed = unembedding(model)
         self.unembed = unembed if isinstance(unembed, nn.Linear) else None
         self.compact = (
             bool(getattr(target, "reads_only_answer_logits", False))

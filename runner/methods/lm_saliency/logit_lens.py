@@ -24,7 +24,7 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
 from runner.methods.lm_saliency.common import CleanPrompts, clean_prompts, real_cells, token_strings
-from runner.models.lm_sites import SiteSpec, layout_of, read_site
+from runner.models.lm_sites import SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
@@ -87,7 +87,7 @@ class LmLogitLens(Method):
         self.layers = layers
         self.last = layout.layers - 1
         modules = dict(model.named_modules())
-        self.norm, self.unembed = modules[layout.arch.final_norm], modules[layout.arch.unembed]
+        self.norm, self.unembed = modules[layout.arch.final_norm], unembedding(model)
         # The last block's output is always read: its lens is the reference distribution of kl_to_clean.
         self.specs = {layer: layout.site("resid_pre", 0) if layer == EMBEDDINGS else layout.site("resid_post", layer)
                       for layer in dict.fromkeys([*layers, self.last])}  # fmt: skip
