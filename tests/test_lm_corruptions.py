@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runner.data.base import to_batch
-from runner.data.prompts import prompts_source
+from runner.data.prompts import pairs_batch, prompts_source
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.methods.lm_patching import _patch, lm_activation_patching
@@ -161,6 +161,53 @@ def test_ablation_restored_at_resid_pre_0(tiny, kind: str) -> None:  # type: ign
     rest = table[table.position != 3]
     receiver = rest.corrupted.where(rest.direction == "denoising", rest.clean)
     assert (rest.patched - receiver).abs().max() <= 1e-5
+
+
+LONGER = [
+    {"clean": "t02 t03 t05 t07 t11 t13 t17 t19 t02", "corrupted": "t02 t03 t05 t07 t11 t13 t17 t19 t03",
+     "answer": "t05", "distractor": "t07"},
+    {"clean": "t01 t03 t05 t07 t09 t11 t13 t15 t17 t19", "corrupted": "t01 t03 t05 t07 t09 t11 t13 t15 t17 t18",
+     "answer": "t00", "distractor": "t02"},
+    {"clean": "t19 t18 t17 t16 t15 t14 t13 t12 t11 t10 t09", "corrupted": "t19 t18 t17 t16 t15 t14 t13 t12 t11 t10 t08",
+     "answer": "t01", "distractor": "t02"},
+]  # fmt: skip
+
+
+def test_a_pairs_noise_does_not_depend_on_the_pairs_beside_it(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Causal-tracing noise is drawn per pair at its own length and placed after its padding: the same pair (the
+    same index, the same seed) alone and left-padded beside 1, 2 or 3 longer pairs gets the same noise, so the same
+    corrupted metric (drawn at the padded length, it read other rows of its draw: -2.459 alone vs +0.350 batched on
+    the shipped model)."""
+    model, tokenizer, _ = tiny
+    settings = {"sites": ["resid_pre"], "layers": [0], "corruption": {"kind": "noise"}, "directions": ["denoising"]}
+    alone = lm_activation_patching(model, tokenizer, PAIRS[:1], **settings)
+    for others in (1, 2, 3):
+        together = lm_activation_patching(model, tokenizer, [PAIRS[0], *LONGER[:others]], **settings)
+        mine = together[together.sample_index == 0]
+        assert mine.corrupted.nunique() == 1
+        # a padded row's forward differs from the row alone by float rounding only (3e-7 seen; 1.5 with the old draw)
+        assert float(mine.corrupted.iloc[0]) == pytest.approx(float(alone.corrupted.iloc[0]), abs=1e-5)
+    # the edit itself, bit for bit: the pair's rows of the shift are the same in every batch
+    dataset, batch = pairs_batch([PAIRS[0], *LONGER], tokenizer, True, torch.device("cpu"))
+    single, one = pairs_batch(PAIRS[:1], tokenizer, True, torch.device("cpu"))
+    shifts = []
+    for data, b in ((dataset, batch), (single, one)):
+        method = _noise_method(model, data)
+        edit = method.corrupt(b, b.x[:, 0], b.x[:, 1], b.extras["attention_mask"]).edit
+        shifts.append(edit.shift[0, -len(_ids(tokenizer, PAIRS[0]["clean"])) :])
+    assert torch.equal(shifts[0], shifts[1]) and shifts[0].abs().sum() > 0
+
+
+def _noise_method(model, dataset):  # type: ignore[no-untyped-def]
+    """The noise corruption of `dataset`, set up on `model` (hooks removed again: only its draws are used)."""
+    from runner.methods.lm_patching.corruptions import Corruption
+    from runner.options.method.lm_patching import LmCorruptionConfig
+
+    corruption = Corruption(LmCorruptionConfig(kind="noise"))
+    corruption.prepare(dataset)
+    with HookSession(model, []) as session:
+        corruption.setup(session, model, layout_of(model))
+    return corruption
 
 
 def test_mean_and_resample_refuse_bare_token_ids(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -142,3 +142,24 @@ def test_the_logit_lens_finds_the_unembedding_of_every_family(family) -> None:  
         logits = model(input_ids=ids, use_cache=False).logits[0, -1]
     assert int(last.top_token_id.iloc[0]) == int(logits.argmax())
     assert abs(float(last.top_prob.iloc[0]) - float(logits.softmax(-1).max())) < 1e-5
+
+
+def test_an_interrupt_inside_attention_leaves_no_pattern_mode_behind(family) -> None:  # type: ignore[no-untyped-def]
+    """KeyboardInterrupt inside an attention module while the pattern site is active: torch's forward hooks with
+    always_call see only Exception, so the torch function mode is left by the hook session's close."""
+    from runner.hooks import count_hooks
+
+    arch, model, tokenizer = family
+    out_proj = dict(model.named_modules())[layout_of(model).module_name(layout_of(model).arch.out_proj, 0)]
+
+    def interrupt(module: nn.Module, args: tuple) -> None:
+        raise KeyboardInterrupt
+
+    handle = out_proj.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lm_activation_patching(model, tokenizer, PAIRS[:1], sites=["pattern"], layers=[0])
+    finally:
+        handle.remove()
+    assert torch._C._len_torch_function_stack() == 0
+    assert count_hooks(model) == 0

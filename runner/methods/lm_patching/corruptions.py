@@ -141,9 +141,13 @@ class Corruption:
         keep = (~where).float()[..., None]
         if self.kind is LmCorruption.noise:
             c = self.cfg
-            first = batch.first_index
-            noise = per_sample_normal([t, self.dim], c.seed, range(first, first + b), "lm_noise")
-            shift = noise * (c.std * self.embed_std) * where[..., None].to(noise.dtype)
+            shift = torch.zeros((b, t, self.dim))
+            for row, length in enumerate(mask.sum(1).tolist()):
+                # Drawn at the pair's own length and placed after its padding: position p of the pair gets row p
+                # of its own draw, whatever the batch it shares (and so whatever padding it gets).
+                noise = per_sample_normal([length, self.dim], c.seed, [batch.first_index + row], "lm_noise")[0]
+                shift[row, t - length :] = noise * (c.std * self.embed_std)
+            shift *= where[..., None].to(shift.dtype)
             edit = EmbeddingEdit(torch.ones((b, t, 1)), shift)
         elif self.kind is LmCorruption.zero:
             edit = EmbeddingEdit(keep, torch.zeros((b, t, self.dim)))
