@@ -47,3 +47,13 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if float(denominator) == 0.0:  # a constant side: every rank equal, no order to correlate
         return torch.tensor(float("nan"), device=a.device)
     return ((ra * rb).sum() / denominator).clamp(-1.0, 1.0).float()
+
+
+def toward_source(estimated: torch.Tensor, receiver: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """How far each estimated patched metric moves the receiving run's metric toward the source run's:
+    (estimated - receiver) * sign(source - receiver), the quantity patching's top-k ranks by (denoising: toward the
+    clean metric; noising: toward the corrupted one, usually down). Where the two runs' metrics are equal (no
+    direction), the size of the change |estimated - receiver|. `receiver` and `source` broadcast against `estimated`."""
+    change = estimated - receiver
+    sign = torch.sign(source - receiver)
+    return torch.where(sign == 0, change.abs(), change * sign)

@@ -172,7 +172,7 @@ def test_estimates_match_exact_patching_of_a_tiny_perturbation(tiny, direction: 
 
 
 def test_topk_rows_equal_exact_mode_and_carry_the_rank_correlation(tiny) -> None:  # type: ignore[no-untyped-def]
-    """attribution_topk: per (pair, direction, site) the top_k cells by estimate, patched exactly, equal mode=exact's
+    """attribution_topk: per (pair, direction, site) the top_k cells by estimated move toward the source run's metric, patched exactly, equal mode=exact's
     rows for those cells (within 4e-6: float32 rounding of other batch makeups and prefix lengths, on values about 2);
     rank_correlation in [-1, 1] on them, NaN on the estimates' rows and for a self
     pair."""
@@ -190,7 +190,11 @@ def test_topk_rows_equal_exact_mode_and_carry_the_rank_correlation(tiny) -> None
         assert len(group) == 3
         mine = estimates[(estimates.direction == direction) & (estimates.site == site)
                          & (estimates.sample_index == sample)]  # fmt: skip
-        top = mine.nlargest(3, "patched")
+        # the cells estimated to move the metric furthest toward the source run's (noising: usually down)
+        receiver, source = (mine.corrupted, mine.clean) if direction == "denoising" else (mine.clean, mine.corrupted)
+        sign = (source - receiver).apply(lambda x: (x > 0) - (x < 0))
+        toward = ((mine.patched - receiver) * sign).where(sign != 0, (mine.patched - receiver).abs())
+        top = mine.assign(toward=toward).nlargest(3, "toward")
         assert set(map(tuple, group[key].astype(str).to_numpy())) == set(map(tuple, top[key].astype(str).to_numpy()))
     both = checked.merge(exact, on=key, suffixes=("", "_exact"))
     assert len(both) == len(checked)

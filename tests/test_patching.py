@@ -196,6 +196,27 @@ def test_attribution_equals_exact_when_linear_after_the_layer() -> None:
     torch.testing.assert_close(ranked, torch.ones_like(ranked), rtol=0, atol=1e-5)
 
 
+def test_attribution_topk_keeps_the_units_that_move_the_metric_toward_the_source() -> None:
+    """Per (sample, direction) the exact rows are the top_k units by estimated move toward the source run's metric:
+    denoising up toward clean, noising down toward corrupted (ranked by the largest estimated patched metric,
+    noising re-patched the units that change it least)."""
+    torch.manual_seed(5)
+    model = frozen(LinearAfter())
+    x = torch.randn(2, 3, 6, 6)
+    columns = patch(model, x, ["mid"], units=PatchUnit.cell, grid=[3, 3], mode=PatchMode.attribution_topk, top_k=3,
+                    directions=[PatchDirection.denoising, PatchDirection.noising])  # fmt: skip
+    rows = pd.DataFrame({k: (v.tolist() if torch.is_tensor(v) else v) for k, v in columns.items()})
+    for (sample, direction), group in rows.groupby(["sample_index", "direction"]):
+        estimates = group[group.patch_method == "attribution"]
+        receiver, source = ("corrupted", "clean") if direction == "denoising" else ("clean", "corrupted")
+        sign = 1.0 if float(estimates[source].iloc[0]) > float(estimates[receiver].iloc[0]) else -1.0
+        toward = (estimates.patched - estimates[receiver]) * sign
+        want = set(zip(estimates.y[toward.nlargest(3).index], estimates.x[toward.nlargest(3).index], strict=True))
+        exact = group[group.patch_method == "exact"]
+        assert set(zip(exact.y, exact.x, strict=True)) == want, (sample, direction)
+        assert toward.nlargest(3).min() > toward.median()  # a real order, not ties
+
+
 def test_cells_need_spatial_layers() -> None:
     with pytest.raises(RunnerError, match="units=cell needs spatial outputs"):
         patch(frozen(TinyNet()), torch.randn(1, 3, 8, 8), ["fc"], units=PatchUnit.cell)

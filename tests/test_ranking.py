@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from runner.ranking import average_ranks, spearman
+from runner.ranking import average_ranks, spearman, toward_source
 
 TIE_PATTERNS = [
     ([1, 1, 2, 2, 3], [5, 4, 3, 2, 1]),  # pairs of ties on one side
@@ -48,3 +48,14 @@ def test_spearman_of_a_constant_map_is_nan() -> None:
     assert torch.isnan(spearman(torch.rand(49, generator=torch.Generator().manual_seed(0)), torch.zeros(49)))
     assert torch.isnan(spearman(torch.ones(5), torch.ones(5)))
     assert torch.isnan(spearman(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])))
+
+
+def test_toward_source_signs_the_move_by_where_the_source_run_is() -> None:
+    """Denoising up to a higher clean metric, noising down to a lower corrupted one, and a target where clean is
+    below corrupted (kl_to_clean): the furthest move toward the source ranks first; no direction: the size."""
+    estimated = torch.tensor([0.5, 2.0, -1.0])
+    assert toward_source(estimated, torch.tensor(0.0), torch.tensor(3.0)).argmax() == 1  # source above
+    assert toward_source(estimated, torch.tensor(0.0), torch.tensor(-3.0)).argmax() == 2  # source below
+    assert torch.equal(toward_source(estimated, torch.tensor(0.0), torch.tensor(0.0)), estimated.abs())
+    per_pair = toward_source(estimated[:, None], torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0]))  # (3, 2)
+    assert per_pair.argmax(0).tolist() == [1, 2]

@@ -7,8 +7,9 @@ site's tensor kept in the autograd graph, and the metric summed over pairs is di
 
 so an estimate reads like the `patched` column of an exact row. Per-head sites (head, q, k, v) are differentiated
 through their (B, T, H, d) views, so every site, layer, position and head comes from the same backward.
-`attribution_topk` then patches each pair's `top_k` best-estimated cells per site exactly (the exact engine) and
-reports Spearman's rho between their estimates and exact effects.
+`attribution_topk` then patches exactly (the exact engine), per pair and site, the `top_k` cells estimated to move the
+metric furthest toward the source run's (denoising: toward the clean metric; noising: toward the corrupted one,
+whichever way that is), and reports Spearman's rho between their estimated and exact effects.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from runner.data.prompts import position_ids
 from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell
 from runner.options.method.patching import PatchDirection, PatchMode
-from runner.ranking import spearman
+from runner.ranking import spearman, toward_source
 from runner.rows import Columns
 
 if TYPE_CHECKING:
@@ -96,7 +97,9 @@ def attribution_rows(
         return [rows]
     b, t = run.mask.shape
     pads = (t - run.mask.sum(1)).tolist()
-    chosen = [_top_cells(cells, estimates[:, row], pads[row], method.p.top_k) for row in range(b)]
+    source = m_clean if run.direction is PatchDirection.denoising else m_corrupted  # (B,) the source run's metric
+    toward = toward_source(estimates, run.metric.detach().float().cpu(), source.detach().float().cpu())  # (C, B)
+    chosen = [_top_cells(cells, toward[:, row], pads[row], method.p.top_k) for row in range(b)]
     union = sorted({c for picked in chosen for c in picked})
     where = {c: u for u, c in enumerate(union)}
     patched = torch.full((len(union), b), float("nan"))
@@ -131,15 +134,15 @@ def attribution_rows(
     return [rows, exact_rows]
 
 
-def _top_cells(cells: list[Cell], estimates: torch.Tensor, pads: int, top_k: int) -> list[int]:
-    """Per site kind, the indices of the `top_k` cells with the largest estimates (as for vision), leaving out the
-    pair's padding positions."""
+def _top_cells(cells: list[Cell], toward: torch.Tensor, pads: int, top_k: int) -> list[int]:
+    """Per site kind, the indices of the `top_k` cells estimated to move the metric furthest toward the source
+    run's (`toward`, (C,): ranking.toward_source; as for vision), leaving out the pair's padding positions."""
     by_kind: dict[str, list[int]] = {}
     for c, cell in enumerate(cells):
         if cell.position is None or cell.position >= pads:
             by_kind.setdefault(cell.kind, []).append(c)
     picked = []
     for members in by_kind.values():
-        order = estimates[members].argsort(descending=True, stable=True)[:top_k]
+        order = toward[members].argsort(descending=True, stable=True)[:top_k]
         picked += [members[k] for k in order.tolist()]
     return picked

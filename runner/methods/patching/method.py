@@ -45,7 +45,7 @@ from runner.options.method.patching import (
     PatchMode,
     PatchUnit,
 )
-from runner.ranking import spearman
+from runner.ranking import spearman, toward_source
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.viz import pictures
@@ -199,7 +199,10 @@ class Patching(Method):
         order = list(range(units.count))
         if self.p.mode is PatchMode.attribution_topk:
             assert estimates is not None
-            order = estimates.argsort(descending=True)[: self.p.top_k].tolist()
+            # the units estimated to move the metric furthest toward the source run's (in noising, usually down)
+            aim = site.clean if site.direction is PatchDirection.denoising else site.corrupted  # the source's metric
+            toward = toward_source(site.base_metric + estimates, site.base_metric, aim.to(estimates.device))
+            order = toward.argsort(descending=True)[: self.p.top_k].tolist()
         patched = self.engine.patched_metrics(
             model, site.layer, base_input, base, source, units, site.target, site.contrast, order
         )
