@@ -149,6 +149,33 @@ def test_grad_x_act_per_head_sites_and_checks(tiny) -> None:  # type: ignore[no-
 
 
 # ---- the logit lens -----------------------------------------------------------------------------------------------
+def test_grad_x_act_of_the_pattern_equals_autograd_on_the_returned_attentions(tiny) -> None:  # type: ignore[no-untyped-def]
+    """pattern: per head and query position, the sum over keys of d(target)/d(pattern) x pattern, equal (1e-5) to
+    plain autograd through the attention weights eager attention returns (output_attentions=True); the site
+    crashed with an IndexError before."""
+    model, tokenizer, _ = tiny
+    table = lm_grad_x_act(model, tokenizer, PAIRS[:1], sites=["pattern", "resid_mid"])
+    assert _hooks(model) == 0
+    pair = PAIRS[0]
+    ids = torch.tensor(_ids(tokenizer, pair["clean"]))
+    out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    last = out.logits[0, -1]
+    score = last[_token(tokenizer, pair["answer"])] - last[_token(tokenizer, pair["distractor"])]
+    grads = torch.autograd.grad(score, out.attentions)
+    model.zero_grad(set_to_none=True)
+    rows = table[table.site == "pattern"]
+    heads = out.attentions[0].shape[1]
+    assert len(rows) == len(out.attentions) * heads * ids.shape[1]
+    worst = 0.0
+    for layer, (att, grad) in enumerate(zip(out.attentions, grads, strict=True)):
+        want = (att * grad).sum(-1)[0].detach()  # (H, T_query)
+        mine = rows[rows.layer == layer]
+        got = torch.tensor(mine.value.to_numpy().copy())
+        worst = max(worst, float((got - want[mine["head"].to_numpy(int), mine.position.to_numpy(int)]).abs().max()))
+    assert worst <= 1e-5, worst
+    assert (rows.value.abs() > 1e-4).any()
+
+
 def test_logit_lens_last_layer_is_the_models_own_logits(tiny) -> None:  # type: ignore[no-untyped-def]
     """The last block's lens at every position is model(ids).logits (the final norm applied once), 1e-6; the
     earlier layers are the final norm and unembedding applied to output_hidden_states (a plain reference), 1e-5."""

@@ -1,7 +1,8 @@
 """`method=lm_grad_x_act`: gradient x activation at every selected site, layer and position (and head) of each
 pair's clean prompt, from one forward and one backward per batch.
 
-value = sum over the hidden (per-head sites: the head's) dimension of d(target)/d(activation) * activation. Every
+value = sum over the hidden (per-head sites: the head's) dimension of d(target)/d(activation) * activation; for the
+`pattern` site (eager attention), per head and query position, the sum over the keys of gradient x pattern. Every
 selected site stays in the same forward, so each site's gradient is the total derivative of the target: through
 everything downstream of it, other selected sites included (what gradient x activation means; not the direct
 effect). The target is the run's token target at the last position (left padding: the same index for every row);
@@ -10,7 +11,6 @@ the parameters are frozen, so the pass stops at the embeddings and no weight gra
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -24,8 +24,9 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
+from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import clean_prompts, real_cells, token_strings
-from runner.models.lm_sites import PER_HEAD, SiteSpec, layout_of, read_site
+from runner.models.lm_sites import PER_HEAD, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
@@ -79,24 +80,14 @@ class LmGradXAct(Method):
         if bad:
             raise RunnerError(f"method.layers={bad}: the model has layers 0..{layout.layers - 1}.")
         self.specs = [layout.site(kind, layer) for kind in self.cfg.sites for layer in layers]
-        # One hook per (module, side): q, k and v of a fused projection share its output.
-        self.raw: dict[tuple[str, str], torch.Tensor] = {}
+        # The sites kept in the autograd graph, each the very tensor the rest of the forward reads (the engine of
+        # lm_patching): resid_mid is the stream both branches read, pattern the softmax inside eager attention.
+        self.hooks = SiteHooks(model, self.specs, session)
         self.capturing = False
-        modules = dict(model.named_modules())
-        for key in dict.fromkeys((s.module, s.where) for s in self.specs):
-            session.add_hook(modules[key[0]], self._hook(key), pre=key[1] == "input")
         # Frozen parameters and integer ids: nothing in the forward would need a gradient; the embeddings' output
-        # is made to, so the graph starts there.
-        session.add_hook(modules[layout.arch.embed], self._grad_from_here, pre=False)
-
-    def _hook(self, key: tuple[str, str]) -> Callable[..., Any]:
-        spec = next(s for s in self.specs if (s.module, s.where) == key)
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *output: Any) -> None:
-            if self.capturing:
-                self.raw[key] = read_site(spec, args, kwargs, output[0] if output else None)
-
-        return hook
+        # is made to, so the graph starts there and every site's gradient is its total derivative.
+        embed = dict(model.named_modules())[layout.arch.embed]
+        session.add_hook(embed, self._grad_from_here, pre=False)
 
     def _grad_from_here(self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor) -> Any:
         if not self.capturing or output.requires_grad:
@@ -106,34 +97,33 @@ class LmGradXAct(Method):
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = clean_prompts(batch, self.name)
         ids, mask = prompts.ids, prompts.mask
-        self.raw, self.capturing = {}, True
+        self.capturing = True
         try:
-            with torch.enable_grad(), self.runtime.autocast():
+            with torch.enable_grad(), self.runtime.autocast(), self.hooks.keep(grad=True):
                 out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
                             logits_to_keep=1)  # fmt: skip
         finally:
             self.capturing = False
+        views, self.hooks.kept = self.hooks.kept, {}
         logits = out.logits[:, -1].float()  # (B, V)
         score = self.target.score_tokens(logits, prompts.answers.to(logits.device),
                                          prompts.distractors.to(logits.device), logits.detach())  # fmt: skip
-        keys = list(self.raw)
-        missing = [k[0] for k in keys if not self.raw[k].requires_grad]
-        if missing or len(keys) < len({(s.module, s.where) for s in self.specs}):
-            raise RunnerError(f"method=lm_grad_x_act: no gradient reached {', '.join(missing) or 'a site'}.")
+        missing = [spec.name for spec in self.specs if spec.name not in views]
+        if missing:
+            raise RunnerError(f"method=lm_grad_x_act: the forward never reached {', '.join(missing)}.")
         # Rows are independent, so d(sum)/d(row's activation) is that row's own gradient.
-        grads = torch.autograd.grad(score.sum(), [self.raw[k] for k in keys], allow_unused=True)
-        by_key = {k: (self.raw[k].detach(), g) for k, g in zip(keys, grads, strict=True)}
-        self.raw = {}
+        grads = torch.autograd.grad(score.sum(), [views[s.name] for s in self.specs], allow_unused=True)
         strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
-        parts = [self._rows(batch, spec, *by_key[(spec.module, spec.where)], prompts.pads, strings)
-                 for spec in self.specs]  # fmt: skip
+        parts = [self._rows(batch, spec, views[spec.name].detach(), grad, prompts.pads, strings)
+                 for spec, grad in zip(self.specs, grads, strict=True)]  # fmt: skip
         return BatchOutput(predicted=logits.detach().argmax(dim=1), tables={self.table: concat_columns(parts)})
 
-    def _rows(self, batch: Batch, spec: SiteSpec, raw: torch.Tensor, grad: torch.Tensor | None, pads: torch.Tensor,
+    def _rows(self, batch: Batch, spec: SiteSpec, view: torch.Tensor, grad: torch.Tensor | None, pads: torch.Tensor,
               strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
-        """One row per (pair, real position[, head]) of one site."""
-        act = spec.get(raw).float()  # (B, T, D) or (B, T, H, d)
-        g = torch.zeros_like(act) if grad is None else spec.get(grad).float()  # unused: no effect on the target
+        """One row per (pair, real position[, head]) of one site; pattern: per query position and head, summed over
+        the keys."""
+        act = view.float()  # (B, T, D), (B, T, H, d) or, for pattern, (B, T_query, H, T_key)
+        g = torch.zeros_like(act) if grad is None else grad.float()  # unused: no effect on the target
         value, grad_norm, act_norm = ((g * act).sum(-1), g.norm(dim=-1), act.norm(dim=-1))  # (B, T[, H])
         per_head = spec.kind in PER_HEAD
         rows, index, heads = real_cells(pads, act.shape[1], spec.heads if per_head else 0)
