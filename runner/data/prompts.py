@@ -1,9 +1,12 @@
 """Prompt pairs for a language model (`data=prompts`), tokenised and checked before the run.
 
 A sample is one pair: its clean and corrupted token ids stacked (2, T), with its answer and distractor token sets.
-The checks a pair must pass: both prompts tokenise to the same length (patching position p of one into the other
-only means something when the positions line up), answers and distractors are one token each, and the BOS policy
-(data.bos) is applied to both sides. A batch is left-padded to its longest pair (the last token, where the answer is
+The checks a pair must pass: its id is its own (rows are joined to their pair by id), both prompts tokenise to the same
+length (patching position p of one into the other only means something when the positions line up), no word becomes
+the tokenizer's unknown token (the model would read `<unk>`, not the word), answers and distractors are one known
+token each, and the BOS policy (data.bos) is applied to both sides. A pair without `corrupted` takes its clean prompt
+in its place (`corrupted_given` False): the corruptions that edit the clean prompt do not read it, and the one that
+does (lm_patching's `pair`) refuses such a pair. A batch is left-padded to its longest pair (the last token, where the answer is
 read, is at the same index for every pair); the model gets the attention mask and `position_ids = cumsum(mask) - 1`,
 so a padded pair is computed as it would be alone.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ class PromptPair:
     tokens: list[str]  # the clean prompt's tokens as strings, by position
     answer_tokens: list[str]
     distractor_tokens: list[str]
+    corrupted_given: bool = True  # False: the pair had no `corrupted` and its clean prompt stands in
 
 
 class PromptPairs(Dataset):
@@ -95,7 +100,36 @@ def prompts_source(cfg: PromptsConfig, tokenizer: Any, seed: int) -> Dataset:
     bos = _bos_id(tokenizer) if cfg.bos else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     pairs = [_tokenised(i, item, tokenizer, bos) for i, item in enumerate(raw)]
+    _refuse_repeated_ids(pairs)
     return PromptPairs(pairs, int(pad), tokenizer)
+
+
+def _refuse_repeated_ids(pairs: list[PromptPair]) -> None:
+    """Rows find their pair by id (answers, tokens, resampling): two pairs of one id would score one on the other's
+    answer."""
+    seen: dict[str, int] = {}
+    for index, pair in enumerate(pairs):
+        if pair.sample_id in seen:
+            raise RunnerError(
+                f"Prompt pairs {seen[pair.sample_id]} and {index} (counted from 0) share the id {pair.sample_id!r}:"
+                " give each pair its own `id` (or none: pair-N is its index)."
+            )
+        seen[pair.sample_id] = index
+
+
+def check_context(dataset: Dataset, limit: int | None) -> None:
+    """RunnerError when a pair is longer than the model's positions (`limit`, its config's max_position_embeddings
+    or n_positions; None: the model states none): GPT-2 would fail with an index error mid-run and a rotary model
+    would silently compute positions it was never trained on."""
+    pairs = getattr(underlying(dataset), "pairs", [])
+    if limit is None or not pairs:
+        return
+    longest = max(pairs, key=lambda p: len(p.clean))
+    if len(longest.clean) > limit:
+        raise RunnerError(
+            f"Prompt pair {longest.sample_id} is {len(longest.clean)} tokens (BOS included) but the model has"
+            f" {limit} positions: shorten the prompts to at most {limit} tokens."
+        )
 
 
 def _bos_id(tokenizer: Any) -> int:
@@ -110,7 +144,7 @@ def _bos_id(tokenizer: Any) -> int:
 def _raw_pairs(cfg: PromptsConfig) -> list[dict[str, Any]]:
     """The pairs as dicts (clean, corrupted, answer, distractor[, id]) from the YAML, a file or a template."""
     if cfg.pairs:
-        return [dict(p) for p in cfg.pairs]
+        return [dict(p) if isinstance(p, Mapping) else p for p in cfg.pairs]  # a non-mapping is refused by name
     if cfg.file:
         return _read_file(_pairs_file(cfg.file))
     return _from_template(cfg)
@@ -128,17 +162,36 @@ def _pairs_file(name: str) -> Path:
 
 
 def _read_file(file: Path) -> list[dict[str, Any]]:
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = file.read_bytes()[: e.start].count(b"\n") + 1
+        raise RunnerError(
+            f"{file}:{line} is not UTF-8 (byte 0x{e.object[e.start]:02x}): save the file as UTF-8."
+        ) from None
+    except OSError as e:
+        raise RunnerError(f"Cannot read data.file={file} ({e.strerror or e}).") from None
     if file.suffix.lower() == ".csv":
         return [dict(row) for row in csv.DictReader(text.splitlines())]
     pairs = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                pairs.append(json.loads(line))
+                item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise RunnerError(f"{file}:{number} is not a JSON object ({e.msg}): one pair per line.") from None
+            if not isinstance(item, dict):  # a list, a string, a number or null: no pair's keys
+                raise RunnerError(
+                    f"{file}:{number} is a JSON {_json_kind(item)}, not an object: one pair per line, as"
+                    ' {"clean": ..., "corrupted": ..., "answer": ..., "distractor": ...}.'
+                )
+            pairs.append(item)
     return pairs
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
@@ -167,15 +220,20 @@ def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
     return pairs
 
 
-def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None) -> PromptPair:
-    missing = [k for k in ("clean", "corrupted", "answer", "distractor") if not item.get(k)]
+def _tokenised(index: int, item: Any, tokenizer: Any, bos: int | None) -> PromptPair:
+    if not isinstance(item, dict):  # data.pairs=[...] entries that are not mappings
+        raise RunnerError(f"Prompt pair {index} (counted from 0) is {item!r}, not a mapping of clean, answer and"
+                          " distractor (and corrupted).")  # fmt: skip
+    missing = [k for k in ("clean", "answer", "distractor") if not item.get(k)]
     sample_id = str(item.get("id") or f"pair-{index}")
     if missing:
-        raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, corrupted,"
-                          " answer and distractor.")  # fmt: skip
+        raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, answer and"
+                          " distractor (and corrupted, for corruption.kind=pair).")  # fmt: skip
+    given = bool(item.get("corrupted"))
     prefix = [bos] if bos is not None else []
-    clean = prefix + _ids(tokenizer, str(item["clean"]))
-    corrupted = prefix + _ids(tokenizer, str(item["corrupted"]))
+    clean = prefix + _known_ids(tokenizer, str(item["clean"]), sample_id, "clean prompt")
+    corrupted = prefix + _known_ids(tokenizer, str(item["corrupted"] if given else item["clean"]), sample_id,
+                                    "corrupted prompt")  # fmt: skip
     if len(clean) != len(corrupted):
         raise RunnerError(
             f"Prompt pair {sample_id}: the clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)};"
@@ -186,11 +244,32 @@ def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None
     distractors = [_one_token(tokenizer, t, sample_id, "distractor") for t in _listed(item["distractor"])]
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
     return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens,
-                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors))  # fmt: skip
+                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors),
+                      given)  # fmt: skip
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _known_ids(tokenizer: Any, text: str, sample_id: str, what: str) -> list[int]:
+    """`text`'s token ids, refused when a word of it is outside the vocabulary: it would become the unknown token,
+    and the model would read that token where the prompt says the word."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, spans = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+    except (NotImplementedError, ValueError, KeyError):  # a slow tokenizer has no offsets: the text as a whole
+        ids = _ids(tokenizer, text)
+        spans = [(0, len(text))] * len(ids)
+    unk, unk_text = getattr(tokenizer, "unk_token_id", None), str(getattr(tokenizer, "unk_token", None))
+    # the unknown token's own text written out is not unknown (GPT-2's is its end-of-text token)
+    unknown = [text[a:b] for i, (a, b) in zip(ids, spans, strict=True) if i == unk and text[a:b] != unk_text]
+    if unk is not None and unknown:
+        raise RunnerError(
+            f"Prompt pair {sample_id}: the {what} {text!r} has {', '.join(map(repr, unknown))} outside the tokenizer's"
+            f" vocabulary (it would become {unk_text!r}): use words the model's tokenizer knows."
+        )
+    return ids
 
 
 def _listed(value: Any) -> list[str]:
@@ -200,7 +279,7 @@ def _listed(value: Any) -> list[str]:
 
 
 def _one_token(tokenizer: Any, text: str, sample_id: str, what: str) -> int:
-    ids = _ids(tokenizer, text)
+    ids = _known_ids(tokenizer, text, sample_id, what)
     if len(ids) != 1:
         raise RunnerError(
             f"Prompt pair {sample_id}: the {what} {text!r} is {len(ids)} tokens ({_shown(tokenizer, ids)}); an {what}"

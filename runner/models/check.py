@@ -1,4 +1,5 @@
-"""Start-up checks of a model against the data's inputs: memory for a batch, channels, the smallest size."""
+"""Start-up checks of a model against the data's inputs: memory for a batch, channels, the smallest size; a
+language model's number of positions."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ def input_refused(error: Exception, shape: list[int]) -> RunnerError:
             " fixed-size models refuse: use data.resize=pad."
         )
     return RunnerError(f"The model cannot take inputs of shape {shape} ({said}). {hint}")
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The number of positions the model was built for (its config's max_position_embeddings, n_positions or
+    n_ctx); None where the config states none."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
