@@ -31,14 +31,13 @@ from runner import distributed
 from runner.configure import to_run_config
 from runner.data.base import build_dataset, skipped_files
 from runner.data.images import sized_for_model
-from runner.data.prompts import check_context
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
-from runner.models import build_model, check_input, context_length
+from runner.models import build_model, check_input, check_positions
 from runner.options.registry import lm_method_names
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -319,7 +318,7 @@ def _run_text(
     hooks = _bind_hooks(model, config, None) if config.hooks else []
     method = build_method(config.method, [], runtime, None)
     dataset = build_dataset(config.data, tokenizer, config.seed)
-    check_context(dataset, context_length(model))  # before any forward: GPT-2 would fail mid-run, rotary run on
+    check_positions(model, dataset)  # before any forward: a prompt longer than the model's positions
     class_names = ClassNames.of(config.data, dataset, None)
     return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
 

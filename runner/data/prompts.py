@@ -117,21 +117,6 @@ def _refuse_repeated_ids(pairs: list[PromptPair]) -> None:
         seen[pair.sample_id] = index
 
 
-def check_context(dataset: Dataset, limit: int | None) -> None:
-    """RunnerError when a pair is longer than the model's positions (`limit`, its config's max_position_embeddings
-    or n_positions; None: the model states none): GPT-2 would fail with an index error mid-run and a rotary model
-    would silently compute positions it was never trained on."""
-    pairs = getattr(underlying(dataset), "pairs", [])
-    if limit is None or not pairs:
-        return
-    longest = max(pairs, key=lambda p: len(p.clean))
-    if len(longest.clean) > limit:
-        raise RunnerError(
-            f"Prompt pair {longest.sample_id} is {len(longest.clean)} tokens (BOS included) but the model has"
-            f" {limit} positions: shorten the prompts to at most {limit} tokens."
-        )
-
-
 def _bos_id(tokenizer: Any) -> int:
     bos = tokenizer.bos_token_id
     if bos is None:
