@@ -52,10 +52,13 @@ def pairs_file(folder: Path, pairs: list[Any], name: str = "pairs.jsonl") -> Pat
     return file
 
 
-def refusal(out: Path, *overrides: str) -> str:
-    """The one-line RunnerError a run of `overrides` stops with; nothing written."""
+def refusal(out: Path, *overrides: str, at_start: bool = False) -> str:
+    """The one-line RunnerError a run of `overrides` stops with; nothing written. `at_start`: when the config is
+    checked, before any model loads."""
     with pytest.raises(RunnerError) as caught:
-        app.run(make_config(*overrides), out)
+        config = make_config(*overrides)
+        assert not at_start, "the config passed its start-up checks"
+        app.run(config, out)
     message = str(caught.value)
     assert "\n" not in message, message
     assert not list(out.rglob("*.parquet*"))
@@ -97,7 +100,7 @@ def test_the_unknown_tokens_own_text_is_not_unknown(folders: dict[str, Path]) ->
 
 def test_two_pairs_of_one_id_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
     pairs = pairs_file(tmp_path, [{**p, "id": "same"} for p in PAIRS])
-    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs))
+    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs), at_start=True)
     assert message.startswith("Prompt pairs 0 and 1 (counted from 0) share the id 'same'")
 
 
@@ -122,7 +125,7 @@ def test_a_jsonl_line_that_is_no_object_is_refused(
 ) -> None:
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps(PAIRS[0]) + "\n" + line + "\n")
-    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs))
+    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs), at_start=True)
     assert message.startswith(f"{pairs}:2 is a JSON {kind.split()[1]}, not an object: one pair per line")
 
 
@@ -130,7 +133,7 @@ def test_a_pairs_file_that_is_not_utf8_is_refused(folders: dict[str, Path], tmp_
     pairs = tmp_path / "pairs.jsonl"
     lines = [json.dumps(PAIRS[0]), json.dumps({**PAIRS[1], "id": "café"}, ensure_ascii=False)]
     pairs.write_bytes("\n".join(lines).encode("latin-1"))
-    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs))
+    message = refusal(tmp_path / "run", *lm(folders["gpt2"], pairs), at_start=True)
     assert message == f"{pairs}:2 is not UTF-8 (byte 0xe9): save the file as UTF-8."
 
 

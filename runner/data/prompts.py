@@ -13,9 +13,6 @@ so a padded pair is computed as it would be alone.
 
 from __future__ import annotations
 
-import csv
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from torch.utils.data import Dataset
 
 from runner.data.base import Batch, to_batch, underlying
 from runner.errors import RunnerError
-from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig
+from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig, checked_pairs, pair_id, read_pairs_file
 
 NO_TOKEN = -1  # padding of the answer and distractor sets
 
@@ -100,21 +97,7 @@ def prompts_source(cfg: PromptsConfig, tokenizer: Any, seed: int) -> Dataset:
     bos = _bos_id(tokenizer) if cfg.bos else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     pairs = [_tokenised(i, item, tokenizer, bos) for i, item in enumerate(raw)]
-    _refuse_repeated_ids(pairs)
     return PromptPairs(pairs, int(pad), tokenizer)
-
-
-def _refuse_repeated_ids(pairs: list[PromptPair]) -> None:
-    """Rows find their pair by id (answers, tokens, resampling): two pairs of one id would score one on the other's
-    answer."""
-    seen: dict[str, int] = {}
-    for index, pair in enumerate(pairs):
-        if pair.sample_id in seen:
-            raise RunnerError(
-                f"Prompt pairs {seen[pair.sample_id]} and {index} (counted from 0) share the id {pair.sample_id!r}:"
-                " give each pair its own `id` (or none: pair-N is its index)."
-            )
-        seen[pair.sample_id] = index
 
 
 def _bos_id(tokenizer: Any) -> int:
@@ -127,93 +110,17 @@ def _bos_id(tokenizer: Any) -> int:
 
 
 def _raw_pairs(cfg: PromptsConfig) -> list[dict[str, Any]]:
-    """The pairs as dicts (clean, corrupted, answer, distractor[, id]) from the YAML, a file or a template."""
-    if cfg.pairs:
-        return [dict(p) if isinstance(p, Mapping) else p for p in cfg.pairs]  # a non-mapping is refused by name
-    if cfg.file:
-        return _read_file(_pairs_file(cfg.file))
-    return _from_template(cfg)
-
-
-def _pairs_file(name: str) -> Path:
-    if name == SHIPPED_PAIRS:
+    """The configured pairs as dicts, checked for their structure and ids; the shipped file's from the package."""
+    if cfg.file == SHIPPED_PAIRS:
         from importlib import resources
 
-        return Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
-    file = Path(name).expanduser()
-    if not file.is_file():
-        raise RunnerError(f"data.file={name}: no such file. Give a JSONL or CSV file of pairs, or data.file=induction.")
-    return file
+        shipped = Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
+        return checked_pairs(read_pairs_file(shipped))
+    return checked_pairs(cfg.raw_pairs())
 
 
-def _read_file(file: Path) -> list[dict[str, Any]]:
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = file.read_bytes()[: e.start].count(b"\n") + 1
-        raise RunnerError(
-            f"{file}:{line} is not UTF-8 (byte 0x{e.object[e.start]:02x}): save the file as UTF-8."
-        ) from None
-    except OSError as e:
-        raise RunnerError(f"Cannot read data.file={file} ({e.strerror or e}).") from None
-    if file.suffix.lower() == ".csv":
-        return [dict(row) for row in csv.DictReader(text.splitlines())]
-    pairs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RunnerError(f"{file}:{number} is not a JSON object ({e.msg}): one pair per line.") from None
-            if not isinstance(item, dict):  # a list, a string, a number or null: no pair's keys
-                raise RunnerError(
-                    f"{file}:{number} is a JSON {_json_kind(item)}, not an object: one pair per line, as"
-                    ' {"clean": ..., "corrupted": ..., "answer": ..., "distractor": ...}.'
-                )
-            pairs.append(item)
-    return pairs
-
-
-def _json_kind(value: Any) -> str:
-    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
-
-
-def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
-    """One pair per index of the slot lists: the clean prompt from `slots`, the corrupted one with
-    `corrupted_slots`' values in place of theirs."""
-    assert cfg.template and cfg.answer and cfg.distractor
-    sizes = {name: len(values) for name, values in {**cfg.slots, **cfg.corrupted_slots}.items()}
-    if len(set(sizes.values())) != 1:
-        raise RunnerError(
-            f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}."
-        )
-    unknown = sorted(set(cfg.corrupted_slots) - set(cfg.slots))
-    if unknown:
-        raise RunnerError(f"data.corrupted_slots names slots data.slots lacks: {', '.join(unknown)}.")
-    pairs = []
-    for i in range(next(iter(sizes.values()))):
-        clean = {name: values[i] for name, values in cfg.slots.items()}
-        corrupted = {**clean, **{name: values[i] for name, values in cfg.corrupted_slots.items()}}
-        try:
-            pairs.append({
-                "clean": cfg.template.format(**clean), "corrupted": cfg.template.format(**corrupted),
-                "answer": cfg.answer.format(**clean), "distractor": cfg.distractor.format(**clean),
-            })  # fmt: skip
-        except KeyError as e:
-            raise RunnerError(f"data.template names the slot {e} that data.slots lacks.") from None
-    return pairs
-
-
-def _tokenised(index: int, item: Any, tokenizer: Any, bos: int | None) -> PromptPair:
-    if not isinstance(item, dict):  # data.pairs=[...] entries that are not mappings
-        raise RunnerError(f"Prompt pair {index} (counted from 0) is {item!r}, not a mapping of clean, answer and"
-                          " distractor (and corrupted).")  # fmt: skip
-    missing = [k for k in ("clean", "answer", "distractor") if not item.get(k)]
-    sample_id = str(item.get("id") or f"pair-{index}")
-    if missing:
-        raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, answer and"
-                          " distractor (and corrupted, for corruption.kind=pair).")  # fmt: skip
+def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None) -> PromptPair:
+    sample_id = pair_id(index, item)
     given = bool(item.get("corrupted"))
     prefix = [bos] if bos is not None else []
     clean = prefix + _known_ids(tokenizer, str(item["clean"]), sample_id, "clean prompt")
