@@ -1,14 +1,15 @@
 """Prompt pairs for a language model (`data=prompts`), tokenised and checked before the run.
 
 A sample is one pair: its clean and corrupted token ids stacked (2, T), with its answer and distractor token sets.
-The checks a pair must pass: its id is its own (rows are joined to their pair by id), both prompts tokenise to the same
-length (patching position p of one into the other only means something when the positions line up), no word becomes
-the tokenizer's unknown token (the model would read `<unk>`, not the word), answers and distractors are one known
-token each, and the BOS policy (data.bos) is applied to both sides. A pair without `corrupted` takes its clean prompt
-in its place (`corrupted_given` False): the corruptions that edit the clean prompt do not read it, and the one that
-does (lm_patching's `pair`) refuses such a pair. A batch is left-padded to its longest pair (the last token, where the answer is
-read, is at the same index for every pair); the model gets the attention mask and `position_ids = cumsum(mask) - 1`,
-so a padded pair is computed as it would be alone.
+The pairs' structure and ids are checked with the config (runner/options/data/prompts.py); here, with the model's
+tokenizer: both prompts tokenise to the same length (patching position p of one into the other only means something
+when the positions line up), no word becomes the tokenizer's unknown token (the model would read that token, not
+the word), answers and distractors are one known token each, and the BOS policy (data.bos) is applied to both sides.
+A pair without `corrupted` takes its clean prompt in its place (`corrupted_given` False): the corruptions that edit
+the clean prompt do not read it, and the one that does (lm_patching's `pair`) refuses such a pair. A batch is
+left-padded to its longest pair (the last token, where the answer is read, is at the same index for every pair);
+the model gets the attention mask and `position_ids = cumsum(mask) - 1`, so a padded pair is computed as it would
+be alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Clean/corrupted prompt pairs for a language model: written in the YAML, read from a JSONL or CSV file, or filled
-into a template's slots from lists; an answer and a distractor token (or token sets) per pair."""
+into a template's slots from lists; an answer and a distractor token (or token sets) per pair. Read and checked with
+the config, before any model loads: each pair a mapping with its keys, each id its own, a file UTF-8 with one JSON
+object per line (the checks that need the tokenizer are runner/data/prompts.py's)."""
 
 from __future__ import annotations
 
