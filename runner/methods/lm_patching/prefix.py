@@ -58,8 +58,8 @@ def cached_keys_values(past: Any) -> KeyValues | None:
 
 
 def cache_name(model_or_output: Any) -> str:
-    """What a model's forward (or its output) calls the key/value cache: `cache` from transformers 5.2x on,
-    `past_key_values` before (the old name still works there, with a deprecation warning on every run)."""
+    """What a model's forward (or its output) calls the key/value cache: `cache` in recent transformers releases,
+    `past_key_values` in older ones (where both exist, the old name warns of its deprecation on every run)."""
     fields = getattr(model_or_output, "__dataclass_fields__", None)
     if fields is None:  # a model: its forward's parameters
         fields = inspect.signature(type(model_or_output).forward).parameters
