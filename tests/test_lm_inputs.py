@@ -314,6 +314,14 @@ def test_trust_remote_code_is_refused_like_weights_only_false(folders: dict[str,
     assert message.startswith("model.kwargs.trust_remote_code is refused: it runs Python code shipped with the model")
 
 
+def test_trust_remote_code_is_refused_for_an_image_classifier_too() -> None:
+    from runner.models import build_model
+
+    config = make_config("model=hf", "model.name=any/folder", "+model.kwargs.trust_remote_code=true")
+    with pytest.raises(RunnerError, match=r"^model\.kwargs\.trust_remote_code is refused"):
+        build_model(config.model)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
