@@ -37,7 +37,7 @@ from runner.ids import ClassNames, run_columns
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
-from runner.models import build_model, check_input
+from runner.models import build_model, check_input, check_positions
 from runner.options.registry import lm_method_names
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -176,6 +176,8 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     """`run` once this process (or its rank 0) holds the output directory's lock."""
     runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures)
     runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
+    if method_class(config.method).modality == "text":
+        _refuse_layer_selection(config)  # before the model loads
 
     bundle = build_model(config.model)
     runtime.class_names = bundle.categories  # pictures title the class explained by its name
@@ -277,6 +279,19 @@ def _run_prepared(
     return RunResult(out, tables)
 
 
+def _refuse_layer_selection(config: RunConfig) -> None:
+    """A language-model method picks its own layers and sites: a layers.include/exclude would be silently unused."""
+    include, exclude = list(config.layers.include), list(config.layers.exclude)
+    if include in ([], ["auto"]) and not exclude:
+        return
+    chosen = f"layers.exclude={exclude}" if include in ([], ["auto"]) else f"layers.include={include}"
+    raise RunnerError(
+        f"{chosen} selects modules for image methods; method={config.method.name} chooses its own layers and sites:"
+        " method.patching.layers and .sites (lm_patching), method.layers and .sites (lm_grad_x_act, lm_logit_lens)."
+        " Leave layers.include at its default."
+    )
+
+
 def _check_modality(config: RunConfig, model_kind: str) -> None:
     """One message when the model, the method and the data are not all image or all text."""
     method_kind = method_class(config.method).modality
@@ -303,6 +318,7 @@ def _run_text(
     hooks = _bind_hooks(model, config, None) if config.hooks else []
     method = build_method(config.method, [], runtime, None)
     dataset = build_dataset(config.data, tokenizer, config.seed)
+    check_positions(model, dataset)  # before any forward: a prompt longer than the model's positions
     class_names = ClassNames.of(config.data, dataset, None)
     return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
 

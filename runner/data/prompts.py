@@ -1,17 +1,19 @@
 """Prompt pairs for a language model (`data=prompts`), tokenised and checked before the run.
 
 A sample is one pair: its clean and corrupted token ids stacked (2, T), with its answer and distractor token sets.
-The checks a pair must pass: both prompts tokenise to the same length (patching position p of one into the other
-only means something when the positions line up), answers and distractors are one token each, and the BOS policy
-(data.bos) is applied to both sides. A batch is left-padded to its longest pair (the last token, where the answer is
-read, is at the same index for every pair); the model gets the attention mask and `position_ids = cumsum(mask) - 1`,
-so a padded pair is computed as it would be alone.
+The pairs' structure and ids are checked with the config (runner/options/data/prompts.py); here, with the model's
+tokenizer: both prompts tokenise to the same length (patching position p of one into the other only means something
+when the positions line up), no word becomes the tokenizer's unknown token (the model would read that token, not
+the word), answers and distractors are one known token each, and the BOS policy (data.bos) is applied to both sides.
+A pair without `corrupted` takes its clean prompt in its place (`corrupted_given` False): the corruptions that edit
+the clean prompt do not read it, and the one that does (lm_patching's `pair`) refuses such a pair. A batch is
+left-padded to its longest pair (the last token, where the answer is read, is at the same index for every pair);
+the model gets the attention mask and `position_ids = cumsum(mask) - 1`, so a padded pair is computed as it would
+be alone.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from torch.utils.data import Dataset
 
 from runner.data.base import Batch, to_batch, underlying
 from runner.errors import RunnerError
-from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig
+from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig, checked_pairs, pair_id, read_pairs_file
 
 NO_TOKEN = -1  # padding of the answer and distractor sets
 
@@ -36,6 +38,7 @@ class PromptPair:
     tokens: list[str]  # the clean prompt's tokens as strings, by position
     answer_tokens: list[str]
     distractor_tokens: list[str]
+    corrupted_given: bool = True  # False: the pair had no `corrupted` and its clean prompt stands in
 
 
 class PromptPairs(Dataset):
@@ -108,74 +111,22 @@ def _bos_id(tokenizer: Any) -> int:
 
 
 def _raw_pairs(cfg: PromptsConfig) -> list[dict[str, Any]]:
-    """The pairs as dicts (clean, corrupted, answer, distractor[, id]) from the YAML, a file or a template."""
-    if cfg.pairs:
-        return [dict(p) for p in cfg.pairs]
-    if cfg.file:
-        return _read_file(_pairs_file(cfg.file))
-    return _from_template(cfg)
-
-
-def _pairs_file(name: str) -> Path:
-    if name == SHIPPED_PAIRS:
+    """The configured pairs as dicts, checked for their structure and ids; the shipped file's from the package."""
+    if cfg.file == SHIPPED_PAIRS:
         from importlib import resources
 
-        return Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
-    file = Path(name).expanduser()
-    if not file.is_file():
-        raise RunnerError(f"data.file={name}: no such file. Give a JSONL or CSV file of pairs, or data.file=induction.")
-    return file
-
-
-def _read_file(file: Path) -> list[dict[str, Any]]:
-    text = file.read_text(encoding="utf-8")
-    if file.suffix.lower() == ".csv":
-        return [dict(row) for row in csv.DictReader(text.splitlines())]
-    pairs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                pairs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise RunnerError(f"{file}:{number} is not a JSON object ({e.msg}): one pair per line.") from None
-    return pairs
-
-
-def _from_template(cfg: PromptsConfig) -> list[dict[str, Any]]:
-    """One pair per index of the slot lists: the clean prompt from `slots`, the corrupted one with
-    `corrupted_slots`' values in place of theirs."""
-    assert cfg.template and cfg.answer and cfg.distractor
-    sizes = {name: len(values) for name, values in {**cfg.slots, **cfg.corrupted_slots}.items()}
-    if len(set(sizes.values())) != 1:
-        raise RunnerError(
-            f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}."
-        )
-    unknown = sorted(set(cfg.corrupted_slots) - set(cfg.slots))
-    if unknown:
-        raise RunnerError(f"data.corrupted_slots names slots data.slots lacks: {', '.join(unknown)}.")
-    pairs = []
-    for i in range(next(iter(sizes.values()))):
-        clean = {name: values[i] for name, values in cfg.slots.items()}
-        corrupted = {**clean, **{name: values[i] for name, values in cfg.corrupted_slots.items()}}
-        try:
-            pairs.append({
-                "clean": cfg.template.format(**clean), "corrupted": cfg.template.format(**corrupted),
-                "answer": cfg.answer.format(**clean), "distractor": cfg.distractor.format(**clean),
-            })  # fmt: skip
-        except KeyError as e:
-            raise RunnerError(f"data.template names the slot {e} that data.slots lacks.") from None
-    return pairs
+        shipped = Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
+        return checked_pairs(read_pairs_file(shipped))
+    return checked_pairs(cfg.raw_pairs())
 
 
 def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None) -> PromptPair:
-    missing = [k for k in ("clean", "corrupted", "answer", "distractor") if not item.get(k)]
-    sample_id = str(item.get("id") or f"pair-{index}")
-    if missing:
-        raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, corrupted,"
-                          " answer and distractor.")  # fmt: skip
+    sample_id = pair_id(index, item)
+    given = bool(item.get("corrupted"))
     prefix = [bos] if bos is not None else []
-    clean = prefix + _ids(tokenizer, str(item["clean"]))
-    corrupted = prefix + _ids(tokenizer, str(item["corrupted"]))
+    clean = prefix + _known_ids(tokenizer, str(item["clean"]), sample_id, "clean prompt")
+    corrupted = prefix + _known_ids(tokenizer, str(item["corrupted"] if given else item["clean"]), sample_id,
+                                    "corrupted prompt")  # fmt: skip
     if len(clean) != len(corrupted):
         raise RunnerError(
             f"Prompt pair {sample_id}: the clean prompt is {len(clean)} tokens and the corrupted one {len(corrupted)};"
@@ -186,11 +137,32 @@ def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None
     distractors = [_one_token(tokenizer, t, sample_id, "distractor") for t in _listed(item["distractor"])]
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
     return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens,
-                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors))  # fmt: skip
+                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors),
+                      given)  # fmt: skip
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _known_ids(tokenizer: Any, text: str, sample_id: str, what: str) -> list[int]:
+    """`text`'s token ids, refused when a word of it is outside the vocabulary: it would become the unknown token,
+    and the model would read that token where the prompt says the word."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, spans = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+    except (NotImplementedError, ValueError, KeyError):  # a slow tokenizer has no offsets: the text as a whole
+        ids = _ids(tokenizer, text)
+        spans = [(0, len(text))] * len(ids)
+    unk, unk_text = getattr(tokenizer, "unk_token_id", None), str(getattr(tokenizer, "unk_token", None))
+    # the unknown token's own text written out is not unknown (GPT-2's is its end-of-text token)
+    unknown = [text[a:b] for i, (a, b) in zip(ids, spans, strict=True) if i == unk and text[a:b] != unk_text]
+    if unk is not None and unknown:
+        raise RunnerError(
+            f"Prompt pair {sample_id}: the {what} {text!r} has {', '.join(map(repr, unknown))} outside the tokenizer's"
+            f" vocabulary (it would become {unk_text!r}): use words the model's tokenizer knows."
+        )
+    return ids
 
 
 def _listed(value: Any) -> list[str]:
@@ -200,7 +172,7 @@ def _listed(value: Any) -> list[str]:
 
 
 def _one_token(tokenizer: Any, text: str, sample_id: str, what: str) -> int:
-    ids = _ids(tokenizer, text)
+    ids = _known_ids(tokenizer, text, sample_id, what)
     if len(ids) != 1:
         raise RunnerError(
             f"Prompt pair {sample_id}: the {what} {text!r} is {len(ids)} tokens ({_shown(tokenizer, ids)}); an {what}"

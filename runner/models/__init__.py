@@ -15,7 +15,7 @@ from torch import nn
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource, load_checkpoint
-from runner.models.check import check_input
+from runner.models.check import check_input, check_positions
 from runner.options.registry import MODELS
 from runner.schema import ModelConfig
 
@@ -102,6 +102,7 @@ __all__ = [
     "ModelSource",
     "build_model",
     "check_input",
+    "check_positions",
     "load_checkpoint",
     "model_label",
     "model_source_of",

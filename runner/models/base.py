@@ -160,16 +160,20 @@ CHECKPOINT_FORMATS = (
 )
 
 
+def pickle_detail(error: pickle.UnpicklingError) -> str:
+    """What the weights-only unpickler found in a refused pickle: the global it names, or its unsupported operand."""
+    named = re.search(r"GLOBAL ([\w.]+)", str(error))  # the callable or class the pickle would import
+    operand = re.search(r"Unsupported operand \d+", str(error))
+    return f"it names {named.group(1)}" if named else operand.group(0) if operand else "not a tensors-only pickle"
+
+
 def _refused_pickle(file: Path, error: pickle.UnpicklingError) -> str:
     """One line for a checkpoint the weights-only unpickler refused: what it holds, never torch's advice to load it
     with weights_only=False (that runs the file's code)."""
-    named = re.search(r"GLOBAL ([\w.]+)", str(error))  # the callable or class the pickle would import
-    operand = re.search(r"Unsupported operand \d+", str(error))
-    detail = f"it names {named.group(1)}" if named else operand.group(0) if operand else "not a tensors-only pickle"
     return (
-        f"Checkpoint {file} is refused: it holds more than tensors ({detail}), and reading it as a full pickle could"
-        f" run code named in the file. {CHECKPOINT_FORMATS} If you trust the file, load it in Python and save its"
-        " state dict."
+        f"Checkpoint {file} is refused: it holds more than tensors ({pickle_detail(error)}), and reading it as a full"
+        f" pickle could run code named in the file. {CHECKPOINT_FORMATS} If you trust the file, load it in Python and"
+        " save its state dict."
     )
 
 
@@ -216,11 +220,18 @@ def _pickle_arguments(found: Any, arguments: dict[str, Any]) -> list[str]:
             if name in PICKLE_ARGUMENTS and bool(value) is PICKLE_ARGUMENTS[name]]  # fmt: skip
 
 
-def refuse_pickle_loaders(target: str, kwargs: dict[str, Any], where: str = "model._target_",
-                          kwargs_at: str = "model.kwargs") -> None:  # fmt: skip
+MODEL_TARGET_FIX = (
+    "Name the model's class as `_target_` and give its weights with model.checkpoint=PATH (a state dict, read with"
+    " weights_only=True, or a .safetensors file)."
+)
+
+
+def refuse_unsafe_targets(target: str, kwargs: dict[str, Any], where: str = "model._target_",
+                          kwargs_at: str = "model.kwargs", fix: str = MODEL_TARGET_FIX) -> None:  # fmt: skip
     """RunnerError when `target` (the config entry `where`, called with `kwargs`, the entry `kwargs_at`), or a
-    `_target_` nested in its arguments (Hydra builds those too), loads a pickle or TorchScript: such a callable
-    runs code stored in a file, which checkpoints refuse."""
+    `_target_` nested in its arguments (Hydra builds those too), loads a pickle or TorchScript (such a callable runs
+    code stored in a file, which checkpoints refuse) or is on Hydra's list of targets a config may not call
+    (os.system, shutil.rmtree, eval, ...). `fix`: what to give instead."""
     found = _resolved(target)
     modules = _defining_modules(target, found)
     loader = any(m == p or m.startswith(p + ".") for m in modules for p in PICKLE_LOADER_MODULES)
@@ -229,15 +240,34 @@ def refuse_pickle_loaders(target: str, kwargs: dict[str, Any], where: str = "mod
         how = f" with {', '.join(opened)}" if opened and not loader else ""
         raise RunnerError(
             f"{where}={target}{how} loads a pickle (or TorchScript), which runs code stored in the file: refused,"
-            " as a checkpoint with code is. Name the model's class as `_target_` and give its weights with"
-            " model.checkpoint=PATH (a state dict, read with weights_only=True, or a .safetensors file)."
+            f" as a checkpoint with code is. {fix}"
         )
+    _refuse_blocked(target, where)
     for key, value in kwargs.items():
         for index, item in enumerate(value if isinstance(value, list) else [value]):
             if isinstance(item, dict) and isinstance(item.get("_target_"), str):
                 place = f"{kwargs_at}.{key}" + (f"[{index}]" if isinstance(value, list) else "")
                 nested = {k: v for k, v in item.items() if k != "_target_"}
-                refuse_pickle_loaders(item["_target_"], nested, f"{place}._target_", place)
+                refuse_unsafe_targets(item["_target_"], nested, f"{place}._target_", place, fix)
+
+
+def _refuse_blocked(target: str, where: str) -> None:
+    """Hydra's own refusal of a target (its instantiate policy, hydra-core >= 1.3.8: commands, file removal, code
+    evaluation), asked without calling anything (`_partial_`), in one line and without the environment variable
+    that would lift it."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate({"_target_": target, "_partial_": True})
+    except InstantiationException as e:
+        if "blocklisted" in str(e):
+            raise RunnerError(
+                f"{where}={target} is refused: Hydra blocks it in configs, since it can run commands, evaluate code"
+                " or change files."
+            ) from None
+    except Exception:  # not importable, or not callable: the caller's own import says so in its words
+        pass
 
 
 def _last_linear(state: dict[str, Any]) -> tuple[str, int] | None:

@@ -1,6 +1,9 @@
-"""Start-up checks of a model against the data's inputs: memory for a batch, channels, the smallest size."""
+"""Start-up checks of a model against the data's inputs: memory for a batch, channels, the smallest size; a
+language model's number of positions."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,3 +74,29 @@ def input_refused(error: Exception, shape: list[int]) -> RunnerError:
             " fixed-size models refuse: use data.resize=pad."
         )
     return RunnerError(f"The model cannot take inputs of shape {shape} ({said}). {hint}")
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The number of positions the model was built for (its config's max_position_embeddings, n_positions or
+    n_ctx); None where the config states none."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_positions(model: nn.Module, dataset: Any) -> None:
+    """RunnerError when a text sample (token ids (..., T), a pair's prompts stacked) is longer than the model's
+    positions, named by its id: GPT-2 would fail with an index error mid-run, and a rotary model would silently run
+    at positions it was never trained on."""
+    limit = context_length(model)
+    if limit is None or len(dataset) == 0:
+        return
+    length, sample_id = max((int(x.shape[-1]), str(i)) for x, _, i in (dataset[k] for k in range(len(dataset))))
+    if length > limit:
+        raise RunnerError(
+            f"Prompt pair {sample_id} is {length} tokens (BOS included) but the model has {limit} positions: shorten"
+            f" the prompts to at most {limit} tokens."
+        )

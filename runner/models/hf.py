@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import torch
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline
+from runner.models.base import ModelBundle, ModelSource, Preprocess, hub_cache_dir, hub_offline, pickle_detail
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -40,28 +43,80 @@ class HuggingFaceSource(ModelSource):
                 f"model=hf loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
                 f" init from its config), not '{cfg.weights}': give another revision's folder as model.name."
             )
+        refuse_remote_code(cfg.kwargs)
         transformers = transformers_module()
-        config = from_hub(cfg.name, lambda local: transformers.AutoConfig.from_pretrained(cfg.name, **local))
-        if cfg.weights is None:
-            model = transformers.AutoModelForImageClassification.from_config(config, **cfg.kwargs)
-        else:
-            model = from_hub(
-                cfg.name,
-                lambda local: transformers.AutoModelForImageClassification.from_pretrained(
-                    cfg.name, **local, **cfg.kwargs
-                ),
-            )
+        with hub_errors(cfg.name):
+            config = from_hub(cfg.name, lambda local: transformers.AutoConfig.from_pretrained(cfg.name, **local))
+            if cfg.weights is None:
+                model = transformers.AutoModelForImageClassification.from_config(config, **cfg.kwargs)
+            else:
+                model = from_hub(
+                    cfg.name,
+                    lambda local: transformers.AutoModelForImageClassification.from_pretrained(
+                        cfg.name, **local, **cfg.kwargs
+                    ),
+                )
         model.__class__ = _logits_class(type(model))
         labels = getattr(model.config, "id2label", None) or {}
         names = [str(labels[i]) for i in range(len(labels))] if set(labels) == set(range(len(labels))) else None
         return ModelBundle(model, _preprocess(transformers, cfg.name), names)
 
 
-def from_hub(name: str, load: Any) -> Any:
-    """`load(local_files_only=...)`: from the folder or the Hugging Face cache first, then downloaded into the
-    cache (not with HF_HUB_OFFLINE=1); a model found nowhere is one clear error."""
+# Every transformers load runs no code shipped with a model (a config's `auto_map`): configs and folders are data,
+# as checkpoints are. Passed explicitly, so that transformers never asks on the terminal either.
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+def refuse_remote_code(kwargs: Any, where: str = "model.kwargs") -> None:
+    """RunnerError for `trust_remote_code` in a model's arguments: it would run Python files shipped with the
+    model, which the runner refuses as it refuses a pickle that runs code (weights_only=False)."""
+    if "trust_remote_code" in kwargs:
+        raise RunnerError(
+            f"{where}.trust_remote_code is refused: it runs Python code shipped with the model folder, as"
+            " weights_only=False would run a checkpoint's. Use a model that transformers implements (its config's"
+            " model_type), or load yours in Python and pass it to the library functions."
+        )
+
+
+@contextmanager
+def hub_errors(name: str) -> Iterator[None]:
+    """transformers' failures to read a model folder's files, as one line each: a pickle the weights-only loader
+    refuses (never torch's advice to load it with weights_only=False), a damaged safetensors file, a folder that
+    needs its own code, a missing optional package."""
     try:
-        return load({"local_files_only": True})
+        yield
+    except pickle.UnpicklingError as e:
+        raise RunnerError(
+            f"The weights in {name} are refused: a pickle (pytorch_model.bin) that holds more than tensors"
+            f" ({pickle_detail(e)}), and reading it as a full pickle could run code named in the file. Save the model"
+            " with save_pretrained (safetensors) from Python if you trust it."
+        ) from None
+    except ImportError as e:  # an attention implementation or a quantisation whose package is not installed
+        raise RunnerError(f"Cannot load {name}: {_first_line(e)}") from e
+    except Exception as e:
+        if type(e).__name__ == "SafetensorError":  # safetensors' Rust error: the class is not importable by name
+            raise RunnerError(
+                f"The weights in {name} cannot be read ({_first_line(e)}): the .safetensors file is damaged or"
+                " incomplete (an interrupted copy or download); copy or save it again."
+            ) from e
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise RunnerError(
+                f"{name} needs its own Python code to load (its config's auto_map, a model_type transformers does"
+                " not implement): refused, since it would run code shipped with the folder. Use a model that"
+                " transformers implements."
+            ) from e
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def from_hub(name: str, load: Any) -> Any:
+    """`load({local_files_only, trust_remote_code=False})`: from the folder or the Hugging Face cache first, then
+    downloaded into the cache (not with HF_HUB_OFFLINE=1); a model found nowhere is one clear error."""
+    try:
+        return load({"local_files_only": True, **NO_REMOTE_CODE})
     except OSError as cached:
         if Path(name).expanduser().exists():  # a local folder that lacks a file: what transformers says is the fix
             raise RunnerError(
@@ -70,7 +125,7 @@ def from_hub(name: str, load: Any) -> Any:
         error: Exception = cached
     if not hub_offline():
         try:
-            return load({"local_files_only": False})
+            return load({"local_files_only": False, **NO_REMOTE_CODE})
         except OSError as e:  # offline: a connection error after retries; a wrong id: not found
             error = e
     why = "HF_HUB_OFFLINE=1: no download tried" if hub_offline() else type(error).__name__
@@ -96,7 +151,7 @@ def _logits_class(base: type[nn.Module]) -> type[nn.Module]:
 def _preprocess(transformers: Any, name: str) -> Preprocess | None:
     """The saved image processor as a PIL -> (C, H, W) transform, or None when the model has none."""
     try:
-        processor = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True)
+        processor = transformers.AutoImageProcessor.from_pretrained(name, local_files_only=True, **NO_REMOTE_CODE)
     except (OSError, ValueError) as e:  # no preprocessor_config.json: the runner's standard transform
         log.info("no image processor saved with %s (%s): data.image_size and ImageNet's mean and std apply", name, e)
         return None

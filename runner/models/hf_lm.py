@@ -5,14 +5,17 @@ model larger than one device (accelerate)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from runner.errors import RunnerError
+import torch
+
+from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
-from runner.models.hf import from_hub, transformers_module
+from runner.models.hf import from_hub, hub_errors, refuse_remote_code, transformers_module
 from runner.models.lm_sites import layout_of
 from runner.options.model.hf_lm import SHIPPED_LM, HfLmModelConfig
 from runner.schema import ModelConfig
@@ -64,37 +67,136 @@ class HfLmSource(ModelSource):
                 f"model=hf_lm loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
                 f" weights from its config), not '{cfg.weights}'."
             )
-        transformers = transformers_module()
-        name = model_folder(cfg.name)
-        options: dict[str, Any] = {"attn_implementation": cfg.attn_implementation, **cfg.kwargs}
         if cfg.weights is None and cfg.device_map is not None:
             raise RunnerError(
                 "model.device_map places saved weights across devices as they load; random weights (model.weights="
                 "null) are built in memory: leave model.device_map=null, or load saved weights."
             )
-        if cfg.weights is None:
-            config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local))
-            for key, value in cfg.config.items():
-                setattr(config, key, value)
-            model = transformers.AutoModelForCausalLM.from_config(config, **options)
-            log.info("model %s: random weights from its config (model.weights=null)", cfg.name)
-        else:
-            if cfg.config:
-                raise RunnerError(
-                    "model.config overrides a config for random weights: it needs model.weights=null (saved weights"
-                    " come with their own config)."
-                )
-            if cfg.device_map is not None:
-                _need_accelerate()
-                options["device_map"] = cfg.device_map
-            model = from_hub(
-                name, lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options)
+        if cfg.weights is not None and cfg.config:
+            raise RunnerError(
+                "model.config overrides a config for random weights: it needs model.weights=null (saved weights"
+                " come with their own config)."
             )
-        tokenizer_name = model_folder(cfg.tokenizer) if cfg.tokenizer else name
-        tokenizer = from_hub(
-            tokenizer_name, lambda local: transformers.AutoTokenizer.from_pretrained(tokenizer_name, **local)
-        )
+        refuse_remote_code(cfg.kwargs)
+        _check_attention(cfg.attn_implementation)
+        transformers = transformers_module()
+        name = model_folder(cfg.name)
+        _check_folder(name)
+        options: dict[str, Any] = {"attn_implementation": cfg.attn_implementation, **cfg.kwargs}
+        with hub_errors(name):
+            config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local))
+            if cfg.weights is None:
+                model = _from_config(transformers, config, cfg.config, options)
+                log.info("model %s: random weights from its config (model.weights=null)", cfg.name)
+            else:
+                if cfg.device_map is not None:
+                    _need_accelerate()
+                    _check_device_map(transformers, config, cfg.device_map)
+                    options["device_map"] = cfg.device_map
+                model = from_hub(
+                    name, lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options)
+                )
+            tokenizer_name = model_folder(cfg.tokenizer) if cfg.tokenizer else name
+            tokenizer = from_hub(
+                tokenizer_name, lambda local: transformers.AutoTokenizer.from_pretrained(tokenizer_name, **local)
+            )
+        _check_vocabulary(model, tokenizer, tokenizer_name)
         layout = layout_of(model)  # refuses an architecture without a site adapter, before any data loads
         log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s", cfg.name, layout.arch.family,
                  layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
+
+
+def _check_attention(implementation: str) -> None:
+    """flash_attention_2 needs the flash-attn package: refused here in one line, before the model loads."""
+    if implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise RunnerError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package (pip install flash-attn, on"
+            " a CUDA machine), which is not installed: use model.attn_implementation=sdpa or eager."
+        )
+
+
+def _check_folder(name: str) -> None:
+    """A local folder that is not a saved model (no config.json), named as such rather than as transformers'
+    "Unrecognized model"."""
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        found = sorted(p.name for p in folder.iterdir())[:8]
+        raise RunnerError(
+            f"model.name={name} is a folder without config.json ({'holds ' + ', '.join(found) if found else 'empty'}):"
+            " give a folder saved with save_pretrained (config.json, the weights and the tokenizer's files)."
+        )
+
+
+def _from_config(transformers: Any, config: Any, overrides: dict[str, Any], options: dict[str, Any]) -> Any:
+    """Random weights from `config` with model.config's overrides, each key checked against the config's own."""
+    for key, value in overrides.items():
+        if not hasattr(config, key):  # setattr would add it silently, and nothing would read it
+            raise RunnerError(
+                f"model.config.{key}: {type(config).__name__} has no such key.{suggest(key, config.to_dict())}"
+            )
+        try:
+            setattr(config, key, value)
+        except Exception as e:  # the config class validates its fields (huggingface_hub's strict dataclasses)
+            raise RunnerError(f"model.config.{key}={value!r} is refused by {type(config).__name__}: {_first(e)}") from e
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, **options)
+    except (ValueError, TypeError, AssertionError) as e:  # sizes that do not fit together (heads, dimensions)
+        given = f" with model.config {dict(overrides)}" if overrides else ""
+        raise RunnerError(f"Cannot build the model from its config{given}: {_first(e)}") from e
+
+
+def _first(error: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+DEVICE_MAP_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_device_map(transformers: Any, config: Any, device_map: Any) -> None:
+    """model.device_map checked before anything loads: a strategy or a device, or {module prefix: device} whose
+    every prefix names a module of the model (accelerate would silently ignore one that names none)."""
+    if isinstance(device_map, str) and device_map in DEVICE_MAP_NAMES:
+        return
+    if not isinstance(device_map, dict):
+        _check_device(device_map, f"model.device_map={device_map}", strategies=True)
+        return
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # the module tree only, no memory for the weights
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    names = [name for name, _ in skeleton.named_modules() if name]
+    for prefix, device in device_map.items():
+        if prefix != "" and prefix not in names:
+            raise RunnerError(
+                f"model.device_map names '{prefix}', which is no module of the model.{suggest(str(prefix), names)}"
+                " Keys are module names (`runner layers` lists them) or '' for the whole model."
+            )
+        _check_device(device, f"model.device_map.{prefix}={device}", strategies=False)
+
+
+def _check_device(device: Any, where: str, strategies: bool) -> None:
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return
+    if isinstance(device, str) and device == "disk":
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        choices = f"{', '.join(DEVICE_MAP_NAMES)}, a device" if strategies else "a device"
+        raise RunnerError(
+            f"{where}: not a device map. Give {choices} (cpu, cuda:0, 0, disk) or {{module prefix: device}}."
+        ) from None
+
+
+def _check_vocabulary(model: Any, tokenizer: Any, tokenizer_name: str) -> None:
+    """A tokenizer with ids beyond the embedding's rows would index past it (an error mid-run on one device, silent
+    garbage on another)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise RunnerError(
+            f"The tokenizer of {tokenizer_name} has {len(tokenizer)} tokens but the model's embedding has {rows} rows:"
+            " ids past the last row cannot be embedded. Use the model's own tokenizer (model.tokenizer=null) or one"
+            " of its vocabulary."
+        )

@@ -9,7 +9,7 @@ import sys
 from torch import nn
 
 from runner.errors import RunnerError
-from runner.models.base import ModelBundle, ModelSource, refuse_pickle_loaders
+from runner.models.base import ModelBundle, ModelSource, refuse_unsafe_targets
 from runner.schema import ModelConfig
 
 # The model YAMLs' own `weights` values: a `_target_` has no weights of its own, so these say nothing about it.
@@ -38,11 +38,11 @@ class TargetSource(ModelSource):
                 " use model.checkpoint=PATH, or pass the factory's own argument in model.kwargs."
             )
         _import_target(cfg._target_)
-        refuse_pickle_loaders(cfg._target_, dict(cfg.kwargs))  # a file read as a pickle would be code
+        refuse_unsafe_targets(cfg._target_, dict(cfg.kwargs))  # no pickle loader, nothing Hydra blocks
         try:
             model = instantiate({"_target_": cfg._target_, **cfg.kwargs})
         except Exception as e:  # hydra wraps the call's errors (a wrong kwarg, a failing __init__)
-            raise RunnerError(f"Could not build model `_target_: {cfg._target_}`: {e}") from e
+            raise RunnerError(f"Could not build model `_target_: {cfg._target_}`: {' '.join(str(e).split())}") from e
         if not isinstance(model, nn.Module):
             raise RunnerError(f"`_target_: {cfg._target_}` built a {type(model).__name__}, not a torch.nn.Module.")
         return ModelBundle(model, None, None)

@@ -4,7 +4,10 @@ Imports no torch: `--cfg job` and `--help` compose against these real schemas.""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import fields
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -23,7 +26,29 @@ def register_configs(schemas: dict[str, dict[str, type]] | None = None) -> None:
     store.store(name="run_schema", node=RunConfig)
     for group, options in (option_schemas() if schemas is None else schemas).items():
         for option, schema in options.items():
-            store.store(group=f"schema/{group}", name=option, node=schema)
+            store.store(group=f"schema/{group}", name=option, node=_with_open_dicts(schema))
+
+
+def _with_open_dicts(schema: type) -> DictConfig:
+    """The schema as a config whose dict-typed fields (data.slots, model.config, model.kwargs, ...) take new keys
+    from a plain override (`data.slots={IO: [...]}`): their keys are free by design, and Hydra's struct mode, which
+    rightly refuses an unknown key of a dataclass, would refuse every key of such a dict without a `+`."""
+    node = OmegaConf.structured(schema)
+    _open_dicts(schema, node)
+    return node
+
+
+def _open_dicts(schema: type, node: Any) -> None:
+    hints = typing.get_type_hints(schema)
+    for field in fields(schema):
+        kind = typing.get_origin(hints[field.name]) or hints[field.name]
+        value = node.get(field.name)
+        if not isinstance(value, DictConfig):
+            continue
+        if kind is dict:
+            OmegaConf.set_struct(value, False)
+        elif dataclasses.is_dataclass(kind):
+            _open_dicts(kind, value)
 
 
 def config_error_line(error: BaseException) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from runner.errors import RunnerError
+from runner.models.base import refuse_unsafe_targets
 from runner.options.target.callable import CallableTargetConfig
 
 
@@ -40,11 +41,16 @@ def import_function(path: str) -> Callable[..., torch.Tensor]:
     )
 
 
+TARGET_FIX = "Give a function of your own: (output, classes) -> (B,) score."
+
+
 class Function:
     """`fn(output, classes)`, checked to give one score per sample."""
 
     def __init__(self, config: CallableTargetConfig) -> None:
         self.path = str(config._target_)  # CallableTargetConfig.check refuses a config without one
+        # the list model._target_ is held to: a config never names a command, code evaluation or a pickle loader
+        refuse_unsafe_targets(self.path, {}, "target._target_", "target", fix=TARGET_FIX)
         self.fn = import_function(self.path)
 
     def score(self, output: torch.Tensor, classes: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:

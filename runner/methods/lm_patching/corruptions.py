@@ -86,6 +86,7 @@ class Corruption:
         self.by_length = {}
         for i, pair in enumerate(self.pairs):
             self.by_length.setdefault(len(pair.clean), []).append(i)
+        self._refuse_what_the_pairs_lack()
         if self.kind is LmCorruption.resample:
             alone = [self.pairs[self.index[i]] for i in _sample_ids(dataset) if i in self.index]
             alone = [p for p in alone if len(self.by_length[len(p.clean)]) < 2]
@@ -95,6 +96,27 @@ class Corruption:
                     f"method.patching.corruption.kind=resample takes another pair's clean prompt of the same token"
                     f" length, and no other pair has the length of {shown}: add pairs of that length, or use"
                     " corruption.kind=pair."
+                )
+
+    def _refuse_what_the_pairs_lack(self) -> None:
+        """A pair without its own corrupted prompt under kind=pair (the clean one stood in: every cell would patch a
+        run into itself), and a span past a prompt's end (nothing, or less than asked, would be edited)."""
+        if self.kind is LmCorruption.pair:
+            lacking = [p.sample_id for p in self.pairs if not getattr(p, "corrupted_given", True)]
+            if lacking:
+                raise RunnerError(
+                    f"method.patching.corruption.kind=pair runs each pair's own corrupted prompt, and pair(s)"
+                    f" {', '.join(lacking[:5])} have none: give them `corrupted`, or use corruption.kind=noise, zero,"
+                    " mean or resample (which edit or replace the clean prompt)."
+                )
+        if self.kind in EMBEDDING_KINDS and self.cfg.span is not None and self.pairs:
+            start, end = self.cfg.span
+            short = min(self.pairs, key=lambda p: len(p.clean))
+            if len(short.clean) < end:
+                raise RunnerError(
+                    f"method.patching.corruption.span=[{start}, {end}] reaches past pair {short.sample_id}, which has"
+                    f" {len(short.clean)} tokens (positions 0-{len(short.clean) - 1}, BOS included): the span is"
+                    f" [start, end) in the table's positions; give end <= {len(short.clean)}."
                 )
 
     def setup(self, session: HookSession, model: nn.Module, layout: LanguageModelLayout) -> None:

@@ -25,6 +25,7 @@ from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
 from runner.methods.lm_patching.prefix import (
     BlockReplay,
+    cache_name,
     chunks_by_tile,
     prefix_cache,
     receiving_cache,
@@ -195,8 +196,8 @@ class LmPatching(Method):
             self.corruption.active = edit
             inputs = {
                 "input_ids": ids[:, start:].repeat(c, 1), "attention_mask": mask.repeat(c, 1),
-                "position_ids": positions[:, start:].repeat(c, 1),
-                "past_key_values": None if start == 0 else prefix_cache(keys_values, start, c), "use_cache": start > 0,
+                "position_ids": positions[:, start:].repeat(c, 1), "use_cache": start > 0,
+                **({cache_name(model): prefix_cache(keys_values, start, c)} if start else {}),
             }  # fmt: skip
             try:
                 with replay.skipping(lowest, start, c) if lowest else nullcontext():

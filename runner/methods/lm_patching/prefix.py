@@ -11,6 +11,7 @@ whole prompt instead. Chunks are tiles of layers x positions (`chunks_by_tile`),
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,15 @@ def cached_keys_values(past: Any) -> KeyValues | None:
     return None
 
 
+def cache_name(model_or_output: Any) -> str:
+    """What a model's forward (or its output) calls the key/value cache: `cache` in recent transformers releases,
+    `past_key_values` in older ones (where both exist, the old name warns of its deprecation on every run)."""
+    fields = getattr(model_or_output, "__dataclass_fields__", None)
+    if fields is None:  # a model: its forward's parameters
+        fields = inspect.signature(type(model_or_output).forward).parameters
+    return "cache" if "cache" in fields else "past_key_values"
+
+
 def prefix_cache(keys_values: KeyValues, start: int, copies: int) -> Any:
     """A fresh cache holding positions < `start` of every layer, repeated for `copies` variants along the batch
     (row c * B + b: pair b), as the model's forward takes it; fresh, because a forward appends to its cache."""
@@ -74,7 +84,7 @@ def receiving_cache(
     base = getattr(model, "base_model", model)  # the blocks alone: the unembedding's output is not needed
     with torch.no_grad():
         out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    found = cached_keys_values(getattr(out, "past_key_values", None))
+    found = cached_keys_values(getattr(out, cache_name(out), None))
     if found is None and not getattr(model, "_runner_no_prefix_logged", False):
         log.info("lm_patching: %s returns no key/value cache the runner can read: each variant runs the whole"
                  " prompt", type(model).__name__)  # fmt: skip

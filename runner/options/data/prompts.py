@@ -1,8 +1,13 @@
 """Clean/corrupted prompt pairs for a language model: written in the YAML, read from a JSONL or CSV file, or filled
-into a template's slots from lists; an answer and a distractor token (or token sets) per pair."""
+into a template's slots from lists; an answer and a distractor token (or token sets) per pair. Read and checked with
+the config, before any model loads: each pair a mapping with its keys, each id its own, a file UTF-8 with one JSON
+object per line (the checks that need the tokenizer are runner/data/prompts.py's)."""
 
 from __future__ import annotations
 
+import csv
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -52,7 +57,48 @@ class PromptsConfig(DataConfig):
                 "data.template needs data.answer and data.distractor (templates such as ' {IO}') and data.slots"
                 " (lists of values, one per pair)."
             )
+        if given and self.file != SHIPPED_PAIRS:  # before the model loads: what is wrong without its tokenizer
+            checked_pairs(self.raw_pairs())
         return bad
+
+    def raw_pairs(self) -> list[Any]:
+        """The pairs as written (dicts of clean, corrupted, answer, distractor[, id]): the YAML's, a file's or the
+        template's, unchecked. Not the shipped file's (runner/data/prompts.py reads it from the package)."""
+        if self.pairs:
+            return [dict(p) if isinstance(p, Mapping) else p for p in self.pairs]  # a non-mapping is refused by name
+        if self.file:
+            file = Path(self.file).expanduser()
+            if not file.is_file():
+                raise RunnerError(
+                    f"data.file={self.file}: no such file. Give a JSONL or CSV file of pairs, or data.file=induction."
+                )
+            return read_pairs_file(file)
+        return self._from_template() if self.template else []
+
+    def _from_template(self) -> list[dict[str, Any]]:
+        """One pair per index of the slot lists: the clean prompt from `slots`, the corrupted one with
+        `corrupted_slots`' values in place of theirs (every other slot kept)."""
+        assert self.template and self.answer and self.distractor
+        sizes = {name: len(values) for name, values in {**self.slots, **self.corrupted_slots}.items()}
+        if len(set(sizes.values())) != 1:
+            raise RunnerError(
+                f"data.slots and data.corrupted_slots must be lists of one length (one value per pair): {sizes}."
+            )
+        unknown = sorted(set(self.corrupted_slots) - set(self.slots))
+        if unknown:
+            raise RunnerError(f"data.corrupted_slots names slots data.slots lacks: {', '.join(unknown)}.")
+        pairs = []
+        for i in range(next(iter(sizes.values()))):
+            clean = {name: values[i] for name, values in self.slots.items()}
+            corrupted = {**clean, **{name: values[i] for name, values in self.corrupted_slots.items()}}
+            try:
+                pairs.append({
+                    "clean": self.template.format(**clean), "corrupted": self.template.format(**corrupted),
+                    "answer": self.answer.format(**clean), "distractor": self.distractor.format(**clean),
+                })  # fmt: skip
+            except KeyError as e:
+                raise RunnerError(f"data.template names the slot {e} that data.slots lacks.") from None
+        return pairs
 
     def fingerprint(self) -> dict[str, str]:
         """The pairs file's contents: a resume must find the same pairs."""
@@ -61,3 +107,65 @@ class PromptsConfig(DataConfig):
             if file.is_file():
                 return {"data.file (contents)": f"sha256:{file_digest(file)}"}
         return {}
+
+
+def read_pairs_file(file: Path) -> list[Any]:
+    """A JSONL (one object per line) or CSV file of pairs, read as UTF-8; a line that is no JSON object is refused
+    by its number."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = file.read_bytes()[: e.start].count(b"\n") + 1
+        raise RunnerError(
+            f"{file}:{line} is not UTF-8 (byte 0x{e.object[e.start]:02x}): save the file as UTF-8."
+        ) from None
+    except OSError as e:
+        raise RunnerError(f"Cannot read data.file={file} ({e.strerror or e}).") from None
+    if file.suffix.lower() == ".csv":
+        return [dict(row) for row in csv.DictReader(text.splitlines())]
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RunnerError(f"{file}:{number} is not a JSON object ({e.msg}): one pair per line.") from None
+            if not isinstance(item, dict):  # a list, a string, a number or null: no pair's keys
+                raise RunnerError(
+                    f"{file}:{number} is a JSON {_json_kind(item)}, not an object: one pair per line, as"
+                    ' {"clean": ..., "corrupted": ..., "answer": ..., "distractor": ...}.'
+                )
+            pairs.append(item)
+    return pairs
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def pair_id(index: int, item: dict[str, Any]) -> str:
+    """A pair's sample id: its own `id`, else pair-INDEX."""
+    return str(item.get("id") or f"pair-{index}")
+
+
+def checked_pairs(raw: list[Any]) -> list[dict[str, Any]]:
+    """The pairs, each a mapping with clean, answer and distractor (corrupted: where the corruption reads it), and
+    each id its own: rows find their pair by id, so two pairs of one id would score one on the other's answer."""
+    seen: dict[str, int] = {}
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise RunnerError(f"Prompt pair {index} (counted from 0) is {item!r}, not a mapping of clean, answer and"
+                              " distractor (and corrupted).")  # fmt: skip
+        sample_id = pair_id(index, item)
+        missing = [k for k in ("clean", "answer", "distractor") if not item.get(k)]
+        if missing:
+            raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, answer and"
+                              " distractor (and corrupted, for corruption.kind=pair).")  # fmt: skip
+        if sample_id in seen:
+            raise RunnerError(
+                f"Prompt pairs {seen[sample_id]} and {index} (counted from 0) share the id {sample_id!r}: give each"
+                " pair its own `id` (or none: pair-N is its index)."
+            )
+        seen[sample_id] = index
+    return raw
