@@ -117,6 +117,21 @@ def test_a_prompt_longer_than_the_models_positions_is_refused(
     )
 
 
+def test_the_library_functions_refuse_a_prompt_longer_than_the_models_positions(folders: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runner.methods.lm_patching import lm_activation_patching
+    from runner.methods.lm_saliency import lm_grad_x_act, lm_logit_lens
+
+    model = AutoModelForCausalLM.from_pretrained(folders["llama"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folders["llama"])
+    long = " ".join(["t01"] * 40)
+    pairs = [{**PAIRS[0], "clean": long, "corrupted": long.replace("t01", "t02", 1)}]
+    for function in (lm_activation_patching, lm_grad_x_act, lm_logit_lens):
+        with pytest.raises(RunnerError, match="is 41 tokens .* but the model has 32 positions"):
+            function(model, tokenizer, pairs)
+
+
 @pytest.mark.parametrize(
     ("line", "kind"), [("[1, 2]", "an array"), ("null", "a null"), ('"hello"', "a string"), ("7", "a number")]
 )

@@ -20,6 +20,7 @@ from runner.data.base import Batch
 from runner.data.prompts import pairs_batch
 from runner.methods.base import as_frame, library_config, library_token_runtime, run_prepared
 from runner.methods.lm_patching.method import LmPatching
+from runner.models.check import check_positions
 from runner.options.method.lm_patching import LmPatchingMethodConfig
 
 
@@ -33,6 +34,7 @@ def lm_activation_patching(
     top_k); mode="attribution" gives first-order estimates (attribution.py). The model's hooks are removed before
     it returns."""
     dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    check_positions(model, dataset)  # a run checks this as the model meets its data
     return _patch(model, batch, target, settings, dataset)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from runner.data.prompts import pairs_batch
 from runner.methods.base import Method, as_frame, library_config, library_token_runtime, run_prepared
+from runner.models.check import check_positions
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 
@@ -45,6 +46,7 @@ def lm_logit_lens(
 
 def _run(method: Method, model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], bos: bool) -> pd.DataFrame:
     dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    check_positions(model, dataset)  # a run checks this as the model meets its data
     return as_frame(run_prepared(method, model, batch, dataset).tables[method.table])
 
 
