@@ -57,7 +57,7 @@ def test_layer_position_map_is_the_mean_over_pairs_with_tokens_on_the_axis() -> 
     assert array.shape == (2, 4)
     assert np.allclose(array.filled(np.nan), expected, equal_nan=True)
     assert array.mask[1, 0] and not array.mask[0, 0]  # NaN stays NaN: drawn as a blank (grey) cell
-    assert ticks == ["<bos>", " A", " B*", " C"]  # pair 0's token where the pairs differ, marked
+    assert ticks == ["<bos>", "A", "B*", "C"]  # decoded, pair 0's token where the pairs differ, marked
     low, high = image.get_clim()
     assert low == -high and high == pytest.approx(np.nanmax(np.abs(expected)))  # centred at 0
     assert image.get_cmap().name.startswith("RdBu")
@@ -85,7 +85,7 @@ def test_pairs_of_different_lengths_align_at_the_last_token() -> None:
     frame = pd.concat([frame[frame["sample"] == 0], short])  # pair 1 lacks the BOS: one token shorter
     moved, slots, note = lm_plots.position_axis(frame)
     assert slots["_x"].tolist() == [-3, -2, -1, 0]
-    assert slots["label"].tolist() == ["<bos>", " A", " B*", " C"]  # the same roles line up from the end
+    assert slots["label"].tolist() == ["<bos>", "A", "B*", "C"]  # the same roles line up from the end
     assert "aligned at their last token" in note
     caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
     array, _, _ = image_of(fig)
@@ -176,9 +176,105 @@ def test_a_swept_column_makes_panels_on_one_scale() -> None:
                        for s in (1, 2)])  # fmt: skip
     caption, fig = lm_plots.lm_patching_figures(frame, "sweep.seed", FiguresConfig())[0]
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title() for ax in panels] == ["seed=1", "seed=2"]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["seed=1", "seed=2"]
     assert panels[0].images[0].get_clim() == panels[1].images[0].get_clim()
     assert np.allclose(panels[1].images[0].get_array() * 1, 2 * panels[0].images[0].get_array())
+    pyplot().close(fig)
+
+
+PIECES = ["<|endoftext|>", "When", "ĠMary", "Ġand", "ĠJohn", "Ċ", "Ġwent", "Ġto"]  # byte-level BPE pieces
+
+
+def topk_frame() -> pd.DataFrame:
+    """attribution_topk's rows of two pairs of 8 tokens (one length): an attribution row at every (site, layer,
+    position) and every head, and exact rows at each pair's 3 top cells only (other cells per pair)."""
+    rows = []
+    common = {"direction": "denoising", "metric": "token_logit_diff", "small_span": False}
+    for sample in (0, 1):
+        tops = {(0, 2), (1, 4), (1, 7)} if sample == 0 else {(0, 2), (0, 5), (1, 6)}
+        for layer in (0, 1):
+            for position, token in enumerate(PIECES):
+                estimate = 0.01 * (layer + 1) * (position + 1) + sample / 100
+                rows.append({**common, "sample": sample, "site": "resid_pre", "layer": layer, "head": None,
+                             "position": position, "token": token, "patch_method": "attribution",
+                             "restoration": estimate})  # fmt: skip
+                if (layer, position) in tops:
+                    rows.append({**common, "sample": sample, "site": "resid_pre", "layer": layer, "head": None,
+                                 "position": position, "token": token, "patch_method": "exact",
+                                 "restoration": 0.5 + position / 10 + sample})  # fmt: skip
+            for head in range(2):
+                for method, value in (("attribution", 0.001 * head), ("exact", 0.002 * head)):
+                    rows.append({**common, "sample": sample, "site": "head", "layer": layer, "head": head,
+                                 "position": None, "token": None, "patch_method": method, "restoration": value})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_topk_exact_rows_are_drawn_at_the_tables_positions() -> None:
+    """The sparse exact rows of attribution_topk: column p of the map is position p of the table, with the table's
+    token as its tick; cells no pair re-patched are blank. (A pair's length read from its sparse rows put its
+    cells at the wrong places and its tokens on the wrong ticks.)"""
+    frame = topk_frame()
+    drawn = dict((c.split(":")[0], fig) for c, fig in lm_plots.lm_patching_figures(frame, None, FiguresConfig()))
+    fig = drawn["Patching (resid_pre, denoising exact token_logit_diff)"]
+    array, ticks, _ = image_of(fig)
+    exact = frame[(frame["patch_method"] == "exact") & (frame["site"] == "resid_pre")]
+    table = exact.pivot_table(index="layer", columns="position", values="restoration", aggfunc="mean")
+    table = table.reindex(index=[0, 1], columns=range(len(PIECES)))  # every position of the prompt
+    assert array.shape == (2, len(PIECES))
+    assert np.allclose(array.filled(np.nan), table.to_numpy(), equal_nan=True)
+    assert (array.mask == table.isna().to_numpy()).all()  # blank exactly where no pair has an exact row
+    assert array[0, 2] == pytest.approx(0.5 + 0.2 + 0.5)  # both pairs re-patched (layer 0, position 2)
+    assert ticks == ["<|endoftext|>", "When", "Mary", "and", "John", "⏎", "went", "to"]  # decoded, in order
+    attribution, ticks_too, _ = image_of(drawn["Patching (resid_pre, denoising attribution token_logit_diff)"])
+    assert ticks_too == ticks and attribution.shape == array.shape
+    close(list(drawn.items()))
+
+
+def test_the_maps_of_one_direction_share_one_colour_scale_and_title_their_range() -> None:
+    frame = topk_frame()
+    drawn = lm_plots.lm_patching_figures(frame, None, FiguresConfig())
+    assert len(drawn) == 4  # resid_pre and head, attribution and exact
+    limits = {image_of(fig)[2].get_clim() for _, fig in drawn}
+    top = frame.groupby(["site", "patch_method", "layer", "position", "head"], dropna=False)["restoration"].mean()
+    assert limits == {(-top.abs().max(), top.abs().max())}  # one scale, the head maps' too
+    for caption, fig in drawn:
+        array = image_of(fig)[0]
+        title = fig.axes[0].get_title()
+        assert title == f"cells {array.min():.3g} to {array.max():.3g}", title  # its own range, for faint maps
+        assert "Colour scale shared by the 4 maps" in caption
+    close(drawn)
+
+
+@pytest.mark.parametrize(
+    ("piece", "shown"),
+    [
+        ("ĠAlice", "Alice"),
+        ("Alice", "Alice"),
+        ("Ċ", "⏎"),
+        ("ĊĊ", "⏎⏎"),
+        ("Ġ", "␣"),
+        ("Ġcafé".replace("é", "Ã©"), "café"),  # a two-byte character as byte-level BPE writes it
+        ("▁Paris", "Paris"),  # SentencePiece
+        ("<0x0A>", "⏎"),  # SentencePiece's byte fallback
+        ("t07", "t07"),
+        ("é", "é"),  # not byte-level BPE: as it is
+        (None, "?"),
+        ("Ġsupercalifragilistic", "supercalifrag…"),
+    ],
+)
+def test_tokens_are_shown_decoded(piece: str | None, shown: str) -> None:
+    assert lm_plots.display_token(piece) == shown
+
+
+def test_logit_lens_cells_show_the_top_token() -> None:
+    lens = pd.DataFrame({"sample": [0, 0, 1, 1] * 2, "layer": [-1, -1, -1, -1, 0, 0, 0, 0],
+                         "position": [0, 1, 0, 1] * 2, "token": ["ĠA", "ĠB"] * 4, "metric": "m",
+                         "value": [0.5, 1.0, 0.5, 1.0, 2.0, 3.0, 2.0, 3.0],
+                         "top_token": ["ĠParis", "Ġthe", "ĠParis", "Ġa", "Ċ", "ĠRome", "Ċ", "ĠRome"]})  # fmt: skip
+    caption, fig = lm_plots.lm_logit_lens_figures(lens, None, FiguresConfig())[0]
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
+    assert texts == {(0, 0): "Paris", (0, 1): "the\n50%", (1, 0): "⏎", (1, 1): "Rome"}  # (layer row, position)
+    assert "top token" in caption
     pyplot().close(fig)
 
 
