@@ -278,6 +278,32 @@ def test_logit_lens_cells_show_the_top_token() -> None:
     pyplot().close(fig)
 
 
+def test_the_per_layer_summary_of_cells_is_the_peak_cell_not_the_mean_over_positions() -> None:
+    """One cell carries the whole effect: the summary shows it (1.0 at position 2), where a mean over the layer's
+    positions would show 0.25; noising is summarised as the drop, so its max is the strongest effect too."""
+    from runner.viz.summary import peak_summary
+
+    rows = []
+    for direction in ("denoising", "noising"):
+        for sample, tokens in TOKENS.items():
+            for position, token in enumerate(tokens):
+                carries = position == 2
+                restoration = (1.0 if carries else 0.0) if direction == "denoising" else (0.0 if carries else 1.0)
+                rows.append({"sample": sample, "direction": direction, "site": "resid_pre", "layer": 0, "head": None,
+                             "position": position, "token": token, "metric": "m", "restoration": restoration})  # fmt: skip
+        rows.append({"sample": 0, "direction": direction, "site": "head", "layer": 0, "head": 3, "position": None,
+                     "token": None, "metric": "m", "restoration": 0.4 if direction == "denoising" else 0.6})  # fmt: skip
+    frame = pd.DataFrame(rows)
+    summary = peak_summary(frame, ["direction", "site", "metric"], ["restoration"])
+    whole = summary[summary["site"] == "resid_pre"].set_index("direction")
+    assert whole["effect max"].tolist() == [1.0, 1.0]  # the mean over positions is 0.25
+    assert whole["effect max at"].tolist() == ["position 2 (B*)", "position 2 (B*)"]  # the pairs' tokens differ
+    assert whole["effect min"].tolist() == [0.0, 0.0] and whole["n"].tolist() == [2, 2]
+    heads = summary[summary["site"] == "head"].set_index("direction")
+    assert heads["effect max"].tolist() == pytest.approx([0.4, 0.4])
+    assert heads["effect max at"].tolist() == ["head 3", "head 3"]
+
+
 @pytest.mark.slow
 def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None:
     from runner.viz.report import write_report
@@ -285,9 +311,12 @@ def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None
     done = run_cli("model=hf_lm", "data=prompts", "data.file=induction", "method=lm_patching",
                    "target=token_logit_diff", "debug=tiny", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "lm_patching (" in done.stderr and "per layer: the peak cells" in done.stderr  # the console's summary
+    assert "effect max at" in done.stderr
     source, text = check_page(write_report(tmp_path))
     table = source.split('id="table-lm-patching"', 1)[1].split("<h2", 1)[0]
     for site in ("resid_pre", "attn_out", "mlp_out"):
         assert f"Patching ({site}, denoising exact token_logit_diff): mean over pairs" in table
     assert "per layer and head" in table  # the head cells at every position
     assert table.count('<img src="data:image/png;base64,') == 4
+    assert "effect max at" in table and "effect min" in table  # the peak cells, not a mean over positions
