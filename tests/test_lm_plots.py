@@ -312,11 +312,11 @@ def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None
                    "target=token_logit_diff", "debug=tiny", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "lm_patching (" in done.stderr and "per layer: the peak cells" in done.stderr  # the console's summary
-    assert "effect max at" in done.stderr
+    assert "restoration max at" in done.stderr  # denoising only: the restoration itself
     source, text = check_page(write_report(tmp_path))
     table = source.split('id="table-lm-patching"', 1)[1].split("<h2", 1)[0]
     for site in ("resid_pre", "attn_out", "mlp_out"):
         assert f"Patching ({site}, denoising exact token_logit_diff): mean over pairs" in table
     assert "per layer and head" in table  # the head cells at every position
     assert table.count('<img src="data:image/png;base64,') == 4
-    assert "effect max at" in table and "effect min" in table  # the peak cells, not a mean over positions
+    assert "restoration max at" in table and "restoration min" in table  # the peak cells, not a mean over positions

@@ -40,12 +40,13 @@ def peak_summary(
 ) -> pd.DataFrame:
     """Per (layer, keys): for each of `values`, the largest and smallest mean over pairs of a cell and where it is
     (`<value> max`, `<value> max at`, `<value> min`, `<value> min at`); for each of `means` (a value of the pair,
-    not of the cell, such as `rank_correlation`) its mean (`<value> mean`); and the pairs (`n`). `restoration` is
-    summarised as the `effect` (the drop where noising), so that max is the strongest effect in both directions.
+    not of the cell, such as `rank_correlation`) its mean (`<value> mean`); and the pairs (`n`). With noising rows,
+    `restoration` is summarised as the `effect` (the drop where noising), so that max is the strongest effect in
+    both directions.
     Layers in model order."""
     from runner.viz.lm_plots import display_token
 
-    if "restoration" in values and "direction" in frame.columns:
+    if "restoration" in values and "direction" in frame.columns and frame["direction"].eq("noising").any():
         noising = frame["direction"] == "noising"
         frame = frame.assign(**{EFFECT: frame["restoration"].where(~noising, 1 - frame["restoration"])})
         values = [EFFECT if v == "restoration" else v for v in values]
