@@ -160,6 +160,8 @@ def test_grad_x_act_sums_heads_and_logit_lens_labels_the_embeddings() -> None:
     by_head, _, _ = image_of(drawn[1][1])
     per_pair = heads.groupby(["sample", "layer", "head"])["value"].sum()
     assert np.allclose(by_head, per_pair.groupby(["layer", "head"]).mean().unstack().to_numpy())
+    scales = {image_of(fig)[2].get_clim() for _, fig in drawn}
+    assert len(scales) == 1  # one quantity, one colour scale: the head map's is its sibling's
     close(drawn)
     lens = pd.DataFrame({"sample": 0, "layer": [-1, -1, 0, 0], "position": [0, 1, 0, 1],
                          "token": ["a", "b", "a", "b"], "metric": "m", "value": [0.5, 1.0, 2.0, 3.0]})  # fmt: skip

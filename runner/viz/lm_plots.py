@@ -116,7 +116,7 @@ def lm_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresCon
                 drawn = _head_position(each, "effect", by, f"{label}: {name}", label, reference)
                 maps.append(replace(drawn, caption=f"Patching ({name}, each head at each position): {words} per head"
                                     f" and position{drawn.caption}{sparse}{left}."))  # fmt: skip
-    return _draw_groups(groups, figures, "of one direction and metric (every site, exact and attribution rows)")
+    return _draw_groups(groups, figures, "of this direction and metric")
 
 
 def lm_grad_x_act_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
@@ -146,7 +146,7 @@ def lm_grad_x_act_figures(frame: pd.DataFrame, by: str | None, figures: FiguresC
             drawn = _layer_position(part, "value", by, f"{what}: {name}", what, part)
             maps.append(replace(drawn, caption=f"Gradient x activation ({name}): mean over pairs per layer and"
                                 f" position{drawn.caption}."))  # fmt: skip
-    return _draw_groups(groups, figures, "of one metric (every site)")
+    return _draw_groups(groups, figures, "of this metric")
 
 
 def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
@@ -300,7 +300,8 @@ def _draw_groups(groups: dict[tuple, list[Map]], figures: FiguresConfig, shared:
     for maps in groups.values():
         limits = colour_limits([g for m in maps for _, g in m.panels], all(m.centred for m in maps))
         for drawn in maps:
-            note = f" Colour scale shared by the {len(maps)} maps {shared}." if len(maps) > 1 and shared else ""
+            note = (f" Colour scale shared by the {len(maps)} maps {shared}; each panel's title gives its own range."
+                    if len(maps) > 1 and shared else "")  # fmt: skip
             out.append((drawn.caption + note, _heatmap(drawn, figures, limits)))
     return out
 

@@ -289,7 +289,7 @@ def peak_html(table: str, frame: pd.DataFrame, extra_keys: Iterable[str], shown:
     more = ""
     if len(summary) > MAX_SUMMARY_ROWS:
         more = f"<p>The first {MAX_SUMMARY_ROWS} of {len(summary)} rows; the rest are in the table's Parquet files.</p>"
-    words = PEAK_WORDS + (EFFECT_WORDS if f"{EFFECT} max" in summary.columns else "") + " n: the pairs."
+    words = PEAK_WORDS + (EFFECT_WORDS if f"{EFFECT} max" in summary.columns else "") + " n: the pairs with a value."
     return (f'<p class="caption">{_e(words)}</p><div class="scroll"><table><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(rows)}</tbody></table></div>{more}")  # fmt: skip
 

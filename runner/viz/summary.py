@@ -40,7 +40,7 @@ def peak_summary(
 ) -> pd.DataFrame:
     """Per (layer, keys): for each of `values`, the largest and smallest mean over pairs of a cell and where it is
     (`<value> max`, `<value> max at`, `<value> min`, `<value> min at`); for each of `means` (a value of the pair,
-    not of the cell, such as `rank_correlation`) its mean (`<value> mean`); and the pairs (`n`). With noising rows,
+    not of the cell, such as `rank_correlation`) its mean (`<value> mean`); and the pairs with a value (`n`). With noising rows,
     `restoration` is summarised as the `effect` (the drop where noising), so that max is the strongest effect in
     both directions.
     Layers in model order."""
@@ -60,7 +60,8 @@ def peak_summary(
         row = dict(zip(group, key, strict=True))
         cells_of = part.groupby(cells, observed=True, dropna=False)[list(values)]
         cell_means, counts = cells_of.mean(), cells_of.count()  # counts: the pairs with a value at each cell
-        n = len(part.drop_duplicates(pairs)) if pairs else 1
+        valued = part[part[list(values)].notna().any(axis=1)]  # pairs left out (NaN: small_span, ...) not counted
+        n = len(valued.drop_duplicates(pairs)) if pairs else int(len(valued) > 0)
         for value in values:
             column = cell_means[value].dropna()
             for end, index in (("max", column.to_numpy().argmax), ("min", column.to_numpy().argmin)):
