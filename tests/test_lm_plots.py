@@ -57,7 +57,7 @@ def test_layer_position_map_is_the_mean_over_pairs_with_tokens_on_the_axis() -> 
     assert array.shape == (2, 4)
     assert np.allclose(array.filled(np.nan), expected, equal_nan=True)
     assert array.mask[1, 0] and not array.mask[0, 0]  # NaN stays NaN: drawn as a blank (grey) cell
-    assert ticks == ["<bos>", "A", "B*", "C"]  # decoded, pair 0's token where the pairs differ, marked
+    assert ticks == ["<bos> (0)", "A (1)", "B* (2)", "C (3)"]  # decoded, pair 0's token where the pairs differ
     low, high = image.get_clim()
     assert low == -high and high == pytest.approx(np.nanmax(np.abs(expected)))  # centred at 0
     assert image.get_cmap().name.startswith("RdBu")
@@ -104,7 +104,7 @@ def test_long_prompts_show_the_last_positions() -> None:
     caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
     array, ticks, _ = image_of(fig)
     assert array.shape == (1, lm_plots.MAX_POSITIONS)
-    assert ticks == [f"t{i}" for i in range(6, n)]
+    assert ticks == [f"t{i} ({i})" for i in range(6, n)]
     assert np.allclose(array[0], np.arange(6, n) / n)
     assert f"the last {lm_plots.MAX_POSITIONS} of {n} positions" in caption
     pyplot().close(fig)
@@ -146,7 +146,7 @@ def test_heads_at_each_position_draw_the_layer_with_the_largest_effect() -> None
     layer1 = frame[frame["layer"] == 1]
     expected = layer1.pivot_table(index="head", columns="position", values="restoration", aggfunc="mean").to_numpy()
     assert np.allclose(array, expected)
-    assert ticks == ["x0", "x1"] and "layer 1, the layer with the largest |mean| cell" in caption
+    assert ticks == ["x0 (0)", "x1 (1)"] and "layer 1, the layer with the largest |mean| cell" in caption
     close(drawn)
 
 
@@ -167,7 +167,7 @@ def test_grad_x_act_sums_heads_and_logit_lens_labels_the_embeddings() -> None:
                          "token": ["a", "b", "a", "b"], "metric": "m", "value": [0.5, 1.0, 2.0, 3.0]})  # fmt: skip
     caption, fig = lm_plots.lm_logit_lens_figures(lens, None, FiguresConfig())[0]
     array, ticks, image = image_of(fig)
-    assert np.allclose(array, [[0.5, 1.0], [2.0, 3.0]]) and ticks == ["a", "b"]
+    assert np.allclose(array, [[0.5, 1.0], [2.0, 3.0]]) and ticks == ["a (0)", "b (1)"]
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["emb", "0"]
     assert image.get_clim() == (0.5, 3.0)  # one sign: a sequential scale over the values
     pyplot().close(fig)
@@ -226,7 +226,8 @@ def test_topk_exact_rows_are_drawn_at_the_tables_positions() -> None:
     assert np.allclose(array.filled(np.nan), table.to_numpy(), equal_nan=True)
     assert (array.mask == table.isna().to_numpy()).all()  # blank exactly where no pair has an exact row
     assert array[0, 2] == pytest.approx(0.5 + 0.2 + 0.5)  # both pairs re-patched (layer 0, position 2)
-    assert ticks == ["<|endoftext|>", "When", "Mary", "and", "John", "⏎", "went", "to"]  # decoded, in order
+    tokens = ["<|endoftext|>", "When", "Mary", "and", "John", "⏎", "went", "to"]  # decoded, in the table's order
+    assert ticks == [f"{token} ({position})" for position, token in enumerate(tokens)]
     attribution, ticks_too, _ = image_of(drawn["Patching (resid_pre, denoising attribution token_logit_diff)"])
     assert ticks_too == ticks and attribution.shape == array.shape
     close(list(drawn.items()))

@@ -22,7 +22,8 @@ cells only, and those sparse rows are drawn at the table's positions, blank wher
 length share every position. Pairs of different lengths are aligned at their LAST token (the prediction, which the
 metric reads): x then counts back from it (0 = last), so a position holds the same role in every pair; the caption
 says so. A tick shows the token, decoded (`ĠAlice` is `Alice`, a newline `⏎`), where every pair has the same one
-there, else the first pair's token followed by `*` (e.g. names in IOI prompts). At most MAX_POSITIONS positions are
+there, else the first pair's token followed by `*` (e.g. names in IOI prompts), and in brackets the position (the
+table's, or the count back from the last token). At most MAX_POSITIONS positions are
 drawn, the last ones (nearest the prediction), said in the caption. NaN cells (no pair has a value: small_span,
 degenerate, or a cell no pair re-patched) are grey; captions give the number of pairs. Every value is averaged over
 pairs with `nanmean`: a pair without a value at a cell is left out of that cell.
@@ -188,7 +189,7 @@ def _layer_position(
     written = [top_grid(p, notes, "layer", "_x", layers, xs) for _, p in parts] if notes else []
     if len(xs) > MAX_NOTED_COLUMNS:
         written = []  # cells too narrow for a token
-    return Map(panels, title, ticks["label"].tolist(), "token (position)", [_layer_name(v) for v in layers], "layer",
+    return Map(panels, title, ticks["tick"].tolist(), "token (position)", [_layer_name(v) for v in layers], "layer",
                label, f"; tokens on the x axis{note}{_pairs_note(frame, value)}", centred, written)  # fmt: skip
 
 
@@ -214,7 +215,7 @@ def _head_position(
     panels = [(t, mean_grid(p, value, "head", "_x", heads, ticks["_x"].tolist())) for t, p in _panels(part, by)]
     chosen = (f"; layer {_layer_name(layer)}, the layer with the largest |mean| cell of the {len(layers)} patched"
               " (the others are in the table)" if len(layers) > 1 else f"; layer {_layer_name(layer)}")  # fmt: skip
-    return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["label"].tolist(), "token (position)",
+    return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["tick"].tolist(), "token (position)",
                [str(int(h)) for h in heads], f"head (layer {_layer_name(layer)})", label,
                f"{chosen}; tokens on the x axis{note}{_pairs_note(part, value)}")  # fmt: skip
 
@@ -223,8 +224,8 @@ def _head_position(
 
 
 def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """(rows with a position, each with its x slot `_x`; the drawn slots in order with their tick `label`; the
-    caption's note). Each pair's length and tokens come from `reference` (default: `frame`), the table's rows of the
+    """(rows with a position, each with its x slot `_x`; the drawn slots in order with their token `label` and
+    `tick`, the token and the slot: `Mary (3)`; the caption's note). Each pair's length and tokens come from `reference` (default: `frame`), the table's rows of the
     same pairs, so that rows which hold some positions only (attribution_topk's exact rows) land where the table
     has them and every slot of the table is drawn. Pairs of one length: `_x` is the position; else positions count
     back from each pair's last token (0 = last). Only the last MAX_POSITIONS slots are kept."""
@@ -263,7 +264,8 @@ def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) ->
         labels.append(shown[0])
     if differ:
         note += "; *: the pairs' tokens differ there, the label is the first pair's token"
-    return frame, pd.DataFrame({"_x": slots, "label": labels}), note
+    ticks = [f"{label} ({slot})" for label, slot in zip(labels, slots, strict=True)]  # the table's position beside it
+    return frame, pd.DataFrame({"_x": slots, "label": labels, "tick": ticks}), note
 
 
 def mean_grid(
