@@ -602,8 +602,8 @@ def check_output(command: str, done: subprocess.CompletedProcess, ws: Workspace,
         assert "layers.include" not in command or " 0 selected" not in done.stdout, said
     if command.startswith("runner report"):  # the page it prints the path of
         assert Path(ws.root, done.stdout.strip().splitlines()[-1]).is_file(), said
-    if command.startswith("runner ls"):
-        assert "[complete]" in done.stdout, said
+    if command.startswith("runner ls"):  # a run listed as complete: a group's "[complete]" or "[3 complete, ...]"
+        assert re.search(r"\[(\d+ )?complete[],]", done.stdout), said
     if command.startswith("python scripts/plot_sweep.py"):
         assert (ws.output_of(METHOD_SWEEP) / "per_layer_deletion_auc.png").is_file(), said
 
