@@ -15,10 +15,15 @@ column, an undeclared one, or one of another type raises `SchemaError` naming th
 (a bug, caught by the tests, never a silent change in the files). The only conversions are lossless ones:
 all-null values take the declared type, and integers move to another integer width when every value fits.
 (`sample_index`, which methods hand over to place rows, becomes the sample ID columns and is not written.)
+
+Read back with pandas, every integer column is pandas' nullable `Int64` (`pandas_metadata`, kept in each file):
+otherwise pandas makes an integer column int64 in a run where it has no null and float64 in one where it has
+(`head` of a run with only whole-site cells), and two runs' tables would not line up.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +58,7 @@ SWEEP_PREFIX = "sweep."
 SWEEP_TYPES = (pa.bool_(), pa.int64(), pa.float64(), pa.string())
 
 WHEN = b"when"  # field metadata of an optional column: the config under which it is written
+PANDAS_KEY = b"pandas"  # the schema metadata pandas reads its column types from (pyarrow's `to_pandas`)
 
 
 @dataclass(frozen=True)
@@ -194,3 +200,23 @@ def _array(table: str, name: str, value: Any, field: pa.Field | None, where: str
         f"table '{table}': column '{name}' is {array.type}, declared {field.type} ({where}); convert it where the rows"
         " are built, or change the declaration (and README.md's Outputs section) if the new type is intended"
     )
+
+
+def pandas_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
+    """The schema metadata that makes pandas read each integer column as its nullable `Int64`, whether or not the
+    file holds a null there, so that a column's pandas type is the same in every run (the other columns as pandas
+    reads them by default)."""
+    columns = [
+        {"name": f.name, "field_name": f.name, "pandas_type": str(f.type), "numpy_type": pandas_integer(f.type),
+         "metadata": None}
+        for f in schema
+        if pandas_integer(f.type)
+    ]  # fmt: skip
+    return {PANDAS_KEY: json.dumps({"index_columns": [], "column_indexes": [], "columns": columns}).encode()}
+
+
+def pandas_integer(type_: pa.DataType) -> str | None:
+    """The name of pandas' nullable integer type for an Arrow integer type (`Int64` for int64), else None."""
+    if not pa.types.is_integer(type_):
+        return None
+    return f"{'UInt' if pa.types.is_unsigned_integer(type_) else 'Int'}{type_.bit_width}"

@@ -152,8 +152,46 @@ def test_cfg_job_refuses_with_the_option_schemas_without_torch(tmp_path: Path, o
 
 
 # ---- runner ls ----------------------------------------------------------------------------------------------------
-def ls(root: Path) -> str:
-    return ls_command.format_listing(listing.find(root))
+def ls(root: Path, full: bool = False) -> str:
+    return ls_command.format_listing(listing.find(root), full=full)
+
+
+def fake_run(path: str, experiment: str, method: str, status: str = "complete") -> listing.RunInfo:
+    """A run as `find` reports it, without a folder: `status` complete, partial or failed."""
+    error = "Layer 'nowhere' does not exist in the model." if status == "failed" else ""
+    run = listing.RunInfo(Path(path), experiment, [f"experiment={experiment}"], status, 2, 4, {"cam": 8}, error)
+    run.method = method
+    return run
+
+
+def test_ls_is_short_by_default_one_line_per_experiment_and_the_runs_that_need_something() -> None:
+    """55 runs of 5 experiments, 2 of them not complete: 1 + 5 lines, and 3 for each run that needs something (its
+    state, its error or nothing, the command that resumes it); `--all` lists every run."""
+    experiments = [("gradcam_effnet", "gradcam"), ("patching_effnet", "patching"), ("mprt_effnet", "mprt"),
+                   ("patching_lm_induction", "lm_patching"), ("causal_tracing_lm", "lm_patching")]  # fmt: skip
+    found: list[listing.RunInfo | listing.SweepInfo] = []
+    for i in range(55):
+        experiment, method = experiments[i % 5]
+        status = {7: "partial", 11: "failed"}.get(i, "complete")
+        found.append(
+            fake_run(f"outputs/2026-11-{10 + i // 5:02d}/10-00-{i:02d}_{experiment}", experiment, method, status)
+        )
+    text = ls_command.format_listing(found)
+    lines = text.splitlines()
+    assert len(lines) == 1 + 5 + 2 + 3, text  # header, experiments, partial (state, resume), failed (+ error)
+    assert lines[0].startswith("55 runs and 0 sweeps") and "runner ls --all" in lines[0]
+    gradcam = next(line for line in lines if line.startswith("gradcam_effnet (gradcam)"))
+    assert "11 runs [complete]" in gradcam
+    assert gradcam.endswith("latest complete: outputs/2026-11-20/10-00-50_gradcam_effnet")
+    mprt = next(line for line in lines if line.startswith("mprt_effnet (mprt)"))
+    assert "11 runs [10 complete, 1 partial]" in mprt
+    assert "  outputs/2026-11-10/10-00-02_mprt_effnet" not in text  # a complete run is counted, not listed
+    assert "  outputs/2026-11-11/10-00-07_mprt_effnet  [partial, 2 of 4 shards]" in lines
+    assert "  outputs/2026-11-12/10-00-11_patching_effnet  [failed, 2 of 4 shards]" in lines
+    assert sum(line.lstrip().startswith("resume: runner experiment=") for line in lines) == 2
+    assert "    error: Layer 'nowhere' does not exist" in text
+    full = ls_command.format_listing(found, full=True).splitlines()
+    assert len(full) == 55 * 2 + 2 * 1 + 1  # each run and its overrides; both resume lines; the failed one's error
 
 
 @pytest.mark.slow
@@ -164,7 +202,8 @@ def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: P
     assert info.status == "complete" and info.shards_done == 4 and info.shards_total == 4
     assert info.tables == {"cam": 8, "hooks": 8}  # 8 samples x 1 layer; 8 samples x 1 hooked layer
     assert info.experiment == "default" and "data.count=8" in info.overrides
-    assert "[complete]" in ls(tmp_path) and "resume:" not in ls(tmp_path)
+    assert "default (gradcam)" in ls(tmp_path) and "1 run [complete]" in ls(tmp_path)
+    assert "[complete]" in ls(tmp_path, full=True) and "resume:" not in ls(tmp_path, full=True)
 
     manifest = json.loads((run / "manifest.json").read_text())  # a run killed after 3 of its 4 shards
     del manifest["shards"]["3"]
@@ -209,6 +248,8 @@ def test_ls_a_sweep_lists_its_jobs_by_what_varies(tmp_path: Path) -> None:
     assert item.jobs_total == 2 and [job.status for job in item.jobs] == ["complete", "complete"]
     text = ls(tmp_path)
     assert "[sweep: 2 of 2 jobs complete]" in text and "seed=0,1" in text
+    assert len(text.splitlines()) == 2  # the count and the sweep: its jobs are complete
+    text = ls(tmp_path, full=True)
     assert "    overrides: seed=1" in text  # a job shows only its own overrides
 
 

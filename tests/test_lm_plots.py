@@ -57,7 +57,7 @@ def test_layer_position_map_is_the_mean_over_pairs_with_tokens_on_the_axis() -> 
     assert array.shape == (2, 4)
     assert np.allclose(array.filled(np.nan), expected, equal_nan=True)
     assert array.mask[1, 0] and not array.mask[0, 0]  # NaN stays NaN: drawn as a blank (grey) cell
-    assert ticks == ["<bos>", " A", " B*", " C"]  # pair 0's token where the pairs differ, marked
+    assert ticks == ["<bos> (0)", "A (1)", "B* (2)", "C (3)"]  # decoded, pair 0's token where the pairs differ
     low, high = image.get_clim()
     assert low == -high and high == pytest.approx(np.nanmax(np.abs(expected)))  # centred at 0
     assert image.get_cmap().name.startswith("RdBu")
@@ -85,7 +85,7 @@ def test_pairs_of_different_lengths_align_at_the_last_token() -> None:
     frame = pd.concat([frame[frame["sample"] == 0], short])  # pair 1 lacks the BOS: one token shorter
     moved, slots, note = lm_plots.position_axis(frame)
     assert slots["_x"].tolist() == [-3, -2, -1, 0]
-    assert slots["label"].tolist() == ["<bos>", " A", " B*", " C"]  # the same roles line up from the end
+    assert slots["label"].tolist() == ["<bos>", "A", "B*", "C"]  # the same roles line up from the end
     assert "aligned at their last token" in note
     caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
     array, _, _ = image_of(fig)
@@ -104,7 +104,7 @@ def test_long_prompts_show_the_last_positions() -> None:
     caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
     array, ticks, _ = image_of(fig)
     assert array.shape == (1, lm_plots.MAX_POSITIONS)
-    assert ticks == [f"t{i}" for i in range(6, n)]
+    assert ticks == [f"t{i} ({i})" for i in range(6, n)]
     assert np.allclose(array[0], np.arange(6, n) / n)
     assert f"the last {lm_plots.MAX_POSITIONS} of {n} positions" in caption
     pyplot().close(fig)
@@ -146,7 +146,7 @@ def test_heads_at_each_position_draw_the_layer_with_the_largest_effect() -> None
     layer1 = frame[frame["layer"] == 1]
     expected = layer1.pivot_table(index="head", columns="position", values="restoration", aggfunc="mean").to_numpy()
     assert np.allclose(array, expected)
-    assert ticks == ["x0", "x1"] and "layer 1, the layer with the largest |mean| cell" in caption
+    assert ticks == ["x0 (0)", "x1 (1)"] and "layer 1, the layer with the largest |mean| cell" in caption
     close(drawn)
 
 
@@ -160,12 +160,14 @@ def test_grad_x_act_sums_heads_and_logit_lens_labels_the_embeddings() -> None:
     by_head, _, _ = image_of(drawn[1][1])
     per_pair = heads.groupby(["sample", "layer", "head"])["value"].sum()
     assert np.allclose(by_head, per_pair.groupby(["layer", "head"]).mean().unstack().to_numpy())
+    scales = {image_of(fig)[2].get_clim() for _, fig in drawn}
+    assert len(scales) == 1  # one quantity, one colour scale: the head map's is its sibling's
     close(drawn)
     lens = pd.DataFrame({"sample": 0, "layer": [-1, -1, 0, 0], "position": [0, 1, 0, 1],
                          "token": ["a", "b", "a", "b"], "metric": "m", "value": [0.5, 1.0, 2.0, 3.0]})  # fmt: skip
     caption, fig = lm_plots.lm_logit_lens_figures(lens, None, FiguresConfig())[0]
     array, ticks, image = image_of(fig)
-    assert np.allclose(array, [[0.5, 1.0], [2.0, 3.0]]) and ticks == ["a", "b"]
+    assert np.allclose(array, [[0.5, 1.0], [2.0, 3.0]]) and ticks == ["a (0)", "b (1)"]
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["emb", "0"]
     assert image.get_clim() == (0.5, 3.0)  # one sign: a sequential scale over the values
     pyplot().close(fig)
@@ -176,10 +178,133 @@ def test_a_swept_column_makes_panels_on_one_scale() -> None:
                        for s in (1, 2)])  # fmt: skip
     caption, fig = lm_plots.lm_patching_figures(frame, "sweep.seed", FiguresConfig())[0]
     panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title() for ax in panels] == ["seed=1", "seed=2"]
+    assert [ax.get_title().split(":")[0] for ax in panels] == ["seed=1", "seed=2"]
     assert panels[0].images[0].get_clim() == panels[1].images[0].get_clim()
     assert np.allclose(panels[1].images[0].get_array() * 1, 2 * panels[0].images[0].get_array())
     pyplot().close(fig)
+
+
+PIECES = ["<|endoftext|>", "When", "ĠMary", "Ġand", "ĠJohn", "Ċ", "Ġwent", "Ġto"]  # byte-level BPE pieces
+
+
+def topk_frame() -> pd.DataFrame:
+    """attribution_topk's rows of two pairs of 8 tokens (one length): an attribution row at every (site, layer,
+    position) and every head, and exact rows at each pair's 3 top cells only (other cells per pair)."""
+    rows = []
+    common = {"direction": "denoising", "metric": "token_logit_diff", "small_span": False}
+    for sample in (0, 1):
+        tops = {(0, 2), (1, 4), (1, 7)} if sample == 0 else {(0, 2), (0, 5), (1, 6)}
+        for layer in (0, 1):
+            for position, token in enumerate(PIECES):
+                estimate = 0.01 * (layer + 1) * (position + 1) + sample / 100
+                rows.append({**common, "sample": sample, "site": "resid_pre", "layer": layer, "head": None,
+                             "position": position, "token": token, "patch_method": "attribution",
+                             "restoration": estimate})  # fmt: skip
+                if (layer, position) in tops:
+                    rows.append({**common, "sample": sample, "site": "resid_pre", "layer": layer, "head": None,
+                                 "position": position, "token": token, "patch_method": "exact",
+                                 "restoration": 0.5 + position / 10 + sample})  # fmt: skip
+            for head in range(2):
+                for method, value in (("attribution", 0.001 * head), ("exact", 0.002 * head)):
+                    rows.append({**common, "sample": sample, "site": "head", "layer": layer, "head": head,
+                                 "position": None, "token": None, "patch_method": method, "restoration": value})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_topk_exact_rows_are_drawn_at_the_tables_positions() -> None:
+    """The sparse exact rows of attribution_topk: column p of the map is position p of the table, with the table's
+    token as its tick; cells no pair re-patched are blank. (A pair's length read from its sparse rows put its
+    cells at the wrong places and its tokens on the wrong ticks.)"""
+    frame = topk_frame()
+    drawn = dict((c.split(":")[0], fig) for c, fig in lm_plots.lm_patching_figures(frame, None, FiguresConfig()))
+    fig = drawn["Patching (resid_pre, denoising exact token_logit_diff)"]
+    array, ticks, _ = image_of(fig)
+    exact = frame[(frame["patch_method"] == "exact") & (frame["site"] == "resid_pre")]
+    table = exact.pivot_table(index="layer", columns="position", values="restoration", aggfunc="mean")
+    table = table.reindex(index=[0, 1], columns=range(len(PIECES)))  # every position of the prompt
+    assert array.shape == (2, len(PIECES))
+    assert np.allclose(array.filled(np.nan), table.to_numpy(), equal_nan=True)
+    assert (array.mask == table.isna().to_numpy()).all()  # blank exactly where no pair has an exact row
+    assert array[0, 2] == pytest.approx(0.5 + 0.2 + 0.5)  # both pairs re-patched (layer 0, position 2)
+    tokens = ["<|endoftext|>", "When", "Mary", "and", "John", "⏎", "went", "to"]  # decoded, in the table's order
+    assert ticks == [f"{token} ({position})" for position, token in enumerate(tokens)]
+    attribution, ticks_too, _ = image_of(drawn["Patching (resid_pre, denoising attribution token_logit_diff)"])
+    assert ticks_too == ticks and attribution.shape == array.shape
+    close(list(drawn.items()))
+
+
+def test_the_maps_of_one_direction_share_one_colour_scale_and_title_their_range() -> None:
+    frame = topk_frame()
+    drawn = lm_plots.lm_patching_figures(frame, None, FiguresConfig())
+    assert len(drawn) == 4  # resid_pre and head, attribution and exact
+    limits = {image_of(fig)[2].get_clim() for _, fig in drawn}
+    top = frame.groupby(["site", "patch_method", "layer", "position", "head"], dropna=False)["restoration"].mean()
+    assert limits == {(-top.abs().max(), top.abs().max())}  # one scale, the head maps' too
+    for caption, fig in drawn:
+        array = image_of(fig)[0]
+        title = fig.axes[0].get_title()
+        assert title == f"cells {array.min():.3g} to {array.max():.3g}", title  # its own range, for faint maps
+        assert "Colour scale shared by the 4 maps" in caption
+    close(drawn)
+
+
+@pytest.mark.parametrize(
+    ("piece", "shown"),
+    [
+        ("ĠAlice", "Alice"),
+        ("Alice", "Alice"),
+        ("Ċ", "⏎"),
+        ("ĊĊ", "⏎⏎"),
+        ("Ġ", "␣"),
+        ("Ġcafé".replace("é", "Ã©"), "café"),  # a two-byte character as byte-level BPE writes it
+        ("▁Paris", "Paris"),  # SentencePiece
+        ("<0x0A>", "⏎"),  # SentencePiece's byte fallback
+        ("t07", "t07"),
+        ("é", "é"),  # not byte-level BPE: as it is
+        (None, "?"),
+        ("Ġsupercalifragilistic", "supercalifrag…"),
+    ],
+)
+def test_tokens_are_shown_decoded(piece: str | None, shown: str) -> None:
+    assert lm_plots.display_token(piece) == shown
+
+
+def test_logit_lens_cells_show_the_top_token() -> None:
+    lens = pd.DataFrame({"sample": [0, 0, 1, 1] * 2, "layer": [-1, -1, -1, -1, 0, 0, 0, 0],
+                         "position": [0, 1, 0, 1] * 2, "token": ["ĠA", "ĠB"] * 4, "metric": "m",
+                         "value": [0.5, 1.0, 0.5, 1.0, 2.0, 3.0, 2.0, 3.0],
+                         "top_token": ["ĠParis", "Ġthe", "ĠParis", "Ġa", "Ċ", "ĠRome", "Ċ", "ĠRome"]})  # fmt: skip
+    caption, fig = lm_plots.lm_logit_lens_figures(lens, None, FiguresConfig())[0]
+    texts = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in fig.axes[0].texts}
+    assert texts == {(0, 0): "Paris", (0, 1): "the\n50%", (1, 0): "⏎", (1, 1): "Rome"}  # (layer row, position)
+    assert "top token" in caption
+    pyplot().close(fig)
+
+
+def test_the_per_layer_summary_of_cells_is_the_peak_cell_not_the_mean_over_positions() -> None:
+    """One cell carries the whole effect: the summary shows it (1.0 at position 2), where a mean over the layer's
+    positions would show 0.25; noising is summarised as the drop, so its max is the strongest effect too."""
+    from runner.viz.summary import peak_summary
+
+    rows = []
+    for direction in ("denoising", "noising"):
+        for sample, tokens in TOKENS.items():
+            for position, token in enumerate(tokens):
+                carries = position == 2
+                restoration = (1.0 if carries else 0.0) if direction == "denoising" else (0.0 if carries else 1.0)
+                rows.append({"sample": sample, "direction": direction, "site": "resid_pre", "layer": 0, "head": None,
+                             "position": position, "token": token, "metric": "m", "restoration": restoration})  # fmt: skip
+        rows.append({"sample": 0, "direction": direction, "site": "head", "layer": 0, "head": 3, "position": None,
+                     "token": None, "metric": "m", "restoration": 0.4 if direction == "denoising" else 0.6})  # fmt: skip
+    frame = pd.DataFrame(rows)
+    summary = peak_summary(frame, ["direction", "site", "metric"], ["restoration"])
+    whole = summary[summary["site"] == "resid_pre"].set_index("direction")
+    assert whole["effect max"].tolist() == [1.0, 1.0]  # the mean over positions is 0.25
+    assert whole["effect max at"].tolist() == ["position 2 (B*)", "position 2 (B*)"]  # the pairs' tokens differ
+    assert whole["effect min"].tolist() == [0.0, 0.0] and whole["n"].tolist() == [2, 2]
+    heads = summary[summary["site"] == "head"].set_index("direction")
+    assert heads["effect max"].tolist() == pytest.approx([0.4, 0.4])
+    assert heads["effect max at"].tolist() == ["head 3", "head 3"]
 
 
 @pytest.mark.slow
@@ -189,9 +314,12 @@ def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None
     done = run_cli("model=hf_lm", "data=prompts", "data.file=induction", "method=lm_patching",
                    "target=token_logit_diff", "debug=tiny", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "lm_patching (" in done.stderr and "per layer: the peak cells" in done.stderr  # the console's summary
+    assert "restoration max at" in done.stderr  # denoising only: the restoration itself
     source, text = check_page(write_report(tmp_path))
     table = source.split('id="table-lm-patching"', 1)[1].split("<h2", 1)[0]
     for site in ("resid_pre", "attn_out", "mlp_out"):
         assert f"Patching ({site}, denoising exact token_logit_diff): mean over pairs" in table
     assert "per layer and head" in table  # the head cells at every position
     assert table.count('<img src="data:image/png;base64,') == 4
+    assert "restoration max at" in table and "restoration min" in table  # the peak cells, not a mean over positions

@@ -40,6 +40,8 @@ README = ROOT / "README.md"
 DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 # How a shell command starts; inline code spans that start so are commands too.
 COMMAND_START = re.compile(r"^(python -m runner|python scripts/|scripts/|runner(\s|$)|torchrun|make |pip )")
+# An experiment file's folder, named in its header comment's command: `--config-dir my_conf`.
+CONFIG_DIR = re.compile(r"--config-dir (\S+)")
 # Flags after which the runner only prints (no run, so no debug=tiny and no output folder).
 PRINT_ONLY = ("--cfg", "--help", "-h", "--hydra-help", "--info")
 
@@ -266,8 +268,10 @@ class Workspace:
         for lang, _, lines in fenced_blocks(documents_text()):  # the experiment files the docs show
             if lang == "yaml" and lines[0] == "# @package _global_":
                 name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("name:"))
-                (self.root / "conf" / "experiment").mkdir(parents=True, exist_ok=True)
-                (self.root / "conf" / "experiment" / f"{name}.yaml").write_text("\n".join(lines) + "\n")
+                # In the folder its header's command names with --config-dir (the user's own), else conf/.
+                folder = next((m.group(1) for m in map(CONFIG_DIR.search, lines[:3]) if m), "conf")
+                (self.root / folder / "experiment").mkdir(parents=True, exist_ok=True)
+                (self.root / folder / "experiment" / f"{name}.yaml").write_text("\n".join(lines) + "\n")
 
     # ---- running a command ---------------------------------------------------------------------------------
     def output_of(self, command: str) -> Path:
@@ -497,6 +501,7 @@ EXAMPLE_LOAD = 'from runner.results import load\ncam = load("outputs/example")'
 # Commands and snippets (by key) that read what another command writes, beyond the paths above: that one runs first.
 PREREQUISITES = {
     "runner ls": ["python -m runner"],  # ls lists the runs under outputs/
+    "runner ls --all": ["python -m runner"],
     "runner report outputs/example": [EXAMPLE],
     "from runner.results import load": [EXAMPLE],
 }
@@ -597,8 +602,8 @@ def check_output(command: str, done: subprocess.CompletedProcess, ws: Workspace,
         assert "layers.include" not in command or " 0 selected" not in done.stdout, said
     if command.startswith("runner report"):  # the page it prints the path of
         assert Path(ws.root, done.stdout.strip().splitlines()[-1]).is_file(), said
-    if command.startswith("runner ls"):
-        assert "[complete]" in done.stdout, said
+    if command.startswith("runner ls"):  # a run listed as complete: a group's "[complete]" or "[3 complete, ...]"
+        assert re.search(r"\[(\d+ )?complete[],]", done.stdout), said
     if command.startswith("python scripts/plot_sweep.py"):
         assert (ws.output_of(METHOD_SWEEP) / "per_layer_deletion_auc.png").is_file(), said
 

@@ -324,14 +324,19 @@ def test_a_malformed_manifest_is_one_line_in_the_run_ls_and_report(
     assert {p: p.read_bytes() for p in damaged.rglob("part-*.parquet")} == before  # nothing removed or replaced
 
     capsys.readouterr()
-    assert cli.main(["ls", str(tmp_path)]) == 2
+    (info,) = [i for i in runs.find(tmp_path) if i.path == damaged]
+    assert cli.main(["ls", str(tmp_path)]) == 2  # the short listing: the run that needs something, and what to do
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err.count("\n") == 1 and str(damaged / "manifest.json") in err
+    assert "1 run [1 damaged manifest]" in out and f"{damaged}  [damaged manifest]" in out  # ?: no .hydra/
+    assert info.redo_command in out and "resume:" not in out
+    assert cli.main(["ls", "--all", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and err.count("\n") == 1 and str(damaged / "manifest.json") in err
     assert f"{intact}  [complete]" in out  # the other runs are listed
     # The part files beside it, as what they are: 12 samples x 2 layers of cam rows, 12 of hooks.
     assert f"{damaged}  [damaged manifest]  ?: cam 24 rows, hooks 12 rows in its part files" in out  # ?: no .hydra/
     assert "not a readable runner manifest" in out and "resume:" not in out  # the run would refuse a resume
-    (info,) = [i for i in runs.find(tmp_path) if i.path == damaged]
     assert info.redo_command in out
 
     assert cli.main(["report", str(damaged)]) == 2

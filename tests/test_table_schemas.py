@@ -8,6 +8,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -181,6 +182,38 @@ def test_optional_columns_are_in_every_batch_or_none(tmp_path: Path) -> None:
     first = {**valid_batch("patching"), "rank_correlation": np.zeros(2, np.float32)}
     with pytest.raises(SchemaError, match="table 'patching': a batch's columns differ .* in rank_correlation"):
         write(tmp_path, "patching", first, valid_batch("patching"))
+
+
+def lm_cells(heads: list[int | None], positions: list[int | None]) -> dict[str, object]:
+    """An `lm_patching` batch of one row per (head, position) given, the other columns null."""
+    columns = valid_batch("lm_patching", len(heads))
+    columns.update(sample=list(range(len(heads))), layer=[0] * len(heads), head=heads, position=positions)
+    columns.update(restoration=np.linspace(0, 1, len(heads), dtype=np.float32))
+    return columns
+
+
+def test_two_runs_tables_have_the_declared_types_and_merge(tmp_path: Path) -> None:
+    """A run of whole-site cells (head all null) and one of head cells at every position (position all null) read
+    back with the same column types, by pandas and by the store's reader, so one frame holds both."""
+    from runner.store.reader import read_part
+
+    whole = write(tmp_path / "whole", "lm_patching", lm_cells([None, None, None], [0, 1, 2]))
+    heads = write(tmp_path / "heads", "lm_patching", lm_cells([0, 1], [None, None]))
+    runs = [pd.read_parquet(tmp_path / run / "lm_patching.parquet") for run in ("whole", "heads")]
+    assert str(runs[0]["head"].dtype) == str(runs[1]["head"].dtype) == "Int64"
+    assert str(runs[0]["position"].dtype) == str(runs[1]["position"].dtype) == "Int64"
+    assert runs[0].dtypes.equals(runs[1].dtypes)  # every column, not only these two
+    merged = pd.concat(runs, ignore_index=True)
+    assert merged.dtypes.equals(runs[0].dtypes)
+    assert merged["head"].tolist()[3:] == [0, 1] and merged["position"].tolist()[:3] == [0, 1, 2]
+    keys = ["sample", "layer", "head", "position"]
+    joined = runs[0].merge(runs[1], on=keys, how="outer", suffixes=("_whole", "_heads"))
+    assert len(joined) == 5 and joined["head"].isna().sum() == 3
+    # A file written without the types in its metadata (an older run): the store's reader gives the same types.
+    pq.write_table(whole.replace_schema_metadata(None), tmp_path / "old.parquet")
+    assert read_part(tmp_path / "old.parquet").dtypes.equals(runs[0].dtypes)
+    assert read_part(tmp_path / "heads" / "lm_patching.parquet" / "part-000000.parquet").dtypes.equals(runs[1].dtypes)
+    assert heads.schema.field("head").type == pa.int64()  # the file holds the declared Arrow type as before
 
 
 def test_a_table_without_a_declared_schema_is_refused(tmp_path: Path) -> None:

@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runner.errors import RunnerError
 from runner.frames import with_layer_order
 from runner.store.layout import METADATA_KEY, part_path, read_manifest, shard_problems
 from runner.store.runs import RunInfo  # torch-free there, for `runner ls`
+from runner.tables import pandas_integer
 
 try:
     import fcntl
@@ -38,6 +40,17 @@ except ImportError:  # pragma: no cover - Windows: no flock; the run goes on unl
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+
+
+def read_part(path: Path) -> pd.DataFrame:
+    """One part file as a DataFrame, each integer column pandas' nullable integer type (runner.tables
+    `pandas_metadata`; also for files written before they said so), so that every run's columns have one type."""
+    return pq.read_table(path).to_pandas(types_mapper=_nullable_integer)
+
+
+def _nullable_integer(type_: pa.DataType) -> pd.api.extensions.ExtensionDtype | None:
+    name = pandas_integer(type_)
+    return pd.api.types.pandas_dtype(name) if name else None
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -178,7 +191,7 @@ def load(path: str | Path, table: str | None = None, partial: bool = False) -> p
     """
     path = Path(path)
     if path.is_file():
-        return with_layer_order(pd.read_parquet(path))
+        return with_layer_order(read_part(path))
     if path.name.endswith(".parquet") and path.is_dir():
         folders = [path]
     else:
@@ -201,4 +214,4 @@ def load(path: str | Path, table: str | None = None, partial: bool = False) -> p
         warnings.warn(f"{'; '.join(notes)}; reading the complete shards only.", stacklevel=2)
     if not parts:
         raise FileNotFoundError(f"No {table or ''} results under {path}")
-    return with_layer_order(pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True))
+    return with_layer_order(pd.concat([read_part(p) for p in parts], ignore_index=True))

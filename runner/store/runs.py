@@ -42,6 +42,7 @@ class RunInfo:
     # files' rows as they are, unchecked.
     manifest_error: str = ""
     bad_manifest: Path | None = None  # that manifest
+    method: str = "?"  # the config's method.name
 
     @property
     def resume_command(self) -> str:
@@ -115,7 +116,9 @@ def run_info(directory: Path) -> RunInfo:
     config = read_yaml(directory / ".hydra" / "config.yaml") or {}
     overrides = read_yaml(directory / ".hydra" / "overrides.yaml") or []
     experiment = str(config.get("name", "?")) if isinstance(config, dict) else "?"
+    method = config.get("method") if isinstance(config, dict) else None
     info = RunInfo(directory, experiment, [str(o) for o in overrides], "partial", 0, None)
+    info.method = str(method.get("name", "?")) if isinstance(method, dict) else "?"
     manifests = sorted(directory.glob("manifest*.json"))
     complete = False
     done: set[str] = set()
@@ -128,8 +131,11 @@ def run_info(directory: Path) -> RunInfo:
             break
         if path.name == "manifest.json":
             complete = bool(manifest.get("complete"))
+            details = manifest.get("resume_details") or {}
             if info.experiment == "?":  # a run from Python (no .hydra/): the config's name is in the manifest
-                info.experiment = str((manifest.get("resume_details") or {}).get("name", "?"))
+                info.experiment = str(details.get("name", "?"))
+            if info.method == "?":
+                info.method = str(details.get("method.name", "?"))
             samples, per_shard = manifest.get("num_samples"), manifest.get("shard_samples")
             if isinstance(samples, int) and isinstance(per_shard, int) and per_shard > 0:
                 info.shards_total = -(-samples // per_shard)

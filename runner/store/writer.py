@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from runner.errors import RunnerError
 from runner.store.layout import LOCK_NAME, METADATA_KEY, part_path, read_manifest, shard_problems, temp_name
-from runner.tables import SchemaError, conform, presentation
+from runner.tables import SchemaError, conform, pandas_metadata, presentation
 
 try:
     import fcntl
@@ -140,7 +140,8 @@ class TableWriter:
         table = conform(self.table, columns)  # the declared types, or SchemaError naming the column
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.tmp, table.schema.with_metadata(self.metadata))
+            metadata = {**pandas_metadata(table.schema), **self.metadata}  # integer columns read as pandas Int64
+            self._writer = pq.ParquetWriter(self.tmp, table.schema.with_metadata(metadata))
         elif not table.schema.equals(self._writer.schema):
             first, now = self._writer.schema, table.schema
             differ = sorted(set(first.names) ^ set(now.names)) or [

@@ -9,20 +9,32 @@
 - `lm_grad_x_act_figures`: per (metric, site), layer x position of the mean gradient x activation; per-head sites
   summed over heads first (the sum is the site's whole gradient x activation), and a layer x head map summed over
   positions beside it.
-- `lm_logit_lens_figures`: per metric, layer x position of the mean lens value (layer -1: the embeddings).
+- `lm_logit_lens_figures`: per metric, layer x position of the mean lens value (layer -1: the embeddings), each cell
+  labelled with the lens' top token (the most frequent over pairs, with its share where pairs differ).
 
-The position axis: positions count from each pair's first token (left padding removed). Pairs of one length share
-every position. Pairs of different lengths are aligned at their LAST token (the prediction, which the metric reads):
-x then counts back from it (0 = last), so a position holds the same role in every pair; the caption says so. A tick
-shows the token where every pair has the same one there, else the first pair's token followed by `*` (e.g. names in
-IOI prompts). At most MAX_POSITIONS positions are drawn, the last ones (nearest the prediction), said in the caption.
-NaN cells (every pair's value undefined: small_span or degenerate) are grey; captions give the number of pairs.
-Every value is averaged over pairs with `nanmean`: a pair without a value at a cell is left out of that cell.
+One colour scale per quantity: the maps of one (direction, metric) of `lm_patching` (every site, exact and
+attribution rows, the head maps too) share one scale, as do the maps of one metric of `lm_grad_x_act`, so that a
++-0.002 map looks as faint as it is beside a +-0.4 one; each panel's title gives its own range.
+
+The position axis: positions count from each pair's first token (left padding removed), read from the whole table
+(every row of the pair), not from the rows one map draws: `attribution_topk` writes exact rows for each pair's top
+cells only, and those sparse rows are drawn at the table's positions, blank where no pair has a value. Pairs of one
+length share every position. Pairs of different lengths are aligned at their LAST token (the prediction, which the
+metric reads): x then counts back from it (0 = last), so a position holds the same role in every pair; the caption
+says so. A tick shows the token, decoded (`ĠAlice` is `Alice`, a newline `⏎`), where every pair has the same one
+there, else the first pair's token followed by `*` (e.g. names in IOI prompts), and in brackets the position (the
+table's, or the count back from the last token). At most MAX_POSITIONS positions are
+drawn, the last ones (nearest the prediction), said in the caption. NaN cells (no pair has a value: small_span,
+degenerate, or a cell no pair re-patched) are grey; captions give the number of pairs. Every value is averaged over
+pairs with `nanmean`: a pair without a value at a cell is left out of that cell.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -38,77 +50,109 @@ MAX_POSITIONS = 64  # positions drawn at most (the last ones): a long prompt's m
 NAN_COLOUR = "#d9d9d9"  # cells without a value: light grey, apart from the colour map's white 0
 PAIR_COLUMNS = ("run_id", "sample")  # a pair is a sample of one run (a sweep's jobs reuse sample numbers)
 ROW_INCHES = 0.32  # height of one heatmap row (a layer or a head)
+NOTED_ROW_INCHES = 0.5  # ... with a top token written in each cell (two lines of small text)
+MAX_NOTED_COLUMNS = 32  # cells are labelled only where they are wide enough to hold a token
+MAX_TOKEN_CHARS = 14  # a longer token is cut, with "…"
 EMBEDDINGS = -1  # the logit lens' layer of the embeddings
 
 
 # --- the figures of each table ---------------------------------------------------------------------------------
 
 
+@dataclass
+class Map:
+    """One heatmap figure before it is drawn: its panels (title, (Y, X) grid), their labels and caption. Maps of one
+    quantity are drawn together (`draw`) on one colour scale."""
+
+    panels: list[tuple[str, np.ndarray]]
+    title: str
+    xlabels: list[str]
+    xname: str
+    ylabels: list[str]
+    yname: str
+    label: str  # the quantity, on the colour bar
+    caption: str
+    centred: bool = True  # diverging and centred at 0 (signed effects), else sequential
+    notes: list[np.ndarray] = field(default_factory=list)  # per panel, (Y, X) text written in the cells
+
+
 def lm_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Per (direction, patch_method, metric) and site: layer x position, layer x head or head x position heatmaps
-    of the mean over pairs of restoration (denoising) or the drop, 1 - restoration (noising)."""
+    of the mean over pairs of restoration (denoising) or the drop, 1 - restoration (noising); the maps of one
+    (direction, metric) on one colour scale."""
     if not {"restoration", "site", "layer"} <= set(frame.columns):
         return []
     frame = _numeric(frame)
     noising = frame["direction"] == "noising" if "direction" in frame.columns else False
     frame = frame.assign(effect=frame["restoration"].where(~noising, 1 - frame["restoration"]))
-    out = []
+    topk = "patch_method" in frame.columns and frame["patch_method"].eq("attribution").any()
+    groups: dict[tuple, list[Map]] = {}
     for key, part in _split(frame, ["direction", "patch_method", "metric"]):
-        direction = key[0] if key and "direction" in frame.columns else None
+        values = dict(zip([c for c in ("direction", "patch_method", "metric") if c in frame.columns], key, strict=True))
+        direction = values.get("direction")
         label = "drop (1 - restoration)" if direction == "noising" else "restoration"
         meaning = ("1: patching the corrupted activation breaks the clean output entirely" if direction == "noising"
                    else "1: patching the clean activation restores the clean output")  # fmt: skip
+        sparse = ("; exact rows are each pair's top cells only (attribution_topk): a cell's mean is over the pairs"
+                  " that re-patched it, blank where none did" if topk and values.get("patch_method") == "exact"
+                  else "")  # fmt: skip
+        maps = groups.setdefault((direction, values.get("metric")), [])
         for (site,), cells in _split(part, ["site"]):
             name = f"{site}, {_name(key)}"
             words = f"mean over pairs of the {label} ({meaning}; 0: no effect)"
             left = _left_out(cells)
+            reference = frame[frame["site"] == site]  # every row of the site: the pairs' positions and tokens
             whole, heads = cells[cells["head"].isna()], cells[cells["head"].notna()]
             if whole["position"].notna().any():
-                fig, caption = _layer_position(whole, "effect", by, figures, f"{label}: {name}", label)
-                out.append((f"Patching ({name}): {words} per layer and position{caption}{left}.", fig))
+                drawn = _layer_position(whole, "effect", by, f"{label}: {name}", label, reference)
+                maps.append(replace(drawn, caption=f"Patching ({name}): {words} per layer and position"
+                                    f"{drawn.caption}{sparse}{left}."))  # fmt: skip
             every = heads[heads["position"].isna()]
             if not every.empty:
-                fig, caption = _layer_head(every, "effect", by, figures, f"{label}: {name}", label)
-                out.append((f"Patching ({name}, each head at every position at once): {words} per layer and head"
-                            f"{caption}{left}.", fig))  # fmt: skip
+                drawn = _layer_head(every, "effect", by, f"{label}: {name}", label)
+                maps.append(replace(drawn, caption=f"Patching ({name}, each head at every position at once): {words}"
+                                    f" per layer and head{drawn.caption}{sparse}{left}."))  # fmt: skip
             each = heads[heads["position"].notna()]
             if not each.empty:
-                fig, caption = _head_position(each, "effect", by, figures, f"{label}: {name}", label)
-                out.append((f"Patching ({name}, each head at each position): {words} per head and position{caption}"
-                            f"{left}.", fig))  # fmt: skip
-    return out
+                drawn = _head_position(each, "effect", by, f"{label}: {name}", label, reference)
+                maps.append(replace(drawn, caption=f"Patching ({name}, each head at each position): {words} per head"
+                                    f" and position{drawn.caption}{sparse}{left}."))  # fmt: skip
+    return _draw_groups(groups, figures, "of this direction and metric")
 
 
 def lm_grad_x_act_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Per (metric, site): layer x position of the mean gradient x activation (per-head sites summed over heads),
-    and for per-head sites a layer x head map summed over positions."""
+    and for per-head sites a layer x head map summed over positions; the maps of one metric on one colour scale."""
     if not {"value", "site", "layer", "position"} <= set(frame.columns):
         return []
     frame = _numeric(frame)
-    out = []
+    groups: dict[tuple, list[Map]] = {}
     for key, part in _split(frame, ["metric", "site"]):
         name = _name(key)
+        maps = groups.setdefault(key[:1] if "metric" in frame.columns else (), [])
         heads = "head" in part.columns and part["head"].notna().any()
         what = "gradient x activation"
         if heads:  # the heads' terms add up to the site's whole gradient x activation
             keys = [*_pair_columns(part), *([by] if by in part.columns else []), "layer", "position", "token"]
             summed = part.groupby(keys, dropna=False, observed=True, sort=False)["value"].sum(min_count=1)
-            fig, caption = _layer_position(summed.reset_index(), "value", by, figures, f"{what}: {name}", what)
-            out.append((f"Gradient x activation ({name}): mean over pairs of the sum over heads, per layer and"
-                        f" position{caption}.", fig))  # fmt: skip
+            drawn = _layer_position(summed.reset_index(), "value", by, f"{what}: {name}", what, part)
+            maps.append(replace(drawn, caption=f"Gradient x activation ({name}): mean over pairs of the sum over"
+                                f" heads, per layer and position{drawn.caption}."))  # fmt: skip
             keys = [*_pair_columns(part), *([by] if by in part.columns else []), "layer", "head"]
             summed = part.groupby(keys, dropna=False, observed=True, sort=False)["value"].sum(min_count=1)
-            fig, caption = _layer_head(summed.reset_index(), "value", by, figures, f"{what}: {name}", what)
-            out.append((f"Gradient x activation ({name}): mean over pairs of the sum over positions, per layer and"
-                        f" head{caption}.", fig))  # fmt: skip
+            drawn = _layer_head(summed.reset_index(), "value", by, f"{what}: {name}", what)
+            maps.append(replace(drawn, caption=f"Gradient x activation ({name}): mean over pairs of the sum over"
+                                f" positions, per layer and head{drawn.caption}."))  # fmt: skip
         else:
-            fig, caption = _layer_position(part, "value", by, figures, f"{what}: {name}", what)
-            out.append((f"Gradient x activation ({name}): mean over pairs per layer and position{caption}.", fig))
-    return out
+            drawn = _layer_position(part, "value", by, f"{what}: {name}", what, part)
+            maps.append(replace(drawn, caption=f"Gradient x activation ({name}): mean over pairs per layer and"
+                                f" position{drawn.caption}."))  # fmt: skip
+    return _draw_groups(groups, figures, "of this metric")
 
 
 def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
-    """Per metric: layer x position of the mean lens value (the run's target read at each layer's residual)."""
+    """Per metric: layer x position of the mean lens value (the run's target read at each layer's residual), each
+    cell labelled with the lens' most frequent top token over pairs."""
     if not {"value", "layer", "position"} <= set(frame.columns):
         return []
     frame = _numeric(frame)
@@ -117,9 +161,13 @@ def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresC
         name = _name(key) or "value"
         values = part["value"].to_numpy(float)
         signed = bool(np.nanmin(values, initial=0.0) < 0 < np.nanmax(values, initial=0.0))
-        fig, caption = _layer_position(part, "value", by, figures, f"logit lens: {name}", name, centred=signed)
-        out.append((f"Logit lens: mean over pairs of {name} read from each layer's residual (the model's final norm"
-                    f" and unembedding; layer emb: the embeddings) per layer and position{caption}.", fig))  # fmt: skip
+        drawn = _layer_position(part, "value", by, f"logit lens: {name}", name, part, centred=signed,
+                                notes="top_token" if "top_token" in part.columns else None)  # fmt: skip
+        said = ("; each cell: the lens' top token, the most frequent over pairs (with its share where they differ)"
+                if drawn.notes else "")  # fmt: skip
+        caption = (f"Logit lens: mean over pairs of {name} read from each layer's residual (the model's final norm"
+                   f" and unembedding; layer emb: the embeddings) per layer and position{drawn.caption}{said}.")  # fmt: skip
+        out += _draw_groups({key: [replace(drawn, caption=caption)]}, figures, "")
     return out
 
 
@@ -127,61 +175,76 @@ def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresC
 
 
 def _layer_position(
-    frame: pd.DataFrame, value: str, by: str | None, figures: FiguresConfig, title: str, label: str,
-    *, centred: bool = True,
-) -> tuple[Figure, str]:  # fmt: skip
-    """Layer x position map of `value`'s mean over pairs, one panel per value of `by`; (figure, caption's end)."""
-    frame, ticks, note = position_axis(frame)
+    frame: pd.DataFrame, value: str, by: str | None, title: str, label: str, reference: pd.DataFrame,
+    *, centred: bool = True, notes: str | None = None,
+) -> Map:  # fmt: skip
+    """Layer x position map of `value`'s mean over pairs, one panel per value of `by`, at the positions and tokens
+    of `reference` (the table's rows of the same pairs); `notes`: a column whose most frequent value per cell is
+    written in it."""
+    frame, ticks, note = position_axis(frame, reference)
     layers = sorted(frame["layer"].dropna().unique().tolist())
-    panels = [(t, mean_grid(p, value, "layer", "_x", layers, ticks["_x"].tolist())) for t, p in _panels(frame, by)]
-    fig = _heatmap(panels, title, figures, ticks["label"].tolist(), "token (position)",
-                   [_layer_name(v) for v in layers], "layer", label, centred=centred)  # fmt: skip
-    return fig, f"; tokens on the x axis{note}{_pairs_note(frame, value)}"
+    xs = ticks["_x"].tolist()
+    parts = _panels(frame, by)
+    panels = [(t, mean_grid(p, value, "layer", "_x", layers, xs)) for t, p in parts]
+    written = [top_grid(p, notes, "layer", "_x", layers, xs) for _, p in parts] if notes else []
+    if len(xs) > MAX_NOTED_COLUMNS:
+        written = []  # cells too narrow for a token
+    return Map(panels, title, ticks["tick"].tolist(), "token (position)", [_layer_name(v) for v in layers], "layer",
+               label, f"; tokens on the x axis{note}{_pairs_note(frame, value)}", centred, written)  # fmt: skip
 
 
-def _layer_head(
-    frame: pd.DataFrame, value: str, by: str | None, figures: FiguresConfig, title: str, label: str
-) -> tuple[Figure, str]:
-    """Layer x head map of `value`'s mean over pairs, one panel per value of `by`; (figure, caption's end)."""
+def _layer_head(frame: pd.DataFrame, value: str, by: str | None, title: str, label: str) -> Map:
+    """Layer x head map of `value`'s mean over pairs, one panel per value of `by`."""
     layers = sorted(frame["layer"].dropna().unique().tolist())
     heads = sorted(frame["head"].dropna().unique().tolist())
     panels = [(t, mean_grid(p, value, "layer", "head", layers, heads)) for t, p in _panels(frame, by)]
-    fig = _heatmap(panels, title, figures, [str(int(h)) for h in heads], "head",
-                   [_layer_name(v) for v in layers], "layer", label)  # fmt: skip
-    return fig, _pairs_note(frame, value)
+    return Map(panels, title, [str(int(h)) for h in heads], "head", [_layer_name(v) for v in layers], "layer", label,
+               _pairs_note(frame, value))  # fmt: skip
 
 
 def _head_position(
-    frame: pd.DataFrame, value: str, by: str | None, figures: FiguresConfig, title: str, label: str
-) -> tuple[Figure, str]:
-    """Head x position map of the one layer with the largest |mean| (over pairs) cell; (figure, caption's end)."""
+    frame: pd.DataFrame, value: str, by: str | None, title: str, label: str, reference: pd.DataFrame
+) -> Map:
+    """Head x position map of the one layer with the largest |mean| (over pairs) cell."""
     means = frame.groupby(["layer", "head", "position"], observed=True)[value].mean().abs()
     layers = sorted(frame["layer"].dropna().unique().tolist())
     layer = means.idxmax()[0] if means.notna().any() else layers[0]
     part = frame[frame["layer"] == layer]
-    part, ticks, note = position_axis(part)
+    part, ticks, note = position_axis(part, reference)
     heads = sorted(part["head"].dropna().unique().tolist())
     panels = [(t, mean_grid(p, value, "head", "_x", heads, ticks["_x"].tolist())) for t, p in _panels(part, by)]
-    fig = _heatmap(panels, f"{title}, layer {_layer_name(layer)}", figures, ticks["label"].tolist(),
-                   "token (position)", [str(int(h)) for h in heads], f"head (layer {_layer_name(layer)})", label)  # fmt: skip
     chosen = (f"; layer {_layer_name(layer)}, the layer with the largest |mean| cell of the {len(layers)} patched"
               " (the others are in the table)" if len(layers) > 1 else f"; layer {_layer_name(layer)}")  # fmt: skip
-    return fig, f"{chosen}; tokens on the x axis{note}{_pairs_note(part, value)}"
+    return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["tick"].tolist(), "token (position)",
+               [str(int(h)) for h in heads], f"head (layer {_layer_name(layer)})", label,
+               f"{chosen}; tokens on the x axis{note}{_pairs_note(part, value)}")  # fmt: skip
 
 
 # --- the position axis and the grids ----------------------------------------------------------------------------
 
 
-def position_axis(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """(rows with a position, each with its x slot `_x`; the drawn slots in order with their tick `label`; the
-    caption's note). Pairs of one length: `_x` is the position; else positions count back from each pair's last
-    token (0 = last). Only the last MAX_POSITIONS slots are kept."""
+def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """(rows with a position, each with its x slot `_x`; the drawn slots in order with their token `label` and
+    `tick`, the token and the slot: `Mary (3)`; the caption's note). Each pair's length and tokens come from `reference` (default: `frame`), the table's rows of the
+    same pairs, so that rows which hold some positions only (attribution_topk's exact rows) land where the table
+    has them and every slot of the table is drawn. Pairs of one length: `_x` is the position; else positions count
+    back from each pair's last token (0 = last). Only the last MAX_POSITIONS slots are kept."""
+    reference = frame if reference is None else reference
     frame = frame[frame["position"].notna()]
-    pairs = _pair_columns(frame)
-    length = frame.groupby(pairs, observed=True)["position"].transform("max") if pairs else frame["position"].max()
-    aligned = bool(pairs) and length.nunique() > 1
-    frame = frame.assign(_x=(frame["position"] - length if aligned else frame["position"]).astype(int))
-    slots = sorted(frame["_x"].unique().tolist())
+    reference = reference[reference["position"].notna()]
+    pairs = _pair_columns(reference)
+    lengths = reference.groupby(pairs, observed=True)["position"].max().rename("_length") if pairs else None
+    aligned = lengths is not None and lengths.nunique() > 1
+
+    def slots_of(rows: pd.DataFrame) -> pd.DataFrame:
+        if not aligned:
+            return rows.assign(_x=rows["position"].astype(int))
+        joined = rows.join(lengths, on=pairs)  # each row's pair's length
+        joined = joined[joined["_length"].notna()]
+        return joined.assign(_x=(joined["position"] - joined["_length"]).astype(int)).drop(columns="_length")
+
+    frame, reference = slots_of(frame), slots_of(reference)
+    slots = sorted(reference["_x"].unique().tolist())
     note = ""
     if aligned:
         note += ("; pairs of different lengths aligned at their last token (the prediction): x counts positions back"
@@ -191,17 +254,18 @@ def position_axis(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]
         slots = slots[-MAX_POSITIONS:]
         frame = frame[frame["_x"] >= slots[0]]
     labels = []
-    order = frame.sort_values(pairs) if pairs else frame
+    order = reference.sort_values(pairs).drop_duplicates([*pairs, "_x"]) if pairs else reference
     differ = False
     for slot in slots:
         tokens = order.loc[order["_x"] == slot, "token"] if "token" in order.columns else pd.Series(dtype=object)
-        shown = _token(tokens.iloc[0] if len(tokens) else None)
-        if tokens.nunique(dropna=False) > 1:
-            shown, differ = f"{shown}*", True
-        labels.append(shown)
+        shown = [display_token(t) for t in tokens] or ["?"]
+        if len(set(shown)) > 1:
+            shown[0], differ = f"{shown[0]}*", True
+        labels.append(shown[0])
     if differ:
         note += "; *: the pairs' tokens differ there, the label is the first pair's token"
-    return frame, pd.DataFrame({"_x": slots, "label": labels}), note
+    ticks = [f"{label} ({slot})" for label, slot in zip(labels, slots, strict=True)]  # the table's position beside it
+    return frame, pd.DataFrame({"_x": slots, "label": labels, "tick": ticks}), note
 
 
 def mean_grid(
@@ -214,52 +278,103 @@ def mean_grid(
     return grid.to_numpy(float).reshape(len(ys), len(xs))  # (Y, X)
 
 
-def _heatmap(
-    panels: list[tuple[str, np.ndarray]], title: str, figures: FiguresConfig, xlabels: list[str], xname: str,
-    ylabels: list[str], yname: str, label: str, *, centred: bool = True,
-) -> Figure:  # fmt: skip
-    """One heatmap per panel (title, (Y, X) grid) on one colour scale with one colour bar: diverging and centred at
-    0 (`centred`, signed effects), else sequential; NaN cells grey."""
-    plt = style.pyplot()
-    grids = [g for _, g in panels]
-    finite = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.array([])
+def top_grid(
+    frame: pd.DataFrame, column: str, rows: str, columns: str, ys: Sequence[Any], xs: Sequence[Any]
+) -> np.ndarray:
+    """(len(ys), len(xs)) text per cell: the most frequent (decoded) value of `column` over the frame's rows, with
+    its share of them where they differ ("Paris 60%"); "" where a cell has none."""
+    grid = np.full((len(ys), len(xs)), "", dtype=object)
+    where = {(y, x): (i, j) for i, y in enumerate(ys) for j, x in enumerate(xs)}
+    valued = frame[frame[column].notna()]
+    for (y, x), tokens in valued.groupby([rows, columns], observed=True)[column]:
+        if (y, x) not in where:
+            continue
+        counts = tokens.map(display_token).value_counts()
+        share = counts.iloc[0] / counts.sum()
+        grid[where[y, x]] = counts.index[0] if share == 1 else f"{counts.index[0]}\n{share:.0%}"
+    return grid
+
+
+def _draw_groups(groups: dict[tuple, list[Map]], figures: FiguresConfig, shared: str) -> list[tuple[str, Figure]]:
+    """Each group's maps drawn on one colour scale (the group's finite values), in order; the caption says which maps
+    share it (`shared`, when a group has several)."""
+    out = []
+    for maps in groups.values():
+        limits = colour_limits([g for m in maps for _, g in m.panels], all(m.centred for m in maps))
+        for drawn in maps:
+            note = (f" Colour scale shared by the {len(maps)} maps {shared}; each panel's title gives its own range."
+                    if len(maps) > 1 and shared else "")  # fmt: skip
+            out.append((drawn.caption + note, _heatmap(drawn, figures, limits)))
+    return out
+
+
+def colour_limits(grids: Sequence[np.ndarray], centred: bool) -> tuple[float, float]:
+    """(low, high) of one colour scale over `grids`' finite values: symmetric about 0 where `centred`."""
+    finite = np.concatenate([g[np.isfinite(g)].ravel() for g in grids]) if grids else np.array([])
     if centred:
         span = float(np.abs(finite).max()) if finite.size else 1.0
         span = span if span > 0 else 1.0
-        low, high, name = -span, span, style.DIVERGING_CMAP
-    else:
-        low = float(finite.min()) if finite.size else 0.0
-        high = float(finite.max()) if finite.size else 1.0
-        low, high, name = low, (high if high > low else low + 1.0), style.FEATURE_CMAP
-    cmap = plt.get_cmap(name).with_extremes(bad=NAN_COLOUR)
+        return -span, span
+    low = float(finite.min()) if finite.size else 0.0
+    high = float(finite.max()) if finite.size else 1.0
+    return low, (high if high > low else low + 1.0)
+
+
+def _range_title(title: str, grid: np.ndarray) -> str:
+    """A panel's title with the range of its own cells (its share of the shared colour scale)."""
+    finite = grid[np.isfinite(grid)]
+    span = f"cells {finite.min():.3g} to {finite.max():.3g}" if finite.size else "no value"
+    return f"{title}: {span}" if title else span
+
+
+def _heatmap(drawn: Map, figures: FiguresConfig, limits: tuple[float, float]) -> Figure:
+    """One heatmap per panel on the colour scale `limits` with one colour bar: diverging where the map is `centred`,
+    else sequential; NaN cells grey; each panel titled with its own range, its cells labelled with `notes`."""
+    plt = style.pyplot()
+    panels = drawn.panels
+    low, high = limits
+    cmap = plt.get_cmap(style.DIVERGING_CMAP if drawn.centred else style.FEATURE_CMAP).with_extremes(bad=NAN_COLOUR)
     width = style.full_width(figures)
-    ny, nx = grids[0].shape if grids else (1, 1)
+    ny, nx = panels[0][1].shape if panels else (1, 1)
     cols = 1 if nx > 24 else min(len(panels), max(1, int(width // max(3.0, 0.3 * nx + 1.5))))
     nrows, cols = style.grid_shape(len(panels), cols)
-    height = max(2.4, ROW_INCHES * ny + 1.6)  # room for the layer rows and the rotated token names
+    row = NOTED_ROW_INCHES if drawn.notes else ROW_INCHES
+    height = max(2.4, row * ny + 1.8)  # room for the layer rows and the rotated token names
     fig, axes = plt.subplots(nrows, cols, figsize=(width, height * nrows + 0.6), squeeze=False, layout="constrained")
     image = None
-    for ax, (panel, grid) in zip(axes.flat, panels, strict=False):
+    for i, (ax, (panel, grid)) in enumerate(zip(axes.flat, panels, strict=False)):
         image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=low, vmax=high, aspect="auto",
                           interpolation="nearest")  # fmt: skip
         ax.set_xlim(-0.5, grid.shape[1] - 0.5)
-        if xname == "head":  # short numbers: upright
-            ax.set_xticks(range(len(xlabels)), xlabels, fontsize=style.TICK_SIZE)
+        if drawn.xname == "head":  # short numbers: upright
+            ax.set_xticks(range(len(drawn.xlabels)), drawn.xlabels, fontsize=style.TICK_SIZE)
         else:
-            _layer_ticks(ax, fig, xlabels, panel_width=width / cols)
-        ax.set_yticks(range(len(ylabels)), ylabels, fontsize=style.TICK_SIZE)
-        ax.set_xlabel(xname, fontsize=style.PANEL_TITLE_SIZE)
-        ax.set_ylabel(yname, fontsize=style.PANEL_TITLE_SIZE)
-        if panel:
-            ax.set_title(panel, fontsize=style.PANEL_TITLE_SIZE)
+            _layer_ticks(ax, fig, drawn.xlabels, panel_width=width / cols)
+        ax.set_yticks(range(len(drawn.ylabels)), drawn.ylabels, fontsize=style.TICK_SIZE)
+        ax.set_xlabel(drawn.xname, fontsize=style.PANEL_TITLE_SIZE)
+        ax.set_ylabel(drawn.yname, fontsize=style.PANEL_TITLE_SIZE)
+        ax.set_title(_range_title(panel, grid), fontsize=style.PANEL_TITLE_SIZE)
+        if i < len(drawn.notes):
+            _write_cells(ax, drawn.notes[i], grid, image)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     if image is not None:
         bar = fig.colorbar(image, ax=list(axes.flat[: len(panels)]), shrink=0.9)
-        bar.set_label(f"mean {label}", fontsize=style.TICK_SIZE)
+        bar.set_label(f"mean {drawn.label}", fontsize=style.TICK_SIZE)
         bar.ax.tick_params(labelsize=style.TICK_SIZE)
-    fig.suptitle(title, fontsize=style.TITLE_SIZE)
+    fig.suptitle(drawn.title, fontsize=style.TITLE_SIZE)
     return fig
+
+
+def _write_cells(ax: Any, notes: np.ndarray, grid: np.ndarray, image: Any) -> None:
+    """Each cell's text, dark on light cells and light on dark ones."""
+    for (y, x), text in np.ndenumerate(notes):
+        if not text:
+            continue
+        red, green, blue, _ = image.to_rgba(grid[y, x]) if np.isfinite(grid[y, x]) else (0.85, 0.85, 0.85, 1)
+        dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+        ax.text(x, y, text, ha="center", va="center", fontsize=style.TICK_SIZE - 3, linespacing=0.9,
+                color="white" if dark else "black")  # fmt: skip
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -304,8 +419,40 @@ def _layer_name(layer: Any) -> str:
     return "emb" if layer == EMBEDDINGS else str(int(layer))
 
 
-def _token(token: Any) -> str:
-    """A token as a tick label: control characters visible, a missing token `?`."""
-    if token is None or (isinstance(token, float) and token != token):
+def display_token(token: Any) -> str:
+    """A token as the text it stands for, for a label: a byte-level BPE piece decoded (`ĠAlice` -> `Alice`), a
+    SentencePiece `▁` a space and a byte token `<0x0A>` its byte; the spaces around it dropped, a newline `⏎`, a tab
+    `⇥`, a token of spaces `␣`; cut at MAX_TOKEN_CHARS; a missing token `?`."""
+    if token is None or (isinstance(token, float) and token != token) or token is pd.NA:
         return "?"
-    return str(token).replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    text = decode_piece(str(token))
+    shown = text.strip(" ") or ("␣" if text else "")
+    shown = shown.replace("\r\n", "⏎").replace("\n", "⏎").replace("\r", "⏎").replace("\t", "⇥")
+    shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
+    return shown if len(shown) <= MAX_TOKEN_CHARS else shown[: MAX_TOKEN_CHARS - 1] + "…"
+
+
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def decode_piece(piece: str) -> str:
+    """The text of a tokenizer's piece: GPT-2-style byte-level BPE (`Ġ` a space, `Ċ` a newline) decoded where the
+    piece holds one of its remapped characters and its bytes are UTF-8, SentencePiece's `▁` a space and `<0xNN>` its
+    byte; other pieces as they are."""
+    decoder = _byte_decoder()
+    if any(256 <= ord(c) < 324 for c in piece) and all(c in decoder for c in piece):
+        try:
+            return bytes(decoder[c] for c in piece).decode("utf-8")
+        except UnicodeDecodeError:
+            pass  # a piece of a multi-byte character, or not byte-level BPE: as it is
+    piece = BYTE_TOKEN.sub(lambda m: chr(int(m.group(1), 16)) if int(m.group(1), 16) < 128 else m.group(0), piece)
+    return piece.replace("▁", " ")
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted: each of its 256 characters -> its byte (printable bytes stand for
+    themselves, the others are shifted to 256 and up: a space is `Ġ`, a newline `Ċ`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}

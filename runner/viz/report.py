@@ -33,6 +33,7 @@ from runner.schema import FigureFormat, FiguresConfig
 from runner.store.layout import check_manifests, read_manifest, read_yaml
 from runner.store.runs import RunInfo, SweepInfo, find, is_run, run_info
 from runner.tables import Presentation
+from runner.viz.summary import is_cell_table
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +269,31 @@ def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
     return f'{top}<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>{more}'
 
 
+def peak_html(table: str, frame: pd.DataFrame, extra_keys: Iterable[str], shown: Presentation) -> str:
+    """A table of cells within a layer (runner.viz.summary.peak_summary): per layer and label, where the mean over
+    pairs of each value is largest and smallest, and those means, as an HTML table with its caption."""
+    from runner.viz.summary import EFFECT, EFFECT_WORDS, PEAK_WORDS, peak_summary
+
+    group, values = summary_columns(table, frame, extra_keys, shown)
+    summary = peak_summary(frame, group, values)
+    if summary.empty:
+        return "<p>No measured column with a value to summarise.</p>"
+    head = "".join(f"<th>{_e(c)}</th>" for c in summary.columns)
+    rows = []
+    for _, row in summary.head(MAX_SUMMARY_ROWS).iterrows():
+        cells = "".join(
+            f'<td class="label">{_e(row[c])}</td>' if c in group or c.endswith(" at") else f"<td>{_number(row[c])}</td>"
+            for c in summary.columns
+        )
+        rows.append(f"<tr>{cells}</tr>")
+    more = ""
+    if len(summary) > MAX_SUMMARY_ROWS:
+        more = f"<p>The first {MAX_SUMMARY_ROWS} of {len(summary)} rows; the rest are in the table's Parquet files.</p>"
+    words = PEAK_WORDS + (EFFECT_WORDS if f"{EFFECT} max" in summary.columns else "") + " n: the pairs with a value."
+    return (f'<p class="caption">{_e(words)}</p><div class="scroll"><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table></div>{more}")  # fmt: skip
+
+
 # ---- figures ----------------------------------------------------------------------------------------------------
 def figure_html(
     table: str, frame: pd.DataFrame, by: str | None, figures: FiguresConfig, shown: Presentation | None = None
@@ -385,7 +411,10 @@ def _tables_html(page: Page, directory: Path, tables: list[str], by: list[str], 
             resolve(shown.section)(page, frame, present, compare, figures, shown)
             continue
         try:
-            page.add(summary_html(summary_frame(table, frame, present, shown), SUMMARY_CAPTION))
+            if is_cell_table(frame.columns):  # a layer's cells (positions, heads): where the effect peaks
+                page.add(peak_html(table, frame, present, shown))
+            else:
+                page.add(summary_html(summary_frame(table, frame, present, shown), SUMMARY_CAPTION))
         except RunnerError as e:
             page.add(f"<p>No summary: {_e(e)}</p>")
         page.add(figure_html(table, frame, compare, figures, shown))

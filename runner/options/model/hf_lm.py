@@ -20,8 +20,8 @@ ATTENTION = ("eager", "sdpa", "flash_attention_2")
 @MODELS.option("runner.models.hf_lm:HfLmSource", name="hf_lm")
 @dataclass
 class HfLmModelConfig(ModelConfig):
-    # `induction` (shipped in runner/models/lm_induction/: a two-layer GPT-2 trained on repeated random tokens), a
-    # local folder (save_pretrained), or a hub id from the Hugging Face cache.
+    # `induction` (shipped in runner/models/lm_induction/: a two-layer attention-only Llama trained on repeated random
+    # tokens), a local folder (save_pretrained), or a hub id from the Hugging Face cache.
     name: str = SHIPPED_LM
     source: Optional[str] = "hf_lm"  # noqa: UP045 (OmegaConf)
     # DEFAULT: the saved weights; null: random weights from the model's config (and `config`'s overrides).
