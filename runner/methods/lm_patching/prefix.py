@@ -80,11 +80,20 @@ def receiving_cache(
     model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
 ) -> KeyValues | None:
     """The receiving run's keys and values at every layer (one forward with the cache on), or None where the model
-    returns none the runner can read (logged once per model)."""
+    returns none the runner can read, or one that lacks some positions (logged once per model).
+
+    The run is given a cache of plain layers, which keep every position: the cache a model makes for itself keeps
+    only the last window of a sliding-window layer (Gemma 2 and 3, Mistral), which the prefix of every position
+    before a chunk's first would lack."""
+    from transformers import DynamicCache
+
     base = getattr(model, "base_model", model)  # the blocks alone: the unembedding's output is not needed
     with torch.no_grad():
-        out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{cache_name(base): DynamicCache()})  # fmt: skip
     found = cached_keys_values(getattr(out, cache_name(out), None))
+    if found is not None and any(k.shape[-2] != ids.shape[1] for k, _ in found):
+        found = None
     if found is None and not getattr(model, "_runner_no_prefix_logged", False):
         log.info("lm_patching: %s returns no key/value cache the runner can read: each variant runs the whole"
                  " prompt", type(model).__name__)  # fmt: skip
