@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,46 @@ def build_tokenizer(n_tokens: int = N_TOKENS) -> Any:
     )
 
 
-# The decoder families a tiny model is built for (model_type, or a variant): the same small shape, each family's own
-# config class. gpt_neox_seq: GPT-NeoX with attention and MLP in sequence (the only NeoX with a resid_mid).
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_seq")
+# The decoder families a tiny model is built for (a model_type, or a variant of one): the same small shape, each
+# family's own config class. gpt_neox_seq and stablelm_par: the other residual form of a family that has both.
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_seq", "gemma", "gemma2", "olmo",
+            "olmo2", "phi3", "stablelm", "stablelm_par", "gptj", "phi", "mixtral", "gemma3_text", "qwen2_moe",
+            "qwen3_moe")  # fmt: skip
+VARIANTS = {"gpt_neox_seq": "gpt_neox", "stablelm_par": "stablelm"}  # variant -> its model_type
+SOFTCAP = 2.0  # Gemma 2 and 3's final-logit softcap: small, so that a readout without it is visibly wrong
+
+# Config class and the family's own settings, beside the shared shape (2 layers, 32 wide, 4 heads of 8, MLP 64).
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 2}),
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 8}),
+    "gemma": ("GemmaConfig", {"num_key_value_heads": 2, "head_dim": 8}),
+    # sliding window shorter than the prompts, so that the sliding layer differs from a full one
+    "gemma2": ("Gemma2Config", {"num_key_value_heads": 2, "head_dim": 8, "final_logit_softcapping": SOFTCAP,
+                                "attn_logit_softcapping": 5.0, "query_pre_attn_scalar": 8, "sliding_window": 4}),
+    "gemma3_text": ("Gemma3TextConfig", {"num_key_value_heads": 2, "head_dim": 8, "final_logit_softcapping": SOFTCAP,
+                                         "query_pre_attn_scalar": 8, "sliding_window": 4,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "olmo": ("OlmoConfig", {"num_key_value_heads": 2}),
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 2}),  # fused q|k|v of unequal sizes
+    "stablelm": ("StableLmConfig", {"num_key_value_heads": 2, "use_parallel_residual": False,
+                                    "partial_rotary_factor": 0.5}),
+    "stablelm_par": ("StableLmConfig", {"num_key_value_heads": 2, "use_parallel_residual": True,
+                                        "partial_rotary_factor": 0.5}),
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}),
+    "mixtral": ("MixtralConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_key_value_heads": 2, "head_dim": 8, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+}  # fmt: skip
+
+
+def model_type(arch: str) -> str:
+    """The model_type a family of FAMILIES (or a variant) is built as."""
+    return VARIANTS.get(arch, arch)
 
 
 def tiny_config(arch: str, vocab: int) -> Any:
@@ -57,19 +95,23 @@ def tiny_config(arch: str, vocab: int) -> Any:
         return transformers.GPT2Config(
             n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, initializer_range=INIT, **ids
         )
+    if arch == "gptj":
+        return transformers.GPTJConfig(
+            n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=vocab, n_positions=32, initializer_range=INIT,
+            **ids,
+        )  # fmt: skip
     if arch.startswith("gpt_neox"):
         return transformers.GPTNeoXConfig(
             num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=vocab,
             max_position_embeddings=32, initializer_range=INIT, use_parallel_residual=arch == "gpt_neox",
             rotary_pct=0.5, **ids,
         )  # fmt: skip
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-    if arch not in classes:
+    if arch not in _CONFIGS:
         raise ValueError(f"unknown arch {arch!r}: one of {FAMILIES}")
-    extra = {"head_dim": 8} if arch == "qwen3" else {}
-    return getattr(transformers, classes[arch])(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab, max_position_embeddings=32, initializer_range=INIT, **extra, **ids,
+    name, extra = _CONFIGS[arch]
+    return getattr(transformers, name)(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=vocab,
+        max_position_embeddings=32, initializer_range=INIT, **extra, **ids,
     )  # fmt: skip
 
 
@@ -369,3 +411,182 @@ def tl_patching(
     fn = getattr(patching, TL_FUNCTIONS[site])
     result = fn(bridge, target_ids, cache, metric, reduce="none")
     return _reduce(result.values.detach().float().cpu(), reduce)
+
+
+# ------------------------------------------------------------------- the plain loop over every site, per family
+# Written from each family's modeling file (transformers 5), not from the runner's adapters: where a block's parts
+# are, what it adds onto the stream after attention and after the MLP, and how a fused q/k/v projection is laid out.
+
+
+@dataclass(frozen=True)
+class Parts:
+    blocks: str  # the ModuleList of blocks, from the model
+    attn: str  # the attention module (its eager forward computes the pattern's softmax), from a block
+    attn_add: str  # the module whose output the block adds onto the stream after attention
+    mlp_add: str  # the same after the MLP
+    out_proj: str  # its input: the heads' outputs side by side
+    qkv: tuple[str, str, str] | str
+    fused: str = ""  # "thirds" (q | k | v, equal), "per_head" (q k v of head 0, of head 1, ...), "gqa" (q | k | v
+    # with k and v of the key-value heads)
+    sequential: bool = True  # attention then MLP (a stream between them); False: both read the block's input
+
+
+_SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LLAMA_PARTS = Parts("model.layers", "self_attn", "self_attn", "mlp", "self_attn.o_proj", _SEPARATE)
+_POST_NORMED = replace(_LLAMA_PARTS, attn_add="post_attention_layernorm", mlp_add="post_feedforward_layernorm")
+PARTS: dict[str, Parts] = {
+    "gpt2": Parts("transformer.h", "attn", "attn", "mlp", "attn.c_proj", "attn.c_attn", "thirds"),
+    **{arch: _LLAMA_PARTS for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "stablelm", "mixtral",
+                                       "qwen2_moe", "qwen3_moe")},
+    "gpt_neox": Parts("gpt_neox.layers", "attention", "attention", "mlp", "attention.dense",
+                      "attention.query_key_value", "per_head", sequential=False),
+    "gpt_neox_seq": Parts("gpt_neox.layers", "attention", "attention", "mlp", "attention.dense",
+                          "attention.query_key_value", "per_head"),
+    "gemma2": _POST_NORMED,
+    "gemma3_text": _POST_NORMED,
+    "olmo2": _POST_NORMED,
+    "phi3": replace(_LLAMA_PARTS, qkv="self_attn.qkv_proj", fused="gqa"),
+    "stablelm_par": replace(_LLAMA_PARTS, sequential=False),
+    "phi": replace(_LLAMA_PARTS, out_proj="self_attn.dense", sequential=False),
+    "gptj": Parts("transformer.h", "attn", "attn", "mlp", "attn.out_proj", ("attn.q_proj", "attn.k_proj",
+                  "attn.v_proj"), sequential=False),
+}  # fmt: skip
+ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
+HEAD_SITES = ("head", "q", "k", "v", "pattern")
+
+
+def kv_heads(model: nn.Module) -> int:
+    config = model.config
+    return int(getattr(config, "num_key_value_heads", None) or n_heads(model))
+
+
+def _channels(model: nn.Module, parts: Parts, site: str, width: int, head: int) -> slice:
+    """The last-axis slice of head `head` in the raw tensor of a per-head site (width: that tensor's last size)."""
+    h, kv = n_heads(model), kv_heads(model)
+    if site == "head" or isinstance(parts.qkv, tuple) and site == "q":
+        d = width // h
+        return slice(head * d, (head + 1) * d)
+    part = "qkv".index(site)
+    if isinstance(parts.qkv, tuple):  # k or v of their own projection
+        d = width // kv
+        return slice(head * d, (head + 1) * d)
+    if parts.fused == "thirds":
+        d = width // 3 // h
+        start = part * width // 3 + head * d
+    elif parts.fused == "per_head":
+        d = width // 3 // h
+        start = (head * 3 + part) * d
+    else:  # gqa
+        d = width // (h + 2 * kv)
+        start = [0, h * d, (h + kv) * d][part] + head * d
+    return slice(start, start + d)
+
+
+class _Softmax:
+    """The one softmax of an attention module's eager forward, kept or replaced by `fn(pattern) -> new or None`:
+    torch.nn.functional.softmax is swapped while the module runs."""
+
+    def __init__(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        self.fn, self.original = fn, torch.nn.functional.softmax
+        self.handles = [module.register_forward_pre_hook(self._enter),
+                        module.register_forward_hook(self._leave, always_call=True)]  # fmt: skip
+
+    def _wrapped(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.original(*args, **kwargs)
+        new = self.fn(out)
+        return out if new is None else new
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        torch.nn.functional.softmax = self._wrapped
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        torch.nn.functional.softmax = self.original
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _hook_raw(model: nn.Module, arch: str, site: str, layer: int,
+              fn: Callable[[torch.Tensor], torch.Tensor | None]) -> list[Any]:  # fmt: skip
+    """Hooks that give `fn` the raw tensor of a site (resid_mid: the block's input plus the attention's added
+    output) and put its return value (if not None) in its place."""
+    parts = PARTS[arch]
+    modules = dict(model.named_modules())
+    block = f"{parts.blocks}.{layer}"
+    if site == "pattern":
+        return [_Softmax(modules[f"{block}.{parts.attn}"], fn)]
+    if site == "resid_mid":
+        if not parts.sequential:
+            raise ValueError(f"{arch} has no resid_mid")
+        kept: dict[str, torch.Tensor] = {}
+
+        def keep_input(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            kept["in"] = args[0] if args else kwargs["hidden_states"]
+
+        def branch(mod: nn.Module, args: tuple, output: Any) -> Any:
+            out = output[0] if isinstance(output, tuple) else output
+            new = fn(kept["in"] + out)  # the stream
+            if new is None:
+                return None
+            new = new - kept["in"]
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        return [modules[block].register_forward_pre_hook(keep_input, with_kwargs=True),
+                modules[f"{block}.{parts.attn_add}"].register_forward_hook(branch)]  # fmt: skip
+    name = {"resid_pre": block, "resid_post": block, "attn_out": f"{block}.{parts.attn_add}",
+            "mlp_out": f"{block}.{parts.mlp_add}", "head": f"{block}.{parts.out_proj}"}.get(site)  # fmt: skip
+    if name is None:  # q, k, v
+        qkv = parts.qkv
+        name = f"{block}.{qkv['qkv'.index(site)] if isinstance(qkv, tuple) else qkv}"
+    pre = site in ("resid_pre", "head")
+    return [_register(modules[name], "resid_pre" if pre else "attn_out", fn)]
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
+@torch.no_grad()
+def capture_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str) -> list[torch.Tensor]:
+    """The raw tensor of `site` at every layer from one forward of `ids`, cloned."""
+    layers = int(model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer)
+    kept: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in range(layers):
+
+        def keep(raw: torch.Tensor, layer: int = layer) -> None:
+            kept[layer] = raw.detach().clone()
+
+        handles += _hook_raw(model, arch, site, layer, keep)
+    try:
+        _forward(model, ids)
+    finally:
+        _remove(handles)
+    return [kept[layer] for layer in range(layers)]
+
+
+@torch.no_grad()
+def patched_metric(model: nn.Module, arch: str, ids: torch.Tensor, site: str, layer: int, source: torch.Tensor,
+                   position: int | None, head: int | None, metric: Metric) -> torch.Tensor:  # fmt: skip
+    """(B,) the metric of one forward of `ids` with the site's raw tensor at `layer` taken from `source` at
+    `position` (None: every position; the pattern: the query position) and head (None: the whole tensor)."""
+    parts = PARTS[arch]
+
+    def patch(raw: torch.Tensor) -> torch.Tensor:
+        new = raw.clone()
+        where = slice(None) if position is None else position
+        if site == "pattern":  # (B, H, T query, T key)
+            heads = slice(None) if head is None else head
+            new[:, heads, where] = source[:, heads, where]
+            return new
+        channels = slice(None) if head is None else _channels(model, parts, site, raw.shape[-1], head)
+        new[:, where, channels] = source[:, where, channels]
+        return new
+
+    handles = _hook_raw(model, arch, site, layer, patch)
+    try:
+        return metric(_forward(model, ids)).float().cpu()
+    finally:
+        _remove(handles)

@@ -1,8 +1,12 @@
-"""Named sites of every supported decoder family (runner/models/lm_sites.py), checked the same way on each: the
-residual stream at the last layer's last position is all that reaches the logits, so patching it restores exactly
-(resid_mid and resid_post); resid_mid is the stream itself (both the MLP's branch and the skip connection), equal to
-a plain-hook loop, and its attribution estimate is the same intervention's whether the parameters are frozen or not;
-the unembedding is found through get_output_embeddings()."""
+"""Named sites of every supported decoder family (runner/models/lm_sites.py), checked the same way on each, on a
+random 2-layer model with eager attention (tests/lm_references.py FAMILIES; an adapter without one fails here):
+every site in both directions, per-head sites at all positions and at each, equals a plain one-forward-per-cell loop
+that reads the family's modules directly (lm_references.PARTS); clean patched into clean is flagged degenerate; the
+answer-only readout and the logit lens equal the model's own logits (final softcap included); the noise corruption
+is scaled as what the first block receives. The residual stream at the last layer's last position is all that
+reaches the logits, so patching it restores exactly (resid_mid and resid_post); resid_mid's attribution estimate is
+the same intervention's whether the parameters are frozen or not; the unembedding is found through
+get_output_embeddings()."""
 
 from __future__ import annotations
 
@@ -15,8 +19,19 @@ from torch import nn
 from runner.errors import RunnerError
 from runner.methods.lm_patching import lm_activation_patching
 from runner.methods.lm_saliency import lm_logit_lens
+from runner.models import lm_sites
 from runner.models.lm_sites import layout_of, unembedding
-from tests.lm_references import FAMILIES, build_tiny_lm, logit_diff
+from tests.lm_references import (
+    ALL_SITES,
+    FAMILIES,
+    HEAD_SITES,
+    PARTS,
+    build_tiny_lm,
+    capture_all,
+    logit_diff,
+    model_type,
+    patched_metric,
+)
 from tests.test_lm_patching import PAIRS, _ids
 
 LAST = 7  # the pairs' last position: BOS + 7 tokens
@@ -38,7 +53,7 @@ def test_the_last_layers_stream_at_the_last_position_restores_exactly(family) ->
     branch (restoration 0.46 on GPT-2, 0.55 on Llama, 0.14 on sequential GPT-NeoX)."""
     arch, model, tokenizer = family
     sites = _stream_sites(model)
-    assert ("resid_mid" in sites) == (arch != "gpt_neox")  # parallel attention and MLP: no resid_mid
+    assert ("resid_mid" in sites) == PARTS[arch].sequential  # parallel attention and MLP: no resid_mid
     table = lm_activation_patching(model, tokenizer, PAIRS, sites=sites, directions=["denoising", "noising"])
     last = table[(table.layer == layout_of(model).layers - 1) & (table.position == LAST)]
     assert len(last) == len(sites) * 2 * len(PAIRS)
@@ -47,68 +62,6 @@ def test_the_last_layers_stream_at_the_last_position_restores_exactly(family) ->
     assert (denoise.restoration - 1).abs().max() < 1e-4, denoise[["site", "restoration"]]
     assert (denoise.patched - denoise.clean).abs().max() < 1e-4
     assert (noise.patched - noise.corrupted).abs().max() < 1e-4, noise[["site", "patched", "corrupted"]]
-
-
-def _resid_mid_loop(model: nn.Module, receiver: torch.Tensor, source: torch.Tensor, layer: int, position: int,
-                    metric: Any) -> torch.Tensor:  # fmt: skip
-    """One forward of `receiver` with the stream between block `layer`'s attention and MLP replaced at `position`
-    by the source run's, written with plain hooks: the block's input kept by a pre-hook, the attention's output set
-    so that input + output is the source's stream there."""
-    layout = layout_of(model)
-    modules = dict(model.named_modules())
-    block = modules[layout.module_name("", layer).rstrip(".")]
-    attn = modules[layout.module_name(layout.arch.attn, layer)]
-    captured: dict[str, torch.Tensor] = {}
-
-    def keep_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captured["in"] = args[0] if args else kwargs["hidden_states"]
-
-    def keep_stream(module: nn.Module, args: tuple, output: Any) -> None:
-        out = output[0] if isinstance(output, tuple) else output
-        captured["mid"] = captured["in"] + out
-
-    def write_stream(module: nn.Module, args: tuple, output: Any) -> Any:
-        out = output[0] if isinstance(output, tuple) else output
-        new = out.clone()
-        new[:, position] = wanted[:, position] - captured["in"][:, position]
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    handles = [block.register_forward_pre_hook(keep_input, with_kwargs=True), attn.register_forward_hook(keep_stream)]
-    try:
-        with torch.no_grad():
-            model(input_ids=source, use_cache=False)
-        wanted = captured["mid"].clone()
-    finally:
-        for h in handles:
-            h.remove()
-    handles = [block.register_forward_pre_hook(keep_input, with_kwargs=True), attn.register_forward_hook(write_stream)]
-    try:
-        with torch.no_grad():
-            return metric(model(input_ids=receiver, use_cache=False).logits)
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def test_resid_mid_equals_a_plain_hook_loop(family) -> None:  # type: ignore[no-untyped-def]
-    arch, model, tokenizer = family
-    if "resid_mid" not in _stream_sites(model):
-        with pytest.raises(RunnerError, match="no resid_mid"):
-            layout_of(model).site("resid_mid", 0)
-        return
-    table = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_mid"], directions=["denoising"])
-    clean = torch.tensor([_ids(tokenizer, p["clean"]) for p in PAIRS])
-    corrupted = torch.tensor([_ids(tokenizer, p["corrupted"]) for p in PAIRS])
-    answer = torch.tensor([tokenizer.convert_tokens_to_ids(p["answer"]) for p in PAIRS])
-    distractor = torch.tensor([tokenizer.convert_tokens_to_ids(p["distractor"]) for p in PAIRS])
-    metric = logit_diff(answer, distractor)
-    worst = 0.0
-    for layer in range(layout_of(model).layers):
-        for position in range(clean.shape[1]):
-            want = _resid_mid_loop(model, corrupted, clean, layer, position, metric)
-            got = table[(table.layer == layer) & (table.position == position)].sort_values("sample_index")
-            worst = max(worst, float((torch.tensor(got.patched.to_numpy()) - want).abs().max()))
-    assert worst <= 1e-5, worst
 
 
 def test_resid_mid_attribution_is_the_same_with_frozen_or_trainable_parameters(family) -> None:  # type: ignore[no-untyped-def]
@@ -163,3 +116,184 @@ def test_an_interrupt_inside_attention_leaves_no_pattern_mode_behind(family) -> 
         handle.remove()
     assert torch._C._len_torch_function_stack() == 0
     assert count_hooks(model) == 0
+
+
+# ------------------------------------------------------------------------------------ every family's adapter
+
+
+def test_every_adapter_has_a_tiny_model_and_a_plain_loop() -> None:
+    """A model_type given an adapter without a tiny config here (and so without the checks of this module) fails."""
+    built = {model_type(arch) for arch in FAMILIES}
+    assert set(lm_sites.FAMILIES) <= built, sorted(set(lm_sites.FAMILIES) - built)
+    assert set(lm_sites.FAMILIES.values()) == set(lm_sites.ARCHITECTURES)  # every adapter is some model_type's
+    assert set(PARTS) == set(FAMILIES)
+
+
+def test_a_model_type_without_an_adapter_is_refused_naming_those_that_exist() -> None:
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16))
+    with pytest.raises(RunnerError, match="No site adapter for model_type 'bert'") as info:
+        layout_of(model)
+    assert "gemma2" in str(info.value) and "layers.include" not in str(info.value)
+
+
+def _tokens(tokenizer: Any, pairs: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    clean = torch.tensor([_ids(tokenizer, p["clean"]) for p in pairs])
+    corrupted = torch.tensor([_ids(tokenizer, p["corrupted"]) for p in pairs])
+    answer = torch.tensor([tokenizer.convert_tokens_to_ids(p["answer"]) for p in pairs])
+    distractor = torch.tensor([tokenizer.convert_tokens_to_ids(p["distractor"]) for p in pairs])
+    return clean, corrupted, logit_diff(answer, distractor)
+
+
+def _worst_against_the_loop(arch: str, model: nn.Module, tokenizer: Any, direction: str,
+                            only: tuple[str, ...] = ALL_SITES) -> tuple[float, int]:  # fmt: skip
+    """The largest |runner - plain loop| over every row of every site of the family (per-head sites at all positions
+    and at each), and how many rows were compared."""
+    sites = [s for s in only if s in layout_of(model).available()]
+    clean, corrupted, metric = _tokens(tokenizer, PAIRS)
+    source, receiver = (clean, corrupted) if direction == "denoising" else (corrupted, clean)
+    worst, compared = 0.0, 0
+    for head_positions in ("all", "each"):
+        asked = sites if head_positions == "all" else [s for s in sites if s in HEAD_SITES]
+        if not asked:
+            continue
+        table = lm_activation_patching(model, tokenizer, PAIRS, sites=asked, directions=[direction],
+                                       head_positions=head_positions)  # fmt: skip
+        for site in asked:
+            sources = capture_all(model, arch, source, site)
+            rows = table[table.site == site]
+            per_head = site in HEAD_SITES
+            for (layer, head, position), cell in rows.groupby(["layer", "head", "position"], dropna=False):
+                want = patched_metric(
+                    model, arch, receiver, site, int(layer), sources[int(layer)],
+                    None if position != position else int(position), int(head) if per_head else None, metric,
+                )  # fmt: skip
+                got = torch.tensor(cell.sort_values("sample_index").patched.to_numpy().copy())
+                assert len(got) == len(PAIRS)
+                worst = max(worst, float((got - want).abs().max()))
+                compared += len(got)
+    return worst, compared
+
+
+@pytest.mark.slow  # a few hundred forwards per family and direction
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_every_site_equals_the_plain_loop(family, direction: str) -> None:  # type: ignore[no-untyped-def]
+    """Every row of every site the family has (resid_mid where it has one; pattern with eager attention), per-head
+    sites at all positions and at each, equals one forward per cell with plain hooks, 1e-5."""
+    arch, model, tokenizer = family
+    worst, compared = _worst_against_the_loop(arch, model, tokenizer, direction)
+    print(f"{arch} {direction}: worst |runner - loop| = {worst:.2e} over {compared} rows")
+    assert compared > 0
+    assert worst <= 1e-5, worst
+
+
+def test_clean_into_clean_is_flagged_degenerate(family) -> None:  # type: ignore[no-untyped-def]
+    arch, model, tokenizer = family
+    same = [{**p, "corrupted": p["clean"]} for p in PAIRS[:2]]
+    table = lm_activation_patching(model, tokenizer, same, sites=["resid_pre", "head"], layers=[0])
+    assert len(table) > 0 and table.degenerate.all()
+    assert table.restoration.isna().all()
+
+
+def _readout_gap(model: nn.Module, tokenizer: Any) -> float:
+    """The largest |answer-only readout - full-vocabulary readout| over the rows of a patching run."""
+    from runner.methods.lm_patching.readout import Readout
+    from runner.targets.tokens import TokenLogitDiff
+
+    assert Readout(model, layout_of(model), TokenLogitDiff()).compact
+    settings = {"sites": ["resid_pre", "head"], "directions": ["denoising", "noising"]}
+    compact = lm_activation_patching(model, tokenizer, PAIRS, **settings)
+    original = Readout.__init__
+
+    def full(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        self.compact = False
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Readout, "__init__", full)
+        whole = lm_activation_patching(model, tokenizer, PAIRS, **settings)
+    assert len(compact) == len(whole) > 0
+    return float(max((compact.patched - whole.patched).abs().max(), (compact.clean - whole.clean).abs().max()))
+
+
+def test_the_answer_readout_equals_the_full_vocabulary(family) -> None:  # type: ignore[no-untyped-def]
+    """The answer-only readout (the answer and distractor columns of the unembedding, then the family's softcap)
+    gives the rows of a run that computes the whole vocabulary's logits through the model, 1e-5."""
+    arch, model, tokenizer = family
+    assert _readout_gap(model, tokenizer) <= 1e-5
+
+
+def _lens_gap(model: nn.Module, tokenizer: Any) -> float:
+    """The largest |lens logit of the last layer - the model's logit| of the answer and the distractor, over every
+    position of one prompt."""
+    table = lm_logit_lens(model, tokenizer, PAIRS[:1])
+    last = table[table.layer == layout_of(model).layers - 1].sort_values("position")
+    ids = torch.tensor([_ids(tokenizer, PAIRS[0]["clean"])])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    assert len(last) == ids.shape[1]
+    gaps = []
+    for column, token in (("answer_logit", PAIRS[0]["answer"]), ("distractor_logit", PAIRS[0]["distractor"])):
+        lens = torch.tensor(last[column].to_numpy().copy())
+        gaps.append(float((lens - logits[:, tokenizer.convert_tokens_to_ids(token)]).abs().max()))
+    return max(gaps)
+
+
+def test_the_logit_lens_of_the_last_layer_is_the_models_logits(family) -> None:  # type: ignore[no-untyped-def]
+    """At every position, the answer's and the distractor's lens logits of the last layer are the model's (after
+    its final softcap, where it has one)."""
+    arch, model, tokenizer = family
+    assert _lens_gap(model, tokenizer) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_gemma2_adapter_missing_one_of_its_differences_fails_these_checks(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2 on Llama's layout plus the embedding scale (its final softcap left out; resid_mid written at the
+    attention's own output, before the post-attention norm the block applies): the readout, the lens and the loop
+    comparison above each fail, by far more than their tolerance."""
+    from dataclasses import replace
+
+    model, tokenizer, _ = build_tiny_lm("gemma2", seed=0, folder=tmp_path_factory.mktemp("gemma2_broken"))
+    right = lm_sites.ARCHITECTURES["gemma2"]
+    monkeypatch.setitem(lm_sites.ARCHITECTURES, "gemma2", replace(right, logit_softcap=lambda config: None))
+    assert _readout_gap(model, tokenizer) > 1e-2
+    assert _lens_gap(model, tokenizer) > 1e-2
+    monkeypatch.setitem(lm_sites.ARCHITECTURES, "gemma2", replace(right, attn_branch=""))
+    worst, _ = _worst_against_the_loop("gemma2", model, tokenizer, "denoising", only=("resid_mid",))
+    assert worst > 1e-2
+
+
+def test_the_noise_is_scaled_as_what_the_first_block_receives(family) -> None:  # type: ignore[no-untyped-def]
+    """The noise corruption's std is the std of the embedding module's output over the vocabulary (Gemma's modules
+    multiply their rows by sqrt(d_model)), and the embedding module's output is what block 0 receives."""
+    from runner.hooks import HookSession
+    from runner.methods.lm_patching.corruptions import Corruption
+    from runner.options.method.lm_patching import LmCorruptionConfig
+
+    arch, model, tokenizer = family
+    layout = layout_of(model)
+    modules = dict(model.named_modules())
+    embed = modules[layout.arch.embed]
+    ids = torch.arange(embed.weight.shape[0])
+    with torch.no_grad():
+        rows = embed(ids)
+    corruption = Corruption(LmCorruptionConfig(kind="noise"))
+    with HookSession(model, []) as session:
+        corruption.setup(session, model, layout)
+    assert abs(corruption.embed_std - float(rows.std())) <= 1e-5 * float(rows.std())
+    received: dict[str, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        received["x"] = args[0] if args else kwargs["hidden_states"]
+
+    handle = modules[layout.module_name("", 0).rstrip(".")].register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[None, :8], use_cache=False)
+    finally:
+        handle.remove()
+    if arch != "gpt2":  # GPT-2 adds position embeddings after the module
+        assert (received["x"][0] - rows[:8]).abs().max() <= 1e-6

@@ -11,16 +11,21 @@ on transformers 4.x (blocks return tuples) and 5.x (tensors) alike. `pattern` is
 forward (`where="softmax"`): the attention module's only softmax, which eager attention computes in every family and
 version (runner/methods/lm_patching/engine.py reads it there); fused kernels (sdpa, flash) never materialise it.
 
-`resid_mid` is read as the mid-block norm's input, which is the stream itself; but a replacement given there would
-reach only the MLP's branch (the skip connection keeps the tensor it already holds). So the site also names how it is
-written (`SiteSpec.stream`): the block's input plus the attention's output, a replacement written into the attention's
-output as (new - stream), so that every reader of the stream gets the new value.
+`resid_mid` is the stream where the MLP's branch reads it (the input of `Architecture.mid_norm`); but a replacement
+given there would reach only the MLP's branch (the skip connection keeps the tensor it already holds). So the site
+also names how it is written (`SiteSpec.stream`): the block's input plus the attention's branch output (the
+attention's, or its post-norm's where the family applies one: Gemma 2 and 3, OLMo 2), a replacement written into
+that output as (new - stream), so that every reader of the stream gets the new value. `attn_out` and `mlp_out` are
+the same branch outputs: what each branch adds onto the stream.
+
+A family's differences (parallel attention and MLP, fused q/k/v layouts, post-norms, the final logits' softcap) are
+fields of its `Architecture`; a model_type without one is refused, naming those that exist.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,37 +37,99 @@ SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "he
 PER_HEAD = ("head", "q", "k", "v", "pattern")
 
 
+# The functions of a config that some fields of an Architecture are; each docstring's first line is what
+# docs/reference/families.md says of it (scripts/gen_reference.py).
+def _never(config: Any) -> bool:
+    """never"""
+    return False
+
+
+def _neox_parallel(config: Any) -> bool:
+    """config.use_parallel_residual (default true)"""
+    return bool(getattr(config, "use_parallel_residual", True))
+
+
+def _stablelm_parallel(config: Any) -> bool:
+    """config.use_parallel_residual"""
+    return bool(config.use_parallel_residual)
+
+
+def _always(config: Any) -> bool:
+    """always"""
+    return True
+
+
+def _no_softcap(config: Any) -> float | None:
+    """none"""
+    return None
+
+
+def _final_softcap(config: Any) -> float | None:
+    """c * tanh(x / c), c = config.final_logit_softcapping"""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """Where a family keeps its parts: module paths relative to the model, `{}` standing for the block's index."""
+    """Where a family keeps its parts (module paths relative to the model or to a block) and what its forward does
+    differently; every difference between families is a field here, none is a special case in the methods."""
 
     family: str
     blocks: str  # the ModuleList of blocks
     attn: str  # a block's attention module
-    mlp: str
+    mlp: str  # a block's MLP (a sparse MoE block where the family has one)
     out_proj: str  # the attention's output projection: its input is the heads' outputs side by side
-    mid_norm: str | None  # the norm whose input is the residual stream between attention and MLP (resid_mid);
-    # None: parallel attention and MLP, no resid_mid
+    mid_norm: str | None  # the module whose input is the residual stream between attention and MLP (resid_mid):
+    # the norm before the MLP, or the MLP itself where no norm precedes it (OLMo 2); None: no resid_mid
     final_norm: str
     embed: str
     qkv: tuple[str, str, str] | str  # separate q, k, v projections, or one fused module
-    fused_layout: str = ""  # a fused qkv's layout: "gpt2" (q | k | v) or "neox" (per head: q k v)
+    fused_layout: str = ""  # a fused qkv's layout: "gpt2" (q | k | v, equal thirds), "neox" (per head: q k v),
+    # "gqa" (q | k | v, q of the query heads, k and v of the key-value heads)
+    attn_branch: str = ""  # the module whose output the block adds onto the stream after attention ("": attn);
+    # a post-attention norm where the family applies one to the branch (Gemma 2 and 3, OLMo 2)
+    mlp_branch: str = ""  # the same after the MLP ("": mlp)
+    parallel: Callable[[Any], bool] = _never  # config -> attention and MLP read the same input (no resid_mid;
+    # mid_norm None: always)
+    logit_softcap: Callable[[Any], float | None] = _no_softcap  # config -> c of the final logits' c*tanh(x/c)
 
+
+_LLAMA = {"blocks": "model.layers", "attn": "self_attn", "mlp": "mlp", "out_proj": "self_attn.o_proj",
+          "mid_norm": "post_attention_layernorm", "final_norm": "model.norm", "embed": "model.embed_tokens",
+          "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}  # fmt: skip
+# Gemma 2 and 3: a norm before and after each branch; the stream between them is the pre-MLP norm's input.
+_SANDWICH = {**_LLAMA, "mid_norm": "pre_feedforward_layernorm", "attn_branch": "post_attention_layernorm",
+             "mlp_branch": "post_feedforward_layernorm"}  # fmt: skip
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", "transformer.h", "attn", "mlp", "attn.c_proj", "ln_2", "transformer.ln_f",
                          "transformer.wte", "attn.c_attn", "gpt2"),
-    "llama": Architecture("llama", "model.layers", "self_attn", "mlp", "self_attn.o_proj", "post_attention_layernorm",
-                          "model.norm", "model.embed_tokens",
-                          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    # Llama's layout: one norm before attention and one before the MLP, each branch's output added to the stream.
+    "llama": Architecture("llama", **_LLAMA),
     "gpt_neox": Architecture("gpt_neox", "gpt_neox.layers", "attention", "mlp", "attention.dense",
-                             "post_attention_layernorm", "gpt_neox.final_layer_norm",
-                             "gpt_neox.embed_in", "attention.query_key_value", "neox"),
+                             "post_attention_layernorm", "gpt_neox.final_layer_norm", "gpt_neox.embed_in",
+                             "attention.query_key_value", "neox",
+                             parallel=_neox_parallel),
+    "gemma": Architecture("gemma", **_LLAMA),
+    "gemma2": Architecture("gemma2", **_SANDWICH, logit_softcap=_final_softcap),
+    "gemma3_text": Architecture("gemma3_text", **_SANDWICH, logit_softcap=_final_softcap),
+    # OLMo 2: no norm before either branch, one after each; the MLP reads the stream itself.
+    "olmo2": Architecture("olmo2", **{**_LLAMA, "mid_norm": "mlp", "attn_branch": "post_attention_layernorm",
+                                      "mlp_branch": "post_feedforward_layernorm"}),
+    "phi3": Architecture("phi3", **{**_LLAMA, "qkv": "self_attn.qkv_proj", "fused_layout": "gqa"}),
+    "stablelm": Architecture("stablelm", **_LLAMA, parallel=_stablelm_parallel),
+    "phi": Architecture("phi", **{**_LLAMA, "out_proj": "self_attn.dense", "mid_norm": None,
+                                  "final_norm": "model.final_layernorm", "parallel": _always}),
+    "gptj": Architecture("gptj", "transformer.h", "attn", "mlp", "attn.out_proj", None, "transformer.ln_f",
+                         "transformer.wte", ("attn.q_proj", "attn.k_proj", "attn.v_proj"), parallel=_always),
 }  # fmt: skip
-# model_type (config.json) -> family: Llama's layout is shared by Mistral, Qwen2 and Qwen3 (their blocks add the
-# attention's output straight onto the stream, with one norm before attention and one before the MLP).
+# model_type (config.json) -> family. Mistral, Qwen2/3, OLMo and the sparse-MoE Mixtral and Qwen2/3-MoE have Llama's
+# layout (their `mlp` is the MoE block, whose output is what the block adds to the stream).
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
-            "gpt_neox": "gpt_neox"}  # fmt: skip
+            "olmo": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama",
+            "gpt_neox": "gpt_neox", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3_text",
+            "olmo2": "olmo2", "phi3": "phi3", "stablelm": "stablelm", "phi": "phi", "gptj": "gptj"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,17 +187,24 @@ def _heads_first(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new.transpose(1, 2)
 
 
-def _fused_part(layout: str, part: int, heads: int) -> tuple[Callable, Callable]:
-    """q (0), k (1) or v (2) of a fused projection's output, per head."""
+def _fused_part(layout: str, part: int, heads: int, kv_heads: int) -> tuple[Callable, Callable]:
+    """q (0), k (1) or v (2) of a fused projection's output, per head (`heads` query heads, `kv_heads` key-value)."""
+    own = heads if part == 0 else kv_heads
+
+    def sizes(raw: torch.Tensor) -> list[int]:
+        if layout == "gpt2":  # [q | k | v], equal thirds
+            return [raw.shape[-1] // 3] * 3
+        size = raw.shape[-1] // (heads + 2 * kv_heads)  # gqa: [q | k | v], q of the query heads, k and v of the kv
+        return [heads * size, kv_heads * size, kv_heads * size]
 
     def get(raw: torch.Tensor) -> torch.Tensor:
-        if layout == "gpt2":  # [q | k | v], each heads x d
-            return raw.chunk(3, dim=-1)[part].unflatten(-1, (heads, -1))
-        return raw.unflatten(-1, (heads, 3, -1))[..., part, :]  # neox: per head [q k v]
+        if layout == "neox":  # per head [q k v]
+            return raw.unflatten(-1, (heads, 3, -1))[..., part, :]
+        return raw.split(sizes(raw), dim=-1)[part].unflatten(-1, (own, -1))
 
     def put(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        if layout == "gpt2":
-            parts = list(raw.chunk(3, dim=-1))
+        if layout != "neox":
+            parts = list(raw.split(sizes(raw), dim=-1))
             parts[part] = new.flatten(-2)
             return torch.cat(parts, dim=-1)
         out = raw.unflatten(-1, (heads, 3, -1)).clone()
@@ -149,6 +223,13 @@ class LanguageModelLayout:
     heads: int
     kv_heads: int
     attn_implementation: str
+    logit_softcap: float | None = None  # the final logits are c * tanh(x / c) (Gemma 2 and 3); None: as they are
+
+    def logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its unembedding's output: the final softcap applied where the family has one."""
+        if self.logit_softcap is None:
+            return raw
+        return torch.tanh(raw / self.logit_softcap) * self.logit_softcap
 
     def module_name(self, part: str, layer: int) -> str:
         return f"{self.arch.blocks}.{layer}.{part}"
@@ -170,12 +251,12 @@ class LanguageModelLayout:
         if kind == "resid_mid":
             if a.mid_norm is None:
                 raise RunnerError(f"{a.family} runs attention and MLP in parallel: it has no resid_mid site.")
-            stream = StreamSum(block, f"{block}.{a.attn}")
+            stream = StreamSum(block, f"{block}.{a.attn_branch or a.attn}")
             return SiteSpec(kind, layer, f"{block}.{a.mid_norm}", "input", _same, _replace, stream=stream)
-        if kind == "attn_out":
-            return SiteSpec(kind, layer, f"{block}.{a.attn}", "output", _same, _replace)
+        if kind == "attn_out":  # what the block adds onto the stream: after the post-attention norm, if any
+            return SiteSpec(kind, layer, f"{block}.{a.attn_branch or a.attn}", "output", _same, _replace)
         if kind == "mlp_out":
-            return SiteSpec(kind, layer, f"{block}.{a.mlp}", "output", _same, _replace)
+            return SiteSpec(kind, layer, f"{block}.{a.mlp_branch or a.mlp}", "output", _same, _replace)
         if kind == "head":
             get, put = _split_heads(self.heads)
             return SiteSpec(kind, layer, f"{block}.{a.out_proj}", "input", get, put, self.heads)
@@ -191,7 +272,7 @@ class LanguageModelLayout:
         if isinstance(a.qkv, tuple):
             get, put = _split_heads(heads)
             return SiteSpec(kind, layer, f"{block}.{a.qkv[part]}", "output", get, put, heads)
-        get, put = _fused_part(a.fused_layout, part, heads)
+        get, put = _fused_part(a.fused_layout, part, self.heads, self.kv_heads)
         return SiteSpec(kind, layer, f"{block}.{a.qkv}", "output", get, put, heads)
 
     def available(self) -> list[str]:
@@ -210,16 +291,15 @@ def layout_of(model: nn.Module) -> LanguageModelLayout:
     if family is None:
         raise RunnerError(
             f"No site adapter for model_type '{model_type}': sites are known for {', '.join(sorted(FAMILIES))}."
-            " Other models can still be hooked by module name with layers.include."
         )
     arch = ARCHITECTURES[family]
-    if family == "gpt_neox" and getattr(config, "use_parallel_residual", True):
-        arch = Architecture(**{**arch.__dict__, "mid_norm": None})
+    if arch.mid_norm is not None and arch.parallel(config):
+        arch = replace(arch, mid_norm=None)
     heads = int(getattr(config, "num_attention_heads", None) or config.n_head)  # type: ignore[union-attr]
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)  # type: ignore[union-attr]
     implementation = str(getattr(config, "_attn_implementation", None) or "eager")
-    return LanguageModelLayout(arch, layers, heads, kv_heads, implementation)
+    return LanguageModelLayout(arch, layers, heads, kv_heads, implementation, arch.logit_softcap(config))
 
 
 def unembedding(model: nn.Module) -> nn.Module:

@@ -3,15 +3,17 @@
   pair      the pair's own corrupted prompt;
   resample  another pair's clean prompt of the same token length, from the whole data source (per pair, chosen by
             its index with corruption.seed); the answer and distractor stay the pair's own;
-  noise     the clean prompt, Gaussian noise of std x the embedding matrix's std added to the embedding output on
-            `span` (causal tracing, Meng et al. 2022);
+  noise     the clean prompt, Gaussian noise of std x the embedding output's std added to the embedding output on
+            `span` (causal tracing, Meng et al. 2022): the embedding matrix's std times the scale the embedding
+            module applies to its rows (Gemma's: sqrt(d_model)), so that the noise is on the scale of what it edits;
   zero      the clean prompt, the embedding output on `span` replaced by zeros;
   mean      the clean prompt, the embedding output on `span` replaced by its mean over the data source's clean-prompt
             tokens.
 The last three edit the embedding module's output (one hook, `EmbeddingEdit`), before any position embedding a model
-adds after it; `span` null is every position but a leading BOS token (the model's bos_token_id), which is the same in
-every prompt and the position most models park their attention on: editing it breaks the model rather than removing
-what the prompt says.
+adds after it; Gemma's scale is applied inside its embedding module (transformers 5), so the edit is of what the
+first block receives. `span` null is every position but a leading BOS token (the model's bos_token_id), which is the
+same in every prompt and the position most models park their attention on: editing it breaks the model rather than
+removing what the prompt says.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class Corruption:
             return
         embed = dict(model.named_modules())[layout.arch.embed]
         session.add_hook(embed, self._edit, pre=False)
-        self.embed_std = float(embed.weight.detach().float().std())
+        self.embed_std = float(embed.weight.detach().float().std()) * _output_scale(embed)
         self.dim = int(embed.weight.shape[1])
         if self.kind is LmCorruption.mean:
             self.mean = self._mean_embedding(embed)
@@ -208,6 +210,16 @@ class Corruption:
             out[row, out.shape[1] - length :] = torch.tensor(partner.clean, dtype=out.dtype)
             names.append(partner.sample_id)
         return Corrupted(out, None, names)
+
+
+def _output_scale(embed: nn.Module) -> float:
+    """What the embedding module multiplies its rows by (1, or Gemma's sqrt(d_model) in transformers 5), measured on
+    its largest row: the module's own output is what the noise is added to."""
+    weight = embed.weight.detach()
+    row = int(weight.float().norm(dim=1).argmax())
+    with torch.no_grad():
+        out = embed(torch.tensor([row], device=weight.device))
+    return float(out.float().norm() / weight[row].float().norm())
 
 
 def _sample_ids(dataset: Dataset) -> list[str]:

@@ -4,7 +4,8 @@ reads nothing else (token_logit_diff), else the whole vocabulary's.
 A variant's forward ends in the unembedding, a (rows x vocabulary) product: on GPT-2 small's widths it is a fifth of
 a patched chunk's time on a CPU. A target that reads only the answer and distractor logits gets them from the base
 model's last hidden state (after its final norm) times those tokens' rows of the unembedding: the same linear map,
-cut to the columns used. Models whose unembedding is not a plain linear map of the final hidden state (device-mapped
+cut to the columns used, then the family's final softcap (`LanguageModelLayout.logits`: elementwise, so exact on
+the columns alone). Models whose unembedding is not a plain linear map of the final hidden state (device-mapped
 models, whose unembedding may sit on another device or on disk) take the full path.
 """
 
@@ -22,7 +23,7 @@ class Readout:
     """Runs a (patched) forward and scores it with the run's token target."""
 
     def __init__(self, model: nn.Module, layout: LanguageModelLayout, target: Any) -> None:
-        self.model, self.target = model, target
+        self.model, self.target, self.layout = model, target, layout
         self.base: nn.Module | None = getattr(model, "base_model", None)
         unembed = unembedding(model)
         self.unembed = unembed if isinstance(unembed, nn.Linear) else None
@@ -53,6 +54,7 @@ class Readout:
         logits = hidden.to(weight.device).float() @ rows.T  # (rows, K): the unembedding's columns the target reads
         if bias is not None:
             logits = logits + bias[tokens.to(bias.device)].float()
+        logits = self.layout.logits(logits)  # the model's own post-processing (Gemma 2's softcap)
 
         def compact(ids: torch.Tensor) -> torch.Tensor:
             found = torch.searchsorted(tokens, ids.clamp(min=0))

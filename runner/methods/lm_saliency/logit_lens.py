@@ -4,7 +4,8 @@ unembedding, at every position of each pair's clean prompt (nostalgebraist 2020)
 Layer -1 is the embeddings (block 0's input: token plus position embeddings where the model adds them), layer l is
 block l's output; the norm is applied to each layer's residual with its own statistics. The last block's output is
 what the model itself normalises and unembeds, so the last layer's lens is the model's own logits (the final norm
-applied once: `output_hidden_states[-1]` is already after it). The residuals come from one forward without
+applied once: `output_hidden_states[-1]` is already after it; the family's final softcap, Gemma 2's and 3's, applied
+as the model applies it). The residuals come from one forward without
 gradient; the lens is taken one layer at a time, so only (B, T, vocabulary) logits are held at once.
 """
 
@@ -88,6 +89,7 @@ class LmLogitLens(Method):
         self.last = layout.layers - 1
         modules = dict(model.named_modules())
         self.norm, self.unembed = modules[layout.arch.final_norm], unembedding(model)
+        self.layout = layout
         # The last block's output is always read: its lens is the reference distribution of kl_to_clean.
         self.specs = {layer: layout.site("resid_pre", 0) if layer == EMBEDDINGS else layout.site("resid_post", layer)
                       for layer in dict.fromkeys([*layers, self.last])}  # fmt: skip
@@ -104,12 +106,13 @@ class LmLogitLens(Method):
         return hook
 
     def lens(self, residual: torch.Tensor) -> torch.Tensor:
-        """(B, T, V) float32 logits of a residual stream (B, T, D) through the final norm and the unembedding.
+        """(B, T, V) float32 logits of a residual stream (B, T, D) through the final norm, the unembedding and the
+        family's final softcap.
         Their `forward`, not the module call: hooks a user put on them would count calls the model did not make."""
         device = next(self.norm.parameters(), residual).device
         normed = self.norm.forward(residual.to(device))
         device = next(self.unembed.parameters()).device
-        return self.unembed.forward(normed.to(device)).float()
+        return self.layout.logits(self.unembed.forward(normed.to(device)).float())
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = clean_prompts(batch, self.name)

@@ -32,7 +32,7 @@ class HeadPositions(str, Enum):
 @dataclass
 class LmCorruptionConfig:
     kind: LmCorruption = LmCorruption.pair
-    std: float = 3.0  # noise: in standard deviations of the embedding matrix's entries (Meng et al. 2022: 3)
+    std: float = 3.0  # noise: in standard deviations of the embedding output's entries (Meng et al. 2022: 3)
     # noise, zero, mean: the token positions edited, [start, end) counted as the table's positions (BOS = 0); null:
     # every position but a leading BOS token
     span: Optional[list[int]] = None  # noqa: UP045 (OmegaConf)
