@@ -1,7 +1,8 @@
 """Write docs/reference/*.md from the code: the registered methods, every config group's options and their
-fields, and every declared table's columns. `--check` writes nothing and exits 1 naming the stale files.
+fields, every declared table's columns, and the language-model families that have site adapters. `--check` writes
+nothing and exits 1 naming the stale files.
 
-    python scripts/gen_reference.py            # (re)write docs/reference/methods.md, options.md, tables.md
+    python scripts/gen_reference.py            # (re)write docs/reference/methods.md, options.md, tables.md, families.md
     python scripts/gen_reference.py --check    # exit 1 if a committed file differs from what the code gives
 
 All access to the registries is in `collect()`: the rest of the script only formats what it returns.
@@ -44,11 +45,13 @@ class Collected:
     sweep_prefix: str
     tables: dict[str, tuple[Any, str]]  # table -> (its own pyarrow schema, the module that declares it)
     optional_when: Callable[[Any], str | None]  # a column's config under which it is written; None: always
+    families: dict[str, Any]  # model_type -> its site adapter (runner.models.lm_sites.Architecture)
 
 
 def collect() -> Collected:
     """Every registry and declared schema the reference lists. The one place that knows where they live."""
     import runner.tables as tables
+    from runner.models.lm_sites import ARCHITECTURES, FAMILIES
     from runner.options.metric.evaluation import EvaluationConfig
     from runner.options.registry import POINTS
     from runner.schema import DataConfig, MethodConfig, ModelConfig, RunConfig, TargetConfig
@@ -85,6 +88,7 @@ def collect() -> Collected:
         sweep_prefix=tables.SWEEP_PREFIX,
         tables={name: (schema, owners[name]) for name, schema in tables.declared().items()},
         optional_when=when,
+        families={model_type: ARCHITECTURES[family] for model_type, family in sorted(FAMILIES.items())},
     )
 
 
@@ -355,6 +359,40 @@ def render_tables(c: Collected) -> str:
     return "\n".join(out)
 
 
+def render_families(c: Collected) -> str:
+    out = [HEADER + "# Language-model families", "",
+           "The Hugging Face `model_type`s (config.json) that have a site adapter (`runner/models/lm_sites.py`), and",
+           "what each adapter says of the family: module paths are from a block, except the blocks, the final norm and",
+           "the embedding (from the model). `attn_out` and `mlp_out` are what each branch adds onto the residual",
+           "stream; `resid_mid` is the stream where the MLP's branch reads it (the input of the module named), written",
+           "into the attention's branch output. Sites: [../language_models.md](../language_models.md#sites).", "",
+           "| model_type | adapter | blocks | `attn_out` | `mlp_out` | `resid_mid` | `head` (input of) |"
+           " `q`, `k`, `v` | final norm | embedding | final logits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def doc(fn: Any) -> str:
+        return (fn.__doc__ or "").strip().splitlines()[0]
+
+    for model_type, a in c.families.items():
+        if a.mid_norm is None:
+            mid = "none (attention and MLP in parallel)"
+        elif doc(a.parallel) != "never":
+            mid = f"`{a.mid_norm}`; none where {doc(a.parallel)}"
+        else:
+            mid = f"`{a.mid_norm}`"
+        qkv = ", ".join(f"`{q}`" for q in a.qkv) if isinstance(a.qkv, tuple) else f"`{a.qkv}` ({a.fused_layout})"
+        cells = [f"`{model_type}`", a.family, f"`{a.blocks}`", f"`{a.attn_branch or a.attn}`",
+                 f"`{a.mlp_branch or a.mlp}`", mid, f"`{a.out_proj}`", qkv, f"`{a.final_norm}`",
+                 f"`{a.embed}`", doc(a.logit_softcap)]  # fmt: skip
+        out.append("| " + " | ".join(cell(x) for x in cells) + " |")
+    out += ["", "Fused q/k/v layouts: gpt2 = q | k | v in equal thirds; neox = per head, q k v; gqa = q | k | v with q",
+            "of the query heads and k, v of the key-value heads. Mixtral's and Qwen2/3-MoE's `mlp` is the sparse MoE",
+            "block (its output: what the block adds). Gemma's embedding module multiplies its rows by",
+            "sqrt(hidden_size): the embedding corruptions edit its output, and the noise's std is measured on it.",
+            ""]  # fmt: skip
+    return "\n".join(out)
+
+
 def example_diff(example: Path) -> str:
     """An example extension (docs/examples/extending/NAME/, laid out as the checkout) as the diff that adds it: every
     file a new one, nothing else changed."""
@@ -381,7 +419,12 @@ def render_extending(text: str) -> str:
 def render() -> dict[Path, str]:
     """{file: its contents} for every generated reference file (and docs/extending.md's example diffs)."""
     collected = collect()
-    pages = {"methods.md": render_methods, "options.md": render_options, "tables.md": render_tables}
+    pages = {
+        "methods.md": render_methods,
+        "options.md": render_options,
+        "tables.md": render_tables,
+        "families.md": render_families,
+    }
     out = {REFERENCE / name: make(collected).rstrip("\n") + "\n" for name, make in pages.items()}
     extending = ROOT / "docs" / "extending.md"
     out[extending] = render_extending(extending.read_text())

@@ -79,3 +79,14 @@ def test_check_names_a_stale_file_and_exits_1(
     assert gen.main(["--check"]) == 1
     assert "tables.md" in capsys.readouterr().err
     assert (tmp_path / "tables.md").read_text() == "edited by hand\n"  # --check writes nothing
+
+
+def test_reference_lists_every_language_model_family(pages: dict[Path, str]) -> None:
+    """docs/reference/families.md has a row per model_type that has a site adapter, and docs/language_models.md
+    points to it rather than keeping a list of its own."""
+    from runner.models.lm_sites import FAMILIES
+
+    families = pages[ROOT / "docs" / "reference" / "families.md"]
+    for model_type in FAMILIES:
+        assert f"| `{model_type}` |" in families
+    assert "reference/families.md" in (ROOT / "docs" / "language_models.md").read_text()
