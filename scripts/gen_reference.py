@@ -367,8 +367,8 @@ def render_families(c: Collected) -> str:
            "stream; `resid_mid` is the stream where the MLP's branch reads it (the input of the module named), written",
            "into the attention's branch output. Sites: [../language_models.md](../language_models.md#sites).", "",
            "| model_type | adapter | blocks | `attn_out` | `mlp_out` | `resid_mid` | `head` (input of) |"
-           " `q`, `k`, `v` | final norm | embedding | final logits |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           " `q`, `k`, `v` | final norm | embedding | final logits | refused |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def doc(fn: Any) -> str:
         return (fn.__doc__ or "").strip().splitlines()[0]
@@ -383,13 +383,15 @@ def render_families(c: Collected) -> str:
         qkv = ", ".join(f"`{q}`" for q in a.qkv) if isinstance(a.qkv, tuple) else f"`{a.qkv}` ({a.fused_layout})"
         cells = [f"`{model_type}`", a.family, f"`{a.blocks}`", f"`{a.attn_branch or a.attn}`",
                  f"`{a.mlp_branch or a.mlp}`", mid, f"`{a.out_proj}`", qkv, f"`{a.final_norm}`",
-                 f"`{a.embed}`", doc(a.logit_softcap)]  # fmt: skip
+                 f"`{a.embed}`", doc(a.logit_softcap), doc(a.refuse)]  # fmt: skip
+        if a.mlp_rows:
+            cells[4] += " (on the positions flattened, viewed back)"
         out.append("| " + " | ".join(cell(x) for x in cells) + " |")
     out += ["", "Fused q/k/v layouts: gpt2 = q | k | v in equal thirds; neox = per head, q k v; gqa = q | k | v with q",
             "of the query heads and k, v of the key-value heads. Mixtral's and Qwen2/3-MoE's `mlp` is the sparse MoE",
-            "block (its output: what the block adds). Gemma's embedding module multiplies its rows by",
-            "sqrt(hidden_size): the embedding corruptions edit its output, and the noise's std is measured on it.",
-            ""]  # fmt: skip
+            "block (its output: what the block adds); OPT has no MLP module, its `mlp_out` is `fc2`'s output. Gemma's",
+            "embedding module multiplies its rows by sqrt(hidden_size): the embedding corruptions edit its output, and",
+            "the noise's std is measured on it.", ""]  # fmt: skip
     return "\n".join(out)
 
 

@@ -2,7 +2,9 @@
 
 Two ways of computing the same layer x position / layer x head patching results, used to check the runner's LM
 patching engine and as contenders in scripts/bench_lm_patching.py:
-  - `loop_patching`: one full forward per cell, plain torch hooks on the HF modules;
+  - `loop_patching`: one full forward per cell, plain torch hooks on the HF modules (GPT-2 and Llama);
+    `patched_metric` and `capture_all` do the same for every site of every family in FAMILIES, from the module
+    paths in PARTS (written from each family's modeling file, not from the runner's adapters);
   - `tl_patching`: TransformerLens 4.3's `patching.get_act_patch_*` through its `TransformerBridge`.
 `build_tiny_lm` makes the random-weight models both are run on, offline: GPT-2, Llama (grouped-query) and the
 other families in FAMILIES.
@@ -47,7 +49,7 @@ def build_tokenizer(n_tokens: int = N_TOKENS) -> Any:
 # family's own config class. gpt_neox_seq and stablelm_par: the other residual form of a family that has both.
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_seq", "gemma", "gemma2", "olmo",
             "olmo2", "phi3", "stablelm", "stablelm_par", "gptj", "phi", "mixtral", "gemma3_text", "qwen2_moe",
-            "qwen3_moe")  # fmt: skip
+            "qwen3_moe", "opt")  # fmt: skip
 VARIANTS = {"gpt_neox_seq": "gpt_neox", "stablelm_par": "stablelm"}  # variant -> its model_type
 SOFTCAP = 2.0  # Gemma 2 and 3's final-logit softcap: small, so that a readout without it is visibly wrong
 
@@ -99,6 +101,11 @@ def tiny_config(arch: str, vocab: int) -> Any:
         return transformers.GPTJConfig(
             n_layer=2, n_embd=32, n_head=4, rotary_dim=4, vocab_size=vocab, n_positions=32, initializer_range=INIT,
             **ids,
+        )  # fmt: skip
+    if arch == "opt":
+        return transformers.OPTConfig(
+            num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=vocab,
+            max_position_embeddings=32, word_embed_proj_dim=32, init_std=INIT, **ids,
         )  # fmt: skip
     if arch.startswith("gpt_neox"):
         return transformers.GPTNeoXConfig(
@@ -448,6 +455,9 @@ PARTS: dict[str, Parts] = {
     "phi3": replace(_LLAMA_PARTS, qkv="self_attn.qkv_proj", fused="gqa"),
     "stablelm_par": replace(_LLAMA_PARTS, sequential=False),
     "phi": replace(_LLAMA_PARTS, out_proj="self_attn.dense", sequential=False),
+    # OPT: fc1/fc2 on the positions flattened, (B x T, d): mlp_out is fc2's output viewed back
+    "opt": Parts("model.decoder.layers", "self_attn", "self_attn", "fc2", "self_attn.out_proj", ("self_attn.q_proj",
+                 "self_attn.k_proj", "self_attn.v_proj")),
     "gptj": Parts("transformer.h", "attn", "attn", "mlp", "attn.out_proj", ("attn.q_proj", "attn.k_proj",
                   "attn.v_proj"), sequential=False),
 }  # fmt: skip
@@ -575,15 +585,18 @@ def patched_metric(model: nn.Module, arch: str, ids: torch.Tensor, site: str, la
     parts = PARTS[arch]
 
     def patch(raw: torch.Tensor) -> torch.Tensor:
-        new = raw.clone()
         where = slice(None) if position is None else position
         if site == "pattern":  # (B, H, T query, T key)
+            new = raw.clone()
             heads = slice(None) if head is None else head
             new[:, heads, where] = source[:, heads, where]
             return new
+        # OPT's MLP runs on (B x T, d) rows: viewed as (B, T, d)
+        new = raw.clone().view(ids.shape[0], -1, raw.shape[-1])
+        src = source.view(new.shape)
         channels = slice(None) if head is None else _channels(model, parts, site, raw.shape[-1], head)
-        new[:, where, channels] = source[:, where, channels]
-        return new
+        new[:, where, channels] = src[:, where, channels]
+        return new.view(raw.shape)
 
     handles = _hook_raw(model, arch, site, layer, patch)
     try:

@@ -295,5 +295,18 @@ def test_the_noise_is_scaled_as_what_the_first_block_receives(family) -> None:  
             model(input_ids=ids[None, :8], use_cache=False)
     finally:
         handle.remove()
-    if arch != "gpt2":  # GPT-2 adds position embeddings after the module
+    if arch not in ("gpt2", "opt"):  # GPT-2 and OPT add learned position embeddings after the module
         assert (received["x"][0] - rows[:8]).abs().max() <= 1e-6
+
+
+def test_a_post_norm_opt_is_refused_with_the_reason() -> None:
+    """OPT-350m's blocks normalise the stream after each branch (do_layer_norm_before false): no adapter fits it."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.lm_references import tiny_config
+
+    config = tiny_config("opt", 24)
+    config.do_layer_norm_before = False
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(RunnerError, match="do_layer_norm_before=false"):
+        layout_of(model)

@@ -59,6 +59,20 @@ def _always(config: Any) -> bool:
     return True
 
 
+def _accepted(config: Any) -> str | None:
+    """none"""
+    return None
+
+
+def _opt_refusal(config: Any) -> str | None:
+    """post-norm OPT (do_layer_norm_before false, OPT-350m) and a projected embedding"""
+    if not getattr(config, "do_layer_norm_before", True):
+        return "OPT with do_layer_norm_before=false (OPT-350m) normalises the stream after each branch"
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        return "OPT with word_embed_proj_dim != hidden_size projects its embeddings in and out"
+    return None
+
+
 def _no_softcap(config: Any) -> float | None:
     """none"""
     return None
@@ -93,6 +107,8 @@ class Architecture:
     parallel: Callable[[Any], bool] = _never  # config -> attention and MLP read the same input (no resid_mid;
     # mid_norm None: always)
     logit_softcap: Callable[[Any], float | None] = _no_softcap  # config -> c of the final logits' c*tanh(x/c)
+    mlp_rows: bool = False  # the MLP runs on the positions flattened, (batch x positions, d) rows (OPT's fc1/fc2)
+    refuse: Callable[[Any], str | None] = _accepted  # config -> why this adapter does not fit it (None: it does)
 
 
 _LLAMA = {"blocks": "model.layers", "attn": "self_attn", "mlp": "mlp", "out_proj": "self_attn.o_proj",
@@ -123,13 +139,18 @@ ARCHITECTURES: dict[str, Architecture] = {
                                   "final_norm": "model.final_layernorm", "parallel": _always}),
     "gptj": Architecture("gptj", "transformer.h", "attn", "mlp", "attn.out_proj", None, "transformer.ln_f",
                          "transformer.wte", ("attn.q_proj", "attn.k_proj", "attn.v_proj"), parallel=_always),
+    # OPT: no `mlp` module; the block flattens the positions before fc1 and fc2 (mlp_out: fc2's output).
+    "opt": Architecture("opt", "model.decoder.layers", "self_attn", "fc2", "self_attn.out_proj", "final_layer_norm",
+                        "model.decoder.final_layer_norm", "model.decoder.embed_tokens",
+                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), mlp_rows=True,
+                        refuse=_opt_refusal),
 }  # fmt: skip
 # model_type (config.json) -> family. Mistral, Qwen2/3, OLMo and the sparse-MoE Mixtral and Qwen2/3-MoE have Llama's
 # layout (their `mlp` is the MoE block, whose output is what the block adds to the stream).
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "olmo": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama",
             "gpt_neox": "gpt_neox", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3_text",
-            "olmo2": "olmo2", "phi3": "phi3", "stablelm": "stablelm", "phi": "phi", "gptj": "gptj"}  # fmt: skip
+            "olmo2": "olmo2", "phi3": "phi3", "stablelm": "stablelm", "phi": "phi", "gptj": "gptj", "opt": "opt"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -155,6 +176,8 @@ class SiteSpec:
     put: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (raw, new view) -> the raw tensor to pass on
     heads: int = 0  # per-head sites: how many heads the view has (k and v: the key-value heads)
     stream: StreamSum | None = None  # a stream site written as a sum (resid_mid); None: written where it is read
+    rows_of: str = ""  # the raw tensor is (batch x positions, ...) rows of this module's (B, T, D) input (the block:
+    # OPT's MLP); "": it has the batch and position axes
 
     @property
     def name(self) -> str:
@@ -256,7 +279,8 @@ class LanguageModelLayout:
         if kind == "attn_out":  # what the block adds onto the stream: after the post-attention norm, if any
             return SiteSpec(kind, layer, f"{block}.{a.attn_branch or a.attn}", "output", _same, _replace)
         if kind == "mlp_out":
-            return SiteSpec(kind, layer, f"{block}.{a.mlp_branch or a.mlp}", "output", _same, _replace)
+            return SiteSpec(kind, layer, f"{block}.{a.mlp_branch or a.mlp}", "output", _same, _replace,
+                            rows_of=block if a.mlp_rows else "")  # fmt: skip
         if kind == "head":
             get, put = _split_heads(self.heads)
             return SiteSpec(kind, layer, f"{block}.{a.out_proj}", "input", get, put, self.heads)
@@ -293,6 +317,9 @@ def layout_of(model: nn.Module) -> LanguageModelLayout:
             f"No site adapter for model_type '{model_type}': sites are known for {', '.join(sorted(FAMILIES))}."
         )
     arch = ARCHITECTURES[family]
+    refused = arch.refuse(config)
+    if refused:
+        raise RunnerError(f"No site adapter fits this model: {refused}.")
     if arch.mid_norm is not None and arch.parallel(config):
         arch = replace(arch, mid_norm=None)
     heads = int(getattr(config, "num_attention_heads", None) or config.n_head)  # type: ignore[union-attr]

@@ -11,6 +11,9 @@ read: it is kept and replaced at the attention's output (`SiteSpec.stream`), as 
 pre-hook on the block) plus that output, and a replacement is written back as the attention's output plus
 (new - stream), exact zeros wherever nothing is patched.
 
+A site whose module runs on the positions flattened (OPT's fc2: (batch x positions, d) rows; `SiteSpec.rows_of`) is
+viewed with the (batch, positions) of its block's input, kept by a pre-hook on the block, and flattened back.
+
 The `pattern` site lives inside the attention's forward: a pre-hook on the attention module enters a torch function
 mode that sees the one softmax eager attention computes (the same call in GPT-2, Llama and GPT-NeoX, transformers
 4.x and 5.x) and keeps or replaces its output; the module's forward hook leaves the mode, also after an error (and
@@ -65,6 +68,7 @@ class SiteHooks:
         self.sources: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) source views of a patched run
         self.patches: dict[str, _Patch] = {}
         self.bases: dict[str, torch.Tensor] = {}  # stream site name -> this forward's (B, T, D) block input
+        self.shapes: dict[str, tuple[int, int]] = {}  # rows site name -> this forward's (B, T)
         modules = dict(model.named_modules())
         for spec in specs:
             module = modules[spec.module]
@@ -79,6 +83,8 @@ class SiteHooks:
             elif spec.where == "input":
                 session.add_hook(module, self._pre_hook(spec), pre=True)
             else:
+                if spec.rows_of:
+                    session.add_hook(modules[spec.rows_of], self._shape_hook(spec), pre=True)
                 session.add_hook(module, self._hook(spec), pre=False)
 
     def _pre_hook(self, spec: SiteSpec) -> Callable[..., Any]:
@@ -90,8 +96,20 @@ class SiteHooks:
 
     def _hook(self, spec: SiteSpec) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-            new = self.visit(spec, read_site(spec, args, kwargs, output))
+            raw = read_site(spec, args, kwargs, output)
+            if spec.rows_of:  # (B x T, ...) rows: viewed with the positions as every site's view has them
+                raw = raw.view(*self.shapes[spec.name], *raw.shape[1:])
+            new = self.visit(spec, raw)
+            if new is not None and spec.rows_of:
+                new = new.flatten(0, 1)
             return None if new is None else with_site(spec, args, kwargs, output, new)
+
+        return hook
+
+    def _shape_hook(self, spec: SiteSpec) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.shapes[spec.name] = (hidden.shape[0], hidden.shape[1])
 
         return hook
 
