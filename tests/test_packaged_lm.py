@@ -91,14 +91,18 @@ def test_an_interrupted_conversion_leaves_no_folder_that_loads(stand_in: Path, t
     with pytest.raises(KeyboardInterrupt):
         converted_folder(NAME, killed)
     assert list((tmp_path / "cache").iterdir()) == []
-    # A conversion killed outright (SIGKILL) leaves its scratch folder under another name, and a folder copied in
-    # without the stamp is not taken as converted either: both are converted again.
-    (tmp_path / "cache" / f".{NAME}.converting-x").mkdir()
+    # A conversion killed outright (SIGKILL) leaves its scratch folder under another name, which is never loaded and
+    # is removed once its process is gone; a folder copied in without the stamp is not taken as converted: it is
+    # converted again.
+    gone, running = 2**22 + 12345, os.getpid()  # above Linux's largest pid; this process
+    (tmp_path / "cache" / f".{NAME}.converting-{gone}-abc").mkdir()
+    (tmp_path / "cache" / f".{NAME}.converting-{running}-def").mkdir()
     (tmp_path / "cache" / NAME).mkdir()
     (tmp_path / "cache" / NAME / "config.json").write_text("{}")
     convert = CopyShipped()
     folder = converted_folder(NAME, convert)
     assert convert.calls == 1 and (folder / "model.safetensors").is_file() and (folder / STAMP).is_file()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [f".{NAME}.converting-{running}-def", NAME]
 
 
 def test_a_changed_file_is_converted_again(stand_in: Path) -> None:
@@ -222,3 +226,33 @@ def test_smollm2_prefers_the_indirect_object(smollm2) -> None:
         (io,), (s,) = tokenizer(answer)["input_ids"], tokenizer(distractor)["input_ids"]  # one token each
         logits = _next_logits(model, tokenizer, prompt)
         assert logits[io] - logits[s] > 0, (prompt, float(logits[io] - logits[s]))
+
+
+# Largest |restoration - float32's| on SmolLM2 from bfloat16 weights over IOI_PAIRS x resid_pre at every position
+# of LAYERS, measured: see BF16_TOLERANCE's comment.
+IOI_PAIRS = [
+    {"clean": "When Mary and John went to the store, John gave a drink to",
+     "corrupted": "When Mary and John went to the store, Peter gave a drink to", "answer": " Mary", "distractor": " John"},
+    {"clean": "When Tom and Sarah went to the park, Tom gave a ball to",
+     "corrupted": "When Tom and Sarah went to the park, Henry gave a ball to", "answer": " Sarah", "distractor": " Tom"},
+]  # fmt: skip
+LAYERS = [0, 10, 20, 29]
+BF16_TOLERANCE = 0.1
+
+
+@pytest.mark.slow
+def test_smollm2_patched_metrics_from_bfloat16_weights_agree_with_float32(smollm2) -> None:
+    from runner.methods.lm_patching import lm_activation_patching
+
+    settings = {"sites": ["resid_pre", "attn_out"], "layers": LAYERS, "directions": ["denoising"]}
+    full = lm_activation_patching(*smollm2, IOI_PAIRS, **settings)
+    half_bundle = build_model(make_config("model=hf_lm", f"model.name={SMOLLM2}", "model.dtype=bfloat16").model)
+    assert next(half_bundle.model.parameters()).dtype == torch.bfloat16
+    half = lm_activation_patching(half_bundle.model.eval(), half_bundle.tokenizer, IOI_PAIRS, **settings)
+    keys = ["sample_index", "site", "layer", "position"]
+    both = full.merge(half, on=keys, suffixes=("", "_half"), validate="one_to_one")
+    assert len(both) == len(full) == len(half) > 0
+    print(both[["clean", "clean_half", "corrupted", "corrupted_half"]].drop_duplicates().to_string())
+    print("max |restoration gap|", (both["restoration"] - both["restoration_half"]).abs().max())
+    assert (both["clean"] > 0).all() and (both["clean_half"] > 0).all()  # IOI solved in both
+    assert (both["restoration"] - both["restoration_half"]).abs().max() < BF16_TOLERANCE

@@ -70,8 +70,9 @@ def converted_folder(name: str, convert: Converter | None = None) -> Path:
         name, packaged.title, packaged.quantisation, file, folder,
     )  # fmt: skip
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(folder)
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}.converting-", dir=folder.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}.converting-{os.getpid()}-", dir=folder.parent))
     try:
         (convert or convert_gguf)(file, scratch)
         (scratch / STAMP).write_text(json.dumps(stamp))
@@ -87,6 +88,26 @@ def _stamp_of(folder: Path) -> dict[str, Any] | None:
         return json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Scratch folders of conversions whose process is gone (killed outright: half a gigabyte each), and stale
+    folders a replacement was interrupted in removing."""
+    for leftover in folder.parent.glob(f".{folder.name}.*-*"):
+        kind, _, rest = leftover.name[len(folder.name) + 2 :].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind == "stale" or (kind == "converting" and pid.isdigit() and not _alive(int(pid))):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def _put_in_place(scratch: Path, folder: Path) -> None:
