@@ -228,15 +228,17 @@ def test_smollm2_prefers_the_indirect_object(smollm2) -> None:
         assert logits[io] - logits[s] > 0, (prompt, float(logits[io] - logits[s]))
 
 
-# Largest |restoration - float32's| on SmolLM2 from bfloat16 weights over IOI_PAIRS x resid_pre at every position
-# of LAYERS, measured: see BF16_TOLERANCE's comment.
+# IOI pairs with the "ABC" corruption (a third name in place of S2), patched at the first layer, where the subject's
+# second mention moves to the last position (20; docs/language_models.md), and the last.
 IOI_PAIRS = [
     {"clean": "When Mary and John went to the store, John gave a drink to",
      "corrupted": "When Mary and John went to the store, Peter gave a drink to", "answer": " Mary", "distractor": " John"},
     {"clean": "When Tom and Sarah went to the park, Tom gave a ball to",
      "corrupted": "When Tom and Sarah went to the park, Henry gave a ball to", "answer": " Sarah", "distractor": " Tom"},
 ]  # fmt: skip
-LAYERS = [0, 10, 20, 29]
+LAYERS = [0, 20, 29]
+# Largest |restoration - float32's| from bfloat16 weights over these cells (2 pairs x 2 sites x 3 layers x 15
+# positions), measured: 0.025 (0.035 with layer 10 as well).
 BF16_TOLERANCE = 0.1
 
 
@@ -252,7 +254,6 @@ def test_smollm2_patched_metrics_from_bfloat16_weights_agree_with_float32(smollm
     keys = ["sample_index", "site", "layer", "position"]
     both = full.merge(half, on=keys, suffixes=("", "_half"), validate="one_to_one")
     assert len(both) == len(full) == len(half) > 0
-    print(both[["clean", "clean_half", "corrupted", "corrupted_half"]].drop_duplicates().to_string())
     print("max |restoration gap|", (both["restoration"] - both["restoration_half"]).abs().max())
     assert (both["clean"] > 0).all() and (both["clean_half"] > 0).all()  # IOI solved in both
     assert (both["restoration"] - both["restoration_half"]).abs().max() < BF16_TOLERANCE

@@ -76,6 +76,7 @@ def converted_folder(name: str, convert: Converter | None = None) -> Path:
     try:
         (convert or convert_gguf)(file, scratch)
         (scratch / STAMP).write_text(json.dumps(stamp))
+        scratch.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache folder (RUNNER_CACHE_DIR) from others
         _put_in_place(scratch, folder)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # gone already when renamed into place
