@@ -1,5 +1,6 @@
 """Hugging Face causal language models (AutoModelForCausalLM) and their tokenizers: the shipped induction model, a
-folder saved with save_pretrained, a hub id from the local cache, or random weights from a config."""
+packaged pretrained model by its short name, a folder saved with save_pretrained, a hub id from the local cache, or
+random weights from a config; the dtype their weights load in."""
 
 from __future__ import annotations
 
