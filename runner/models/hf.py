@@ -32,6 +32,12 @@ def transformers_module() -> Any:
     return transformers
 
 
+def dtype_argument(transformers: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The keyword that sets the dtype weights load in: `dtype` since transformers 4.56, `torch_dtype` before."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
 class HuggingFaceSource(ModelSource):
     accepts = "a Hugging Face hub id or folder with model=hf"
 

@@ -1,6 +1,7 @@
 """Hugging Face causal language models (`model=hf_lm`): AutoModelForCausalLM and its tokenizer from the shipped
-induction model, a folder saved with save_pretrained, the Hugging Face cache (a hub id), or random weights from a
-config. The attention implementation is set explicitly (and is part of the run's config); a device map spreads a
+induction model, a packaged pretrained model by its short name (converted once into the runner's cache), a folder
+saved with save_pretrained, the Hugging Face cache (a hub id), or random weights from a config. The attention
+implementation and the weights' dtype are set explicitly (and are part of the run's config); a device map spreads a
 model larger than one device (accelerate)."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
-from runner.models.hf import from_hub, hub_errors, refuse_remote_code, transformers_module
+from runner.models.hf import dtype_argument, from_hub, hub_errors, refuse_remote_code, transformers_module
 from runner.models.lm_sites import layout_of
-from runner.options.model.hf_lm import SHIPPED_LM, HfLmModelConfig
+from runner.models.packaged_lm import converted_folder
+from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM, HfLmModelConfig
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,10 @@ def shipped_folder() -> Path:
 
 
 def model_folder(name: str) -> str:
-    """What transformers loads for model.name: the shipped model's folder for `induction`, else the name itself."""
+    """What transformers loads for model.name: the shipped model's folder for `induction`, a packaged model's
+    converted folder for its short name (converted first if it is not cached), else the name itself."""
+    if name in PACKAGED_LMS:
+        return str(converted_folder(name))
     if name != SHIPPED_LM:
         return name
     folder = shipped_folder()
@@ -55,7 +60,7 @@ class HfLmSource(ModelSource):
     accepts = "a Hugging Face causal LM folder or hub id with model=hf_lm"
 
     def known_names(self) -> list[str]:
-        return [SHIPPED_LM]
+        return [SHIPPED_LM, *PACKAGED_LMS]
 
     def build(self, cfg: ModelConfig) -> ModelBundle:
         if not isinstance(cfg, HfLmModelConfig):
@@ -82,7 +87,12 @@ class HfLmSource(ModelSource):
         transformers = transformers_module()
         name = model_folder(cfg.name)
         _check_folder(name)
-        options: dict[str, Any] = {"attn_implementation": cfg.attn_implementation, **cfg.kwargs}
+        dtype = getattr(torch, cfg.dtype)
+        options: dict[str, Any] = {
+            "attn_implementation": cfg.attn_implementation,
+            **dtype_argument(transformers, dtype),
+            **cfg.kwargs,
+        }
         with hub_errors(name):
             config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local))
             if cfg.weights is None:
@@ -102,8 +112,10 @@ class HfLmSource(ModelSource):
             )
         _check_vocabulary(model, tokenizer, tokenizer_name)
         layout = layout_of(model)  # refuses an architecture without a site adapter, before any data loads
-        log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s", cfg.name, layout.arch.family,
-                 layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation)  # fmt: skip
+        packaged = PACKAGED_LMS.get(cfg.name)
+        weights = f", weights {packaged.quantisation}" if packaged and cfg.weights is not None else ""
+        log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, layout.arch.family,
+                 layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation, cfg.dtype, weights)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
 
 

