@@ -5,6 +5,8 @@ the noise corruption; the prompt checks; the CLI's refusals; `runner layers` on 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,23 @@ def test_the_reused_prefix_gives_the_rows_of_whole_prompts_on_fewer_positions(ti
     assert reused.attrs["first_block_calls"] < whole.attrs["first_block_calls"], (reused.attrs, whole.attrs)
 
 
+@contextmanager
+def full_vocabulary_readout() -> Iterator[None]:
+    """Inside, every Readout takes the full path (the whole vocabulary's logits through the model), whatever the
+    target: the reference the answer-only readout is compared with."""
+    from runner.methods.lm_patching.readout import Readout
+
+    original = Readout.__init__
+
+    def full(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        self.compact = False
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Readout, "__init__", full)
+        yield
+
+
 @pytest.mark.parametrize("target", ["token_logit_diff", "token_prob_diff"])
 def test_the_answer_readout_equals_the_full_vocabulary(tiny, target: str) -> None:  # type: ignore[no-untyped-def]
     """token_logit_diff reads only the answer and distractor logits, so variants compute just those columns of the
@@ -262,14 +281,7 @@ def test_the_answer_readout_equals_the_full_vocabulary(tiny, target: str) -> Non
     pairs = [{**p, "answer": [p["answer"], "t00"], "distractor": [p["distractor"], "t19"]} for p in PAIRS]
     settings = {"sites": ["resid_pre", "head"], "directions": ["denoising", "noising"]}
     compact = lm_activation_patching(model, tokenizer, pairs, target=target, **settings)
-    original = Readout.__init__
-
-    def full(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        original(self, *args, **kwargs)
-        self.compact = False
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Readout, "__init__", full)
+    with full_vocabulary_readout():
         whole = lm_activation_patching(model, tokenizer, pairs, target=target, **settings)
     assert len(compact) == len(whole) > 0
     assert (compact.patched - whole.patched).abs().max() <= 1e-5

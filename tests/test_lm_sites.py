@@ -32,7 +32,7 @@ from tests.lm_references import (
     model_type,
     patched_metric,
 )
-from tests.test_lm_patching import PAIRS, _ids
+from tests.test_lm_patching import PAIRS, _ids, full_vocabulary_readout
 
 LAST = 7  # the pairs' last position: BOS + 7 tokens
 
@@ -204,14 +204,7 @@ def _readout_gap(model: nn.Module, tokenizer: Any) -> float:
     assert Readout(model, layout_of(model), TokenLogitDiff()).compact
     settings = {"sites": ["resid_pre", "head"], "directions": ["denoising", "noising"]}
     compact = lm_activation_patching(model, tokenizer, PAIRS, **settings)
-    original = Readout.__init__
-
-    def full(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        original(self, *args, **kwargs)
-        self.compact = False
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Readout, "__init__", full)
+    with full_vocabulary_readout():
         whole = lm_activation_patching(model, tokenizer, PAIRS, **settings)
     assert len(compact) == len(whole) > 0
     return float(max((compact.patched - whole.patched).abs().max(), (compact.clean - whole.clean).abs().max()))
