@@ -99,6 +99,7 @@ class LmPatching(Method):
         self.target = token_target(self.runtime.target, self.name, per_position=True)
         self.readout = Readout(model, self.layout, self.target)
         self.replay = BlockReplay(model, self.layout.arch.blocks, session)
+        self.cache_key = cache_name(model)  # the forward's name for the key/value cache, read once, not per chunk
         layers = list(range(self.layout.layers)) if self.p.layers is None else list(self.p.layers)
         bad = [layer for layer in layers if not 0 <= layer < self.layout.layers]
         if bad:
@@ -197,7 +198,7 @@ class LmPatching(Method):
             inputs = {
                 "input_ids": ids[:, start:].repeat(c, 1), "attention_mask": mask.repeat(c, 1),
                 "position_ids": positions[:, start:].repeat(c, 1), "use_cache": start > 0,
-                **({cache_name(model): prefix_cache(keys_values, start, c)} if start else {}),
+                **({self.cache_key: prefix_cache(keys_values, start, c)} if start else {}),
             }  # fmt: skip
             try:
                 with replay.skipping(lowest, start, c) if lowest else nullcontext():
