@@ -31,6 +31,7 @@ from runner import distributed
 from runner.configure import to_run_config
 from runner.data.base import build_dataset, skipped_files
 from runner.data.images import sized_for_model
+from runner.data.prompts import kept_pairs
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
 from runner.ids import ClassNames, run_columns
@@ -319,6 +320,7 @@ def _run_text(
     method = build_method(config.method, [], runtime, None)
     dataset = build_dataset(config.data, tokenizer, config.seed)
     check_positions(model, dataset)  # before any forward: a prompt longer than the model's positions
+    dataset = kept_pairs(model, dataset, config.data, device)  # data.keep: the pairs the model gets right
     class_names = ClassNames.of(config.data, dataset, None)
     return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
 

@@ -156,6 +156,23 @@ def prompt_words(data: Any) -> list[str]:
     return sorted(w for w in words if not w.startswith("{"))
 
 
+def build_tokenizer_lm(source: str | Path, folder: str | Path, seed: int = 0) -> Path:
+    """A random two-layer Llama (32 wide, grouped-query) saved in `folder` with the tokenizer of the model folder
+    `source` and its vocabulary size: a fast stand-in for a large model whose tokenization a test needs."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         initializer_range=INIT)  # fmt: skip
+    folder = Path(folder)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def build_word_lm(words: list[str], folder: str | Path, seed: int = 0) -> Path:
     """A random two-layer GPT-2 saved in `folder` with a WordLevel tokenizer over `words` (plus the specials): a
     stand-in, offline, for a hub model whose tokenizer the machine lacks."""

@@ -13,9 +13,12 @@ import runner.app as app
 import runner.models
 from runner.hooks import count_hooks
 from runner.models.embedded import EMBEDDED
+from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import SHIPPED_LM
 from tests.conftest import CONF, make_config
-from tests.lm_references import build_word_lm, prompt_words
+from tests.lm_references import build_tokenizer_lm, build_word_lm, prompt_words
+
+SMOLLM2 = "smollm2-135m"
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +31,8 @@ TABLES = {
     "causal_tracing_lm": {"lm_patching"},
     "patching_lm_induction": {"lm_patching"},
     "patching_lm_ioi": {"lm_patching"},
+    "ioi_smollm2": {"lm_patching"},
+    "factual_recall_smollm2": {"lm_patching"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -68,11 +73,15 @@ def offline(name: str, folder: Path) -> list[str]:
     """What an experiment needs to run here: torchvision models have no cached weights (random init); the
     embedded EfficientNet-Lite0 and the shipped induction LM keep their real weights. ViT-B/16 takes only its own
     image size: 32 px. A hub language model (GPT-2 small) is neither cached nor downloadable: a random two-layer
-    GPT-2 with a word-level tokenizer over the experiment's words stands in, saved in `folder`."""
+    GPT-2 with a word-level tokenizer over the experiment's words stands in, saved in `folder`. SmolLM2-135M (30
+    layers: minutes even at debug=tiny) is stood in for by a random two-layer Llama with its own tokenizer, which
+    gets no answer right, so every pair is kept (data.keep=all; tests/test_lm_prompt_sets.py tests the keeping)."""
     config = make_config(f"experiment={name}")
     model = config.model.name
     if model in (EMBEDDED, SHIPPED_LM):
         return []
+    if model == SMOLLM2:
+        return [f"model.name={build_tokenizer_lm(converted_folder(SMOLLM2), folder)}", "data.keep=all"]
     if config.model.source == "hf_lm":
         return [f"model.name={build_word_lm(prompt_words(config.data), folder)}"]
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]

@@ -14,6 +14,7 @@ be alone.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,18 @@ from torch.utils.data import Dataset
 
 from runner.data.base import Batch, to_batch, underlying
 from runner.errors import RunnerError
-from runner.options.data.prompts import SHIPPED_PAIRS, PromptsConfig, checked_pairs, pair_id, read_pairs_file
+from runner.options.data.prompts import (
+    SHIPPED_PAIRS,
+    Keep,
+    PromptsConfig,
+    TextDataConfig,
+    checked_pairs,
+    pair_id,
+    read_pairs_file,
+)
+from runner.targets.tokens import set_mean
+
+log = logging.getLogger(__name__)
 
 NO_TOKEN = -1  # padding of the answer and distractor sets
 
@@ -39,6 +51,7 @@ class PromptPair:
     answer_tokens: list[str]
     distractor_tokens: list[str]
     corrupted_given: bool = True  # False: the pair had no `corrupted` and its clean prompt stands in
+    subject_span: tuple[int, int] | None = None  # [start, end) positions of its `subject`'s tokens (BOS counted)
 
 
 class PromptPairs(Dataset):
@@ -111,12 +124,12 @@ def _bos_id(tokenizer: Any) -> int:
 
 
 def _raw_pairs(cfg: PromptsConfig) -> list[dict[str, Any]]:
-    """The configured pairs as dicts, checked for their structure and ids; the shipped file's from the package."""
-    if cfg.file == SHIPPED_PAIRS:
+    """The configured pairs as dicts, checked for their structure and ids; a shipped file's from the package."""
+    if cfg.file in SHIPPED_PAIRS:
         from importlib import resources
 
-        shipped = Path(str(resources.files("runner.models") / "lm_induction" / "induction_pairs.jsonl"))
-        return checked_pairs(read_pairs_file(shipped))
+        package, path = SHIPPED_PAIRS[cfg.file]
+        return checked_pairs(read_pairs_file(Path(str(resources.files(package) / path))))
     return checked_pairs(cfg.raw_pairs())
 
 
@@ -136,9 +149,27 @@ def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None
     answers = [_one_token(tokenizer, t, sample_id, "answer") for t in _listed(item["answer"])]
     distractors = [_one_token(tokenizer, t, sample_id, "distractor") for t in _listed(item["distractor"])]
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
+    subject = item.get("subject") or None
+    span = _subject_span(tokenizer, str(item["clean"]), str(subject), len(prefix), sample_id) if subject else None
     return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens,
                       tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors),
-                      given)  # fmt: skip
+                      given, span)  # fmt: skip
+
+
+def _subject_span(tokenizer: Any, text: str, subject: str, first: int, sample_id: str) -> tuple[int, int]:
+    """[start, end) positions of the tokens that carry the first occurrence of `subject` in `text`, counted from
+    the first token the model sees (`first`: the positions before the text, a prepended BOS)."""
+    try:
+        spans = list(tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
+    except (NotImplementedError, ValueError, KeyError):
+        raise RunnerError(
+            f"Prompt pair {sample_id} names a subject, whose tokens are found through the tokenizer's character"
+            " offsets, and this (slow) tokenizer has none: use the model's fast tokenizer (tokenizer.json)."
+        ) from None
+    start = text.index(subject)  # the option checked that it is there
+    end = start + len(subject)
+    inside = [i for i, (a, b) in enumerate(spans) if a < end and b > start and b > a]
+    return first + inside[0], first + inside[-1] + 1
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -207,3 +238,42 @@ def pairs_batch(pairs: list[dict[str, Any]], tokenizer: Any, bos: bool, device: 
     and one batch of all of them on `device`, checked and left-padded as a run makes them."""
     dataset = prompts_source(PromptsConfig(pairs=pairs, bos=bos), tokenizer, 0)
     return dataset, to_batch(dataset.collate([dataset[i] for i in range(len(dataset))]), device, 0)
+
+
+def kept_pairs(model: torch.nn.Module, dataset: Dataset, cfg: TextDataConfig, device: torch.device) -> Dataset:
+    """The pairs of `dataset` (after data.limit) that `cfg.keep` keeps, judged on one forward of each clean prompt
+    (batches of data.batch_size): `correct`, the model's top next token is one of the pair's answers; `preferred`,
+    the answers' mean logit is above the distractors'. The count and the first ids left out are logged; none kept
+    is an error (nothing to run). The kept pairs are the run's data source (a resample draws from them only)."""
+    keep = Keep(cfg.keep)
+    if keep is Keep.all:
+        return dataset
+    source: PromptPairs = underlying(dataset)  # type: ignore[assignment]
+    samples = [dataset[i] for i in range(len(dataset))]  # type: ignore[arg-type]
+    pairs = [source.by_id[sample_id] for _, _, sample_id in samples]
+    kept: list[PromptPair] = []
+    for start in range(0, len(pairs), cfg.batch_size):
+        part = pairs[start : start + cfg.batch_size]
+        x, _, _, extras = source.collate(samples[start : start + cfg.batch_size])
+        ids, mask = x[:, 0], extras["attention_mask"]
+        with torch.no_grad():
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                        position_ids=position_ids(mask).to(device), use_cache=False)  # fmt: skip
+        last = out.logits[:, -1].float().cpu()
+        if keep is Keep.correct:
+            good = (last.argmax(-1, keepdim=True) == extras["answers"]).any(-1)
+        else:
+            good = set_mean(last, extras["answers"]) > set_mean(last, extras["distractors"])
+        kept += [p for p, g in zip(part, good.tolist(), strict=True) if g]
+    left_out = [p.sample_id for p in pairs if p not in kept]
+    what = {Keep.correct: "the model's top next token is the answer",
+            Keep.preferred: "the model gives the answer a higher logit than the distractor"}[keep]  # fmt: skip
+    if not kept:
+        raise RunnerError(
+            f"data.keep={keep.value} keeps the pairs where {what}, and none of the {len(pairs)} is such a pair:"
+            " check the answers (and their leading space) against this model, or set data.keep=all."
+        )
+    shown = ", ".join(left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+    log.info("data.keep=%s: %d of %d pairs kept (%s); left out: %s", keep.value, len(kept), len(pairs), what,
+             shown or "none")  # fmt: skip
+    return PromptPairs(kept, source.pad_id, source.tokenizer)

@@ -16,7 +16,7 @@ from runner.options.registry import lm_method_names
 from runner.schema import TargetConfig
 
 
-def _set_mean(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def set_mean(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Mean of `values` (B, V) over each row's token set `ids` (B, A) padded with -1."""
     real = ids >= 0
     picked = values.gather(1, ids.clamp(min=0)) * real
@@ -59,7 +59,7 @@ class TokenLogitDiff(TokenTarget):
     def score_tokens(
         self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None
     ) -> torch.Tensor:
-        return _set_mean(logits, answers) - _set_mean(logits, distractors)
+        return set_mean(logits, answers) - set_mean(logits, distractors)
 
 
 class TokenProbDiff(TokenTarget):

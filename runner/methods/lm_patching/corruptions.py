@@ -6,6 +6,7 @@
   noise     the clean prompt, Gaussian noise of std x the embedding output's std added to the embedding output on
             `span` (causal tracing, Meng et al. 2022): the embedding matrix's std times the scale the embedding
             module applies to its rows (Gemma's: sqrt(d_model)), so that the noise is on the scale of what it edits;
+            `span: subject` is each pair's own subject tokens (its `subject` in the data), as in ROME;
   zero      the clean prompt, the embedding output on `span` replaced by zeros;
   mean      the clean prompt, the embedding output on `span` replaced by its mean over the data source's clean-prompt
             tokens.
@@ -29,7 +30,7 @@ from runner.data.base import Batch, underlying
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.models.lm_sites import LanguageModelLayout
-from runner.options.method.lm_patching import LmCorruption, LmCorruptionConfig
+from runner.options.method.lm_patching import SUBJECT_SPAN, LmCorruption, LmCorruptionConfig
 from runner.randomness import per_sample_normal, sample_generator
 
 EMBEDDING_KINDS = (LmCorruption.noise, LmCorruption.zero, LmCorruption.mean)
@@ -111,7 +112,16 @@ class Corruption:
                     f" {', '.join(lacking[:5])} have none: give them `corrupted`, or use corruption.kind=noise, zero,"
                     " mean or resample (which edit or replace the clean prompt)."
                 )
-        if self.kind in EMBEDDING_KINDS and self.cfg.span is not None and self.pairs:
+        if self.kind in EMBEDDING_KINDS and self.cfg.span == SUBJECT_SPAN:
+            lacking = [p.sample_id for p in self.pairs if getattr(p, "subject_span", None) is None]
+            if lacking or not self.pairs:
+                raise RunnerError(
+                    "method.patching.corruption.span=subject edits each pair's subject tokens, and"
+                    f" {'pair(s) ' + ', '.join(lacking[:5]) + ' have' if lacking else 'these prompts have'} no"
+                    " `subject`: give each pair its subject (text of its clean prompt) in the data, or a span"
+                    " [start, end)."
+                )
+        elif self.kind in EMBEDDING_KINDS and self.cfg.span is not None and self.pairs:
             start, end = self.cfg.span
             short = min(self.pairs, key=lambda p: len(p.clean))
             if len(short.clean) < end:
@@ -127,6 +137,11 @@ class Corruption:
         if self.kind in (LmCorruption.resample, LmCorruption.mean) and not self.pairs:
             raise RunnerError(
                 f"method.patching.corruption.kind={self.kind.value} draws on the data set's prompts: run it with"
+                " data=prompts (or lm_activation_patching), not on bare token ids."
+            )
+        if self.kind in EMBEDDING_KINDS and self.cfg.span == SUBJECT_SPAN and not self.pairs:
+            raise RunnerError(
+                "method.patching.corruption.span=subject reads each pair's subject from the data: run it with"
                 " data=prompts (or lm_activation_patching), not on bare token ids."
             )
         if self.kind not in EMBEDDING_KINDS:
@@ -160,7 +175,7 @@ class Corruption:
             return Corrupted(corrupted, None, [f"{i} (corrupted)" for i in ids])
         if self.kind is LmCorruption.resample:
             return self._resample(ids, corrupted)
-        where = self.span_mask(clean, mask)  # (B, T)
+        where = self.span_mask(clean, mask, ids)  # (B, T)
         b, t = where.shape
         keep = (~where).float()[..., None]
         if self.kind is LmCorruption.noise:
@@ -179,9 +194,10 @@ class Corruption:
             edit = EmbeddingEdit(keep, where[..., None].float() * self.mean)
         return Corrupted(clean, edit, [f"{i} ({self.kind.value})" for i in ids])
 
-    def span_mask(self, clean: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def span_mask(self, clean: torch.Tensor, mask: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
         """(B, T) True on the span's positions: [start, end) counted as the table's positions (a left-padded row's
-        position p is its index pads + p); span null: every position but a leading BOS."""
+        position p is its index pads + p); span null: every position but a leading BOS; span subject: the row's
+        pair's own subject tokens."""
         b, t = mask.shape
         pads = (t - mask.sum(1)).tolist()
         where = torch.zeros((b, t), dtype=torch.bool)
@@ -190,9 +206,12 @@ class Corruption:
             if self.cfg.span is None:
                 start = 1 if self.bos is not None and lead < t and int(clean[row, lead]) == self.bos else 0
                 where[row, lead + start :] = True
+                continue
+            if self.cfg.span == SUBJECT_SPAN:
+                start, end = self.pairs[self.index[sample_ids[row]]].subject_span
             else:
                 start, end = self.cfg.span
-                where[row, min(t, lead + start) : min(t, lead + end)] = True
+            where[row, min(t, lead + start) : min(t, lead + end)] = True
         return where
 
     def _resample(self, ids: list[str], corrupted: torch.Tensor) -> Corrupted:

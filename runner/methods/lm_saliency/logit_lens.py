@@ -30,7 +30,7 @@ from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
-from runner.targets.tokens import AnswerLogprob, _set_mean, target_name, token_target
+from runner.targets.tokens import AnswerLogprob, set_mean, target_name, token_target
 
 EMBEDDINGS = -1  # the layer of the embeddings (block 0's input)
 
@@ -154,8 +154,8 @@ class LmLogitLens(Method):
             "token": token_strings(strings, r, positions),
             "answer": [strings[i]["answer"] for i in r],
             "distractor": [strings[i]["distractor"] for i in r],
-            "answer_logit": _set_mean(logits, answers).cpu(),
-            "distractor_logit": _set_mean(logits, distractors).cpu(),
+            "answer_logit": set_mean(logits, answers).cpu(),
+            "distractor_logit": set_mean(logits, distractors).cpu(),
             "answer_logprob": AnswerLogprob().score_tokens(logits, answers, distractors, None).cpu(),
             "metric": [target_name(self.target)] * n,
             "value": value.cpu(),

@@ -9,6 +9,7 @@ import csv
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -17,19 +18,43 @@ from runner.fingerprints import file_digest
 from runner.options.registry import DATA
 from runner.schema import DataConfig
 
-# data.file of the pairs that ship with the induction model (runner/models/lm_induction/induction_pairs.jsonl).
-SHIPPED_PAIRS = "induction"
+# data.file names of the pair files that ship with the package: (package, path inside it).
+SHIPPED_PAIRS: dict[str, tuple[str, str]] = {
+    "induction": ("runner.models", "lm_induction/induction_pairs.jsonl"),  # the shipped induction model's pairs
+    "facts": ("runner.data", "prompt_sets/facts.jsonl"),  # subject-relation-object prompts (factual recall)
+}
+
+
+class Keep(str, Enum):
+    all = "all"  # every pair
+    correct = "correct"  # the pairs whose clean prompt's top next token (the model's) is one of the answers
+    preferred = "preferred"  # the pairs whose clean prompt gives the answers a higher logit than the distractors
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """What every source of prompt pairs shares: the BOS policy and which pairs the run keeps."""
+
+    # Prepend the tokenizer's BOS token to both prompts of every pair (false: the text's own tokens only). Positions
+    # in the tables count from the first token the model sees (the BOS, when prepended).
+    bos: bool = True
+    # Which pairs the run keeps, decided by one forward of the clean prompts before the run (the count is logged;
+    # the tables hold only the kept pairs): all | correct | preferred.
+    keep: Keep = Keep.all
+
+    MODALITY: ClassVar[str] = "text"
 
 
 @DATA.option("runner.data.prompts:prompts_source")
 @dataclass
-class PromptsConfig(DataConfig):
+class PromptsConfig(TextDataConfig):
     name: str = "prompts"
     # Pairs in the YAML: [{clean: ..., corrupted: ..., answer: ..., distractor: ...}] (answer and distractor: a
-    # string of one token, or a list of such strings: a token set); an optional `id` names the pair.
+    # string of one token, or a list of such strings: a token set); an optional `id` names the pair, an optional
+    # `subject` (text of the clean prompt) the tokens that method.patching.corruption.span=subject edits.
     pairs: list[Any] = field(default_factory=list)
-    # A JSONL (one pair per line) or CSV (columns clean, corrupted, answer, distractor[, id]) file of pairs;
-    # `induction`: the pairs shipped with the induction model.
+    # A JSONL (one pair per line) or CSV (columns clean, corrupted, answer, distractor[, id, subject]) file of pairs;
+    # `induction`: the pairs shipped with the induction model; `facts`: the shipped factual-recall prompts.
     file: Optional[str] = None  # noqa: UP045 (OmegaConf)
     # A template with {slots}, filled from `slots` (lists of equal length, one pair per index) for the clean prompt
     # and from `corrupted_slots` (the slots that change; the others are kept) for the corrupted one.
@@ -38,11 +63,6 @@ class PromptsConfig(DataConfig):
     distractor: Optional[str] = None  # e.g. " {S}"  # noqa: UP045 (OmegaConf)
     slots: dict[str, list[str]] = field(default_factory=dict)
     corrupted_slots: dict[str, list[str]] = field(default_factory=dict)
-    # Prepend the tokenizer's BOS token to both prompts of every pair (false: the text's own tokens only). Positions
-    # in the tables count from the first token the model sees (the BOS, when prepended).
-    bos: bool = True
-
-    MODALITY: ClassVar[str] = "text"
 
     def check(self) -> list[str]:
         bad = super().check()
@@ -57,7 +77,7 @@ class PromptsConfig(DataConfig):
                 "data.template needs data.answer and data.distractor (templates such as ' {IO}') and data.slots"
                 " (lists of values, one per pair)."
             )
-        if given and self.file != SHIPPED_PAIRS:  # before the model loads: what is wrong without its tokenizer
+        if given and self.file not in SHIPPED_PAIRS:  # before the model loads: what is wrong without its tokenizer
             checked_pairs(self.raw_pairs())
         return bad
 
@@ -70,7 +90,8 @@ class PromptsConfig(DataConfig):
             file = Path(self.file).expanduser()
             if not file.is_file():
                 raise RunnerError(
-                    f"data.file={self.file}: no such file. Give a JSONL or CSV file of pairs, or data.file=induction."
+                    f"data.file={self.file}: no such file. Give a JSONL or CSV file of pairs, or one of the shipped"
+                    f" sets: data.file={' | '.join(SHIPPED_PAIRS)}."
                 )
             return read_pairs_file(file)
         return self._from_template() if self.template else []
@@ -102,7 +123,7 @@ class PromptsConfig(DataConfig):
 
     def fingerprint(self) -> dict[str, str]:
         """The pairs file's contents: a resume must find the same pairs."""
-        if self.file and self.file != SHIPPED_PAIRS:
+        if self.file and self.file not in SHIPPED_PAIRS:
             file = Path(self.file).expanduser()
             if file.is_file():
                 return {"data.file (contents)": f"sha256:{file_digest(file)}"}
@@ -162,6 +183,12 @@ def checked_pairs(raw: list[Any]) -> list[dict[str, Any]]:
         if missing:
             raise RunnerError(f"Prompt pair {sample_id} lacks {', '.join(missing)}: each pair needs clean, answer and"
                               " distractor (and corrupted, for corruption.kind=pair).")  # fmt: skip
+        subject = item.get("subject")
+        if subject is not None and (not isinstance(subject, str) or not subject or subject not in str(item["clean"])):
+            raise RunnerError(
+                f"Prompt pair {sample_id}: its subject {subject!r} is not text of its clean prompt"
+                f" {str(item['clean'])!r}: give `subject` as it is written in the prompt (or leave it out)."
+            )
         if sample_id in seen:
             raise RunnerError(
                 f"Prompt pairs {seen[sample_id]} and {index} (counted from 0) share the id {sample_id!r}: give each"

@@ -4,9 +4,10 @@ layer x head) between the clean and corrupted prompt of each pair, in one or bot
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from runner.errors import RunnerError
 from runner.options.method.patching import PatchDirection, PatchMode
@@ -24,6 +25,16 @@ class LmCorruption(str, Enum):
     mean = "mean"  # the clean prompt, its embeddings on `span` replaced by their mean over the data set's tokens
 
 
+SUBJECT_SPAN = "subject"  # corruption.span: each pair's subject tokens (the data's per-pair `subject`)
+
+
+def _is_span(span: Any) -> bool:
+    """[start, end) of two ints with 0 <= start < end."""
+    if isinstance(span, str) or not isinstance(span, Sequence) or len(span) != 2:
+        return False
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in span) and 0 <= span[0] < span[1]
+
+
 class HeadPositions(str, Enum):
     all = "all"  # a head's output at every position at once: one cell per (layer, head)
     each = "each"  # one cell per (layer, head, position)
@@ -33,9 +44,9 @@ class HeadPositions(str, Enum):
 class LmCorruptionConfig:
     kind: LmCorruption = LmCorruption.pair
     std: float = 3.0  # noise: in standard deviations of the embedding output's entries (Meng et al. 2022: 3)
-    # noise, zero, mean: the token positions edited, [start, end) counted as the table's positions (BOS = 0); null:
-    # every position but a leading BOS token
-    span: Optional[list[int]] = None  # noqa: UP045 (OmegaConf)
+    # noise, zero, mean: the token positions edited, [start, end) counted as the table's positions (BOS = 0);
+    # `subject`: each pair's own subject tokens (its `subject` in the data); null: every position but a leading BOS
+    span: Optional[Any] = None  # noqa: UP045 (OmegaConf: a list of two ints or the word subject)
     seed: int = 0  # noise: the noise; resample: which pair of the same length each pair takes its prompt from
 
 
@@ -93,6 +104,9 @@ class LmPatchingMethodConfig(MethodConfig):
                 f"Out of range: method.patching.corruption.std={c.std} (finite, >= 0), method.patching.min_span="
                 f"{p.min_span} (finite, >= 0)."
             )
-        if c.span is not None and (len(c.span) != 2 or c.span[0] < 0 or c.span[1] <= c.span[0]):
-            raise RunnerError(f"method.patching.corruption.span={list(c.span)}: [start, end) with 0 <= start < end.")
+        if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
+            raise RunnerError(
+                f"method.patching.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each"
+                " pair's own subject tokens)."
+            )
         return bad
