@@ -32,8 +32,10 @@ def test_every_experiment_composes(experiment: str) -> None:
     assert cfg.for_model.model == model_label(cfg.model), "for_model.model: the experiment's model's label"
     from runner.methods import method_class
 
-    if method_class(cfg.method).modality == "text":  # a language model's method names sites (method.patching.sites)
-        assert cfg.method.patching.sites and not cfg.for_model.include and not cfg.hooks
+    if method_class(cfg.method).modality == "text":  # a language model's method names sites or layers, not modules
+        assert not cfg.for_model.include and not cfg.hooks
+        if cfg.method.name == "lm_patching":
+            assert cfg.method.patching.sites
         return
     assert cfg.layers.include, "every experiment selects target layers"
     assert cfg.layers.include == cfg.for_model.include and cfg.hooks == cfg.for_model.hooks

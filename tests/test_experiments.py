@@ -33,6 +33,7 @@ TABLES = {
     "patching_lm_ioi": {"lm_patching"},
     "ioi_smollm2": {"lm_patching"},
     "factual_recall_smollm2": {"lm_patching"},
+    "ioi_attention_smollm2": {"lm_attention"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},

@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,3 +225,66 @@ def test_keep_that_keeps_nothing_is_an_error(induction) -> None:
 def test_position_ids_count_only_real_tokens() -> None:
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert position_ids(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+
+
+# ---- method=lm_attention -----------------------------------------------------------------------------------------
+
+
+def _attention_table(model, tokenizer, pairs: list[dict], **settings) -> pd.DataFrame:
+    from runner.data.prompts import pairs_batch
+    from runner.methods.base import as_frame, library_config, library_token_runtime, run_prepared
+    from runner.methods.lm_saliency.attention import LmAttention
+    from runner.options.method.lm_attention import LmAttentionConfig
+
+    dataset, batch = pairs_batch(pairs, tokenizer, True, torch.device("cpu"))
+    method = LmAttention(library_config(LmAttentionConfig, **settings), [], library_token_runtime(batch.x.device,
+                         "token_logit_diff"))  # fmt: skip
+    return as_frame(run_prepared(method, model, batch, dataset).tables["lm_attention"])
+
+
+@pytest.mark.parametrize("query", ["last", "all"])
+def test_attention_rows_are_each_prompts_own_weights_whatever_its_padding(induction, query: str) -> None:
+    """A short pair beside a longer one (left-padded): its rows equal the weights of a plain forward of its prompt
+    alone, at the table's positions, and each query's weights over the keys sum to 1."""
+    model, tokenizer = induction
+    lines = [json.loads(line) for line in (INDUCTION / "induction_pairs.jsonl").read_text().splitlines()[:2]]
+    short = {**lines[0], "clean": " ".join(lines[0]["clean"].split()[4:]), "corrupted": None}
+    short.pop("corrupted")
+    table = _attention_table(model, tokenizer, [short, lines[1]], query=query)
+    sums = table.groupby(["sample_index", "layer", "head", "query_position"])["weight"].sum()
+    torch.testing.assert_close(torch.tensor(sums.to_numpy()), torch.ones(len(sums)), atol=1e-5, rtol=0)
+    ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(short["clean"], add_special_tokens=False)["input_ids"]]])
+    with torch.no_grad():
+        alone = model(input_ids=ids, output_attentions=True).attentions  # (1, H, T, T) per layer
+    mine = table[table["sample_index"] == 0]
+    t = ids.shape[1]
+    assert set(mine["query_position"]) == ({t - 1} if query == "last" else set(range(t)))
+    assert (mine["position"] <= mine["query_position"]).all()
+    expected = torch.tensor([float(alone[r.layer][0, r.head, r.query_position, r.position]) for r in mine.itertuples()])
+    torch.testing.assert_close(torch.tensor(mine["weight"].to_numpy()), expected, atol=1e-6, rtol=0)
+    assert len(mine) == 2 * 4 * (t if query == "last" else t * (t + 1) // 2)  # layers x heads x keys
+
+
+def test_the_shipped_models_induction_head_attends_to_the_answer(induction) -> None:
+    """On the induction pairs the answer is the token after the last token's first occurrence: the induction head
+    (the layer-1 head with the highest induction score, tests/lm_circuits.py) puts most of its weight there."""
+    from tests.lm_circuits import induction_scores
+
+    model, tokenizer = induction
+    head = int(induction_scores(model, tokenizer)[1].argmax())
+    pairs = [json.loads(line) for line in (INDUCTION / "induction_pairs.jsonl").read_text().splitlines()[:8]]
+    table = _attention_table(model, tokenizer, pairs, layers=[1])
+    to_answer = table[(table["head"] == head) & (table["token"] == table["answer"])]
+    per_pair = to_answer.groupby("sample_index")["weight"].sum()
+    assert len(per_pair) == 8 and per_pair.min() > 0.5, per_pair
+
+
+def test_attention_refuses_a_model_without_eager_attention(induction) -> None:
+    model, tokenizer = induction
+    pair = json.loads((INDUCTION / "induction_pairs.jsonl").read_text().splitlines()[0])
+    model.config._attn_implementation = "sdpa"
+    try:
+        with pytest.raises(RunnerError, match="set model.attn_implementation=eager"):
+            _attention_table(model, tokenizer, [pair])
+    finally:
+        model.config._attn_implementation = "eager"

@@ -77,6 +77,7 @@ RUNS = {
         "method.sites=[resid_pre,head]",
     ],
     "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
+    "lm_attention": ["model=hf_lm", "data=prompts", "method=lm_attention", "target=token_logit_diff"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -120,7 +121,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         set(written)
         == set(declared())
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
-        | {"lm_grad_x_act", "lm_logit_lens"}
+        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention"}
     )
     for table, files in written.items():
         seen: set[str] = set()

@@ -11,6 +11,8 @@
   positions beside it.
 - `lm_logit_lens_figures`: per metric, layer x position of the mean lens value (layer -1: the embeddings), each cell
   labelled with the lens' top token (the most frequent over pairs, with its share where pairs differ).
+- `lm_attention_figures`: from each pair's last position, layer x head of the mean attention to the answer's token
+  and to the distractor's, and head x position for the layer of the head that attends most to the answer.
 
 One colour scale per quantity: the maps of one (direction, metric) of `lm_patching` (every site, exact and
 attribution rows, the head maps too) share one scale, as do the maps of one metric of `lm_grad_x_act`, so that a
@@ -169,6 +171,43 @@ def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresC
                    f" and unembedding; layer emb: the embeddings) per layer and position{drawn.caption}{said}.")  # fmt: skip
         out += _draw_groups({key: [replace(drawn, caption=caption)]}, figures, "")
     return out
+
+
+def lm_attention_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+    """From each pair's last position: layer x head maps of the mean attention to the answer's token and to the
+    distractor's (summed over the positions that hold it, 0 where the prompt has none), and a head x position map
+    of the layer whose head attends most to the answer; one colour scale (weights, 0 to 1)."""
+    if not {"weight", "layer", "head", "position", "query_position"} <= set(frame.columns):
+        return []
+    frame = _numeric(frame)
+    pairs = _pair_columns(frame)
+    last = (
+        frame.groupby(pairs, observed=True)["query_position"].transform("max")
+        if pairs
+        else frame["query_position"].max()
+    )
+    frame = frame[frame["query_position"] == last]
+    maps = []
+    best_layer = None
+    for role in ("answer", "distractor"):
+        if role not in frame.columns or "token" not in frame.columns:
+            continue
+        marked = frame.assign(_to=frame["weight"].where(frame["token"] == frame[role], 0.0))
+        keys = [*pairs, *([by] if by in marked.columns else []), "layer", "head"]
+        summed = marked.groupby(keys, dropna=False, observed=True, sort=False)["_to"].sum().reset_index()
+        drawn = _layer_head(summed, "_to", by, f"attention to the {role}", "attention weight")
+        maps.append(replace(drawn, centred=False, caption=f"Attention from the last position to the {role}'s token"
+                            f" (summed over the positions that hold it): mean over pairs per layer and head"
+                            f"{drawn.caption}."))  # fmt: skip
+        if role == "answer" and summed["_to"].notna().any():
+            best_layer = summed.groupby(["layer", "head"], observed=True)["_to"].mean().idxmax()[0]
+    if best_layer is not None:
+        part = frame[frame["layer"] == best_layer]
+        drawn = _head_position(part, "weight", by, "attention from the last position", "attention weight", part)
+        maps.append(replace(drawn, centred=False, caption=f"Attention from the last position over every key, each head"
+                            f" of layer {_layer_name(best_layer)} (the layer of the head that attends most to the"
+                            f" answer): mean over pairs{drawn.caption}."))  # fmt: skip
+    return _draw_groups({(): maps}, figures, "of attention weights") if maps else []
 
 
 # --- the three kinds of map --------------------------------------------------------------------------------------

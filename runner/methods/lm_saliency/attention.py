@@ -1,0 +1,129 @@
+"""`method=lm_attention`: each head's attention weights on each pair's clean prompt, one row per (layer, head, query
+position, key position): from the last position only (`query: last`, where the answer is read: what the heads
+that move it attend to) or from every position (`query: all`, keys up to the query's, as the causal mask allows).
+
+The weights are the model's own, returned by its forward with `output_attentions=True` (the softmax of eager
+attention, after any attention softcap and the padding mask: a left-padded pair's weights are those it has alone),
+one forward without gradient per batch. The report draws, per layer and head, the mean attention from the last
+position to the answer's token and to the distractor's (where the prompt holds them: in IOI, the indirect object
+and the subject), and the attention of the heads of the layer that attends most to the answer over every key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner.data.base import Batch
+from runner.data.prompts import pair_strings, position_ids
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.base import Method
+from runner.methods.lm_saliency.common import clean_prompts, token_strings
+from runner.models.lm_sites import layout_of
+from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
+from runner.rows import BatchOutput, Columns, concat_columns
+from runner.runtime import Runtime
+from runner.tables import Presentation, declare
+
+LM_ATTENTION_SCHEMA = declare(
+    "lm_attention",
+    [
+        pa.field("layer", pa.int64()),
+        pa.field("head", pa.int64()),
+        pa.field("query_position", pa.int64()),  # the attending token's position (BOS = 0 when prepended)
+        pa.field("query_token", pa.string()),
+        pa.field("position", pa.int64()),  # the attended (key) token's position
+        pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("answer", pa.string()),
+        pa.field("distractor", pa.string()),
+        pa.field("weight", pa.float32()),  # the attention weight (a row over keys sums to 1)
+    ],
+    Presentation(
+        keys=("layer",),
+        values=("weight",),
+        shown=(),
+        figures="runner.viz.lm_plots:lm_attention_figures",
+    ),
+)
+
+
+class LmAttention(Method):
+    name = "lm_attention"
+    table = "lm_attention"
+    needs_layers = False
+    modality = "text"
+    summary_values = ("weight",)
+
+    def __init__(self, cfg: LmAttentionConfig, layers: list[Layer], runtime: Runtime) -> None:
+        self.cfg, self.runtime = cfg, runtime
+        self.dataset: Dataset | None = None
+
+    def prepare(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        model = session.model
+        layout = layout_of(model)
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation != "eager":
+            raise RunnerError(
+                f"method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
+                f" {implementation!r}): set model.attn_implementation=eager."
+            )
+        layers = list(range(layout.layers)) if self.cfg.layers is None else list(self.cfg.layers)
+        heads = list(range(layout.heads)) if self.cfg.heads is None else list(self.cfg.heads)
+        for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
+            if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
+                raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
+        self.layers, self.heads = layers, heads
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        prompts = clean_prompts(batch, self.name)
+        ids, mask = prompts.ids, prompts.mask
+        with torch.no_grad(), self.runtime.autocast():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                        output_attentions=True, logits_to_keep=1)  # fmt: skip
+        attentions = out.attentions
+        if attentions is None or any(a is None for a in attentions):
+            raise RunnerError("method=lm_attention: this model's forward returns no attention weights with"
+                              " output_attentions=True (set model.attn_implementation=eager).")  # fmt: skip
+        strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        pads = prompts.pads.cpu()
+        t = ids.shape[1]
+        # every (row, head, query, key) kept: real query and key, key at or before the query
+        queries = [t - 1] if AttentionQuery(self.cfg.query) is AttentionQuery.last else list(range(t))
+        row, head, query, key = (g.reshape(-1) for g in torch.meshgrid(
+            torch.arange(ids.shape[0]), torch.tensor(self.heads), torch.tensor(queries), torch.arange(t),
+            indexing="ij"))  # fmt: skip
+        keep = (query >= pads[row]) & (key >= pads[row]) & (key <= query)
+        row, head, query, key = row[keep], head[keep], query[keep], key[keep]
+        parts = [self._rows(layer, attentions[layer].float().cpu(), row, head, query, key, pads, strings)
+                 for layer in self.layers]  # fmt: skip
+        return BatchOutput(
+            predicted=out.logits[:, -1].float().argmax(dim=1), tables={self.table: concat_columns(parts)}
+        )
+
+    def _rows(self, layer: int, weights: torch.Tensor, row: torch.Tensor, head: torch.Tensor, query: torch.Tensor,
+              key: torch.Tensor, pads: torch.Tensor, strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
+        """One row per kept (pair, head, query, key) of one layer; `weights` (B, H, T, T)."""
+        r = row.tolist()
+        queries, keys = (query - pads[row]).tolist(), (key - pads[row]).tolist()
+        n = len(r)
+        return {
+            "sample_index": r,  # the pair's row in the batch: the writer adds the first index
+            "layer": [layer] * n,
+            "head": head.tolist(),
+            "query_position": queries,
+            "query_token": token_strings(strings, r, queries),
+            "position": keys,
+            "token": token_strings(strings, r, keys),
+            "answer": [strings[i]["answer"] for i in r],
+            "distractor": [strings[i]["distractor"] for i in r],
+            "weight": weights[row, head, query, key],
+        }

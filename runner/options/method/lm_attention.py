@@ -1,0 +1,28 @@
+"""`method=lm_attention`: the attention weights of a causal language model's heads on each pair's clean prompt, from
+the last position (where the answer is read) or from every position, as a table and as report heatmaps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from runner.options.registry import LM_FAMILY, METHODS
+from runner.schema import MethodConfig
+
+
+class AttentionQuery(str, Enum):
+    last = "last"  # the last position's weights over every key (the prediction's)
+    all = "all"  # every query position's weights over the keys up to it
+
+
+@METHODS.option("runner.methods.lm_saliency.attention:LmAttention", tables=("lm_attention",), family=LM_FAMILY)
+@dataclass
+class LmAttentionConfig(MethodConfig):
+    """The layers and heads read; the run's `target` is not used (the table has no metric). Needs eager attention
+    (model.attn_implementation=eager, hf_lm's default): fused kernels never form the weights."""
+
+    name: str = "lm_attention"
+    layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
+    heads: Optional[list[int]] = None  # null: every head  # noqa: UP045 (OmegaConf)
+    query: AttentionQuery = AttentionQuery.last
