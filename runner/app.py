@@ -38,7 +38,7 @@ from runner.ids import ClassNames, run_columns
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
-from runner.models import build_model, check_input, check_positions
+from runner.models import build_model, check_input, check_positions, model_layout
 from runner.options.registry import lm_method_names
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -177,8 +177,9 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     """`run` once this process (or its rank 0) holds the output directory's lock."""
     runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures)
     runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
-    if method_class(config.method).modality == "text":
-        _refuse_layer_selection(config)  # before the model loads
+    if method_class(config.method).modality == "text":  # before the model's weights load
+        _refuse_layer_selection(config)
+        _check_layout(config, runtime.target)
 
     bundle = build_model(config.model)
     runtime.class_names = bundle.categories  # pictures title the class explained by its name
@@ -291,6 +292,14 @@ def _refuse_layer_selection(config: RunConfig) -> None:
         " method.patching.layers and .sites (lm_patching), method.layers and .sites (lm_grad_x_act, lm_logit_lens)."
         " Leave layers.include at its default."
     )
+
+
+def _check_layout(config: RunConfig, target: Any) -> None:
+    """A language-model method's layers, sites and target checked against the model's layout, read from its config
+    alone: the same checks as the method's setup, before any weights load (an image model: checked once built)."""
+    layout = model_layout(config.model)
+    if layout is not None:
+        method_class(config.method).check_layout(config.method, layout, target)
 
 
 def _check_modality(config: RunConfig, model_kind: str) -> None:

@@ -162,9 +162,12 @@ def own_selection(config: RunConfig) -> RunConfig:
     if include is None or hooks is None:
         label = _label(config)
         mine = own.model is None or own.model == label  # for_model.model null: written for any model
+        # An experiment for an image model run on a language model (the default experiment with model=hf_lm), or
+        # the reverse: its modules mean nothing to this run's model, and saying so would only name the other kind.
+        other_kind = not mine and _modality(own.model) not in (None, getattr(type(config.model), "MODALITY", "image"))
         if include is None:
             include = list(own.include) if mine and own.include else [AUTO]
-            if not mine and own.include:
+            if not mine and own.include and not other_kind:
                 log.info(
                     "layers.include: the experiment's layers (%s) are %s's; this run's model is %s: layers.include=%s"
                     " (set layers.include=[...] to choose; `runner layers` lists the modules)",
@@ -172,7 +175,7 @@ def own_selection(config: RunConfig) -> RunConfig:
                 )  # fmt: skip
         if hooks is None:
             hooks = list(own.hooks) if mine else []
-            if not mine and own.hooks:
+            if not mine and own.hooks and not other_kind:
                 log.info(
                     "hooks: the experiment's %d hook(s) name modules of %s, not of this run's model %s: none are"
                     " registered (set hooks=[...] to hook this model)",
@@ -180,6 +183,18 @@ def own_selection(config: RunConfig) -> RunConfig:
                 )  # fmt: skip
     layers = dataclasses.replace(config.layers, include=list(include))
     return dataclasses.replace(config, layers=layers, hooks=list(hooks))
+
+
+def _modality(label: str | None) -> str | None:
+    """What the model a `for_model.model` label names takes ("image", or "text": its source's schema's MODALITY);
+    None for a label of no known source."""
+    from runner.options.registry import MODELS
+
+    try:
+        schema = MODELS.get(str(label).partition(":")[0]).schema
+    except RunnerError:
+        return None
+    return str(getattr(schema, "MODALITY", "image"))
 
 
 def _label(config: RunConfig) -> str | None:

@@ -9,6 +9,7 @@ line, the docs' IOI template as written."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -352,7 +353,15 @@ def test_bad_device_maps_and_config_values_are_refused(
     folders: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
 ) -> None:
     pytest.importorskip("accelerate")
-    assert refusal(tmp_path / "run", *lm(folders["gpt2"], pairs_file(tmp_path, PAIRS), *overrides)).startswith(message)
+    pairs = pairs_file(tmp_path, PAIRS)
+    run = [
+        "model=hf_lm",
+        f"model.name={folders['gpt2']}",
+        "data=prompts",
+        "target=token_logit_diff",
+        f"data.file={pairs}",
+    ]
+    assert refusal(tmp_path / "run", *run, *overrides).startswith(message)
 
 
 def test_flash_attention_without_flash_attn_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -376,6 +385,95 @@ def test_layers_include_on_a_text_run_is_refused_before_the_model_loads(
         tmp_path / "run", "model=hf_lm", *LM_RUN, "data.file=induction", "layers.include=[no.such.module]"
     )
     assert message.startswith("layers.include=['no.such.module'] selects modules for image methods; method=lm_patching")
+
+
+# What the model's config alone shows wrong, refused before its weights load: (method and its settings, message).
+PATCHING = ["method=lm_patching", "method.patching.sites=[resid_pre]"]
+BEFORE_WEIGHTS = [
+    ([*PATCHING, "method.patching.layers=[0,2]"], "method.patching.layers=[2]: the model has layers 0..1."),
+    ([*PATCHING, "target=logit"], "method=lm_patching measures a language model's answer: use target=token_logit_diff,"),
+    (["method=lm_patching", "method.patching.sites=[pattern]", "model.attn_implementation=sdpa"],
+     "Site pattern needs the attention pattern, which attn_implementation=sdpa never materialises"),
+    (["method=lm_grad_x_act", "method.layers=[5]"], "method.layers=[5]: the model has layers 0..1."),
+    (["method=lm_grad_x_act", "target=kl_to_clean"],
+     "target=kl_to_clean is 0 on the clean prompt that method=lm_grad_x_act reads"),
+    (["method=lm_logit_lens", "method.layers=[-1,2]"],
+     "method.layers=[-1, 2]: each of -1 (the embeddings) .. 1, once (at least one)."),
+    # random weights: the layer count is the config's after model.config's overrides
+    ([*PATCHING, "model.weights=null", "+model.config.n_layer=1", "method.patching.layers=[1]"],
+     "method.patching.layers=[1]: the model has layers 0..0."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "message"), BEFORE_WEIGHTS)
+def test_what_the_models_config_shows_wrong_is_refused_before_its_weights_load(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], message: str
+) -> None:
+    monkeypatch.setattr(app, "build_model", lambda cfg: pytest.fail("the model was built"))
+    pairs = pairs_file(tmp_path, PAIRS)
+    run = [
+        "model=hf_lm",
+        f"model.name={folders['gpt2']}",
+        "data=prompts",
+        "target=token_logit_diff",
+        f"data.file={pairs}",
+    ]
+    assert refusal(tmp_path / "run", *run, *overrides).startswith(message)
+
+
+def test_the_shipped_models_layers_are_checked_before_it_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app, "build_model", lambda cfg: pytest.fail("the model was built"))
+    message = refusal(tmp_path / "run", "experiment=patching_lm_induction", "method.patching.layers=[3]")
+    assert message == "method.patching.layers=[3]: the model has layers 0..1."
+
+
+def test_a_hub_id_not_in_the_cache_is_one_line_with_no_download_tried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, a download would retry for half a minute before failing: the cache is looked up on disk instead."""
+    import socket
+
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: pytest.fail(f"a network look-up: {a[:2]}"))
+    monkeypatch.setattr(app, "build_model", lambda cfg: pytest.fail("the model was built"))
+    message = refusal(
+        tmp_path / "run", "model=hf_lm", "model.name=EleutherAI/pythia-70m", *LM_RUN, "data.file=induction"
+    )
+    assert message.startswith(
+        f"model.name=EleutherAI/pythia-70m is no local folder, and no hub id of that name is in the Hugging Face cache"
+        f" {tmp_path / 'hub'}: the runner does not download language models. On a machine with internet, `hf download"
+        " EleutherAI/pythia-70m` fills its cache (copy it here, or point HF_HOME at it)"
+    )
+
+
+def test_a_hub_id_in_the_cache_runs(folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache lookup finds what `hf download` leaves: refs/main naming a snapshot that holds the files."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-gpt2"
+    shutil.copytree(folders["gpt2"], repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    pairs = pairs_file(tmp_path, PAIRS)
+    result = app.run(make_config("model=hf_lm", "model.name=tiny-org/tiny-gpt2", *LM_RUN, f"data.file={pairs}"),
+                     tmp_path / "run")  # fmt: skip
+    assert len(pd.read_parquet(result.tables["lm_patching"])) > 0
+
+
+def test_an_lm_run_of_the_default_experiment_says_nothing_of_its_image_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default experiment's layers and hooks name EfficientNet-Lite0's modules: a language model inherits none,
+    and its log does not mention them (an image model in their place is told, test_config.py)."""
+    caplog.set_level(logging.INFO)
+    config = make_config("model=hf_lm", *LM_RUN, "data.file=induction", "data.limit=2")
+    assert config.for_model.model == "embedded:efficientnet_lite0" and config.hooks == []
+    app.run(config, tmp_path / "run")
+    shown = [r.getMessage() for r in caplog.records]
+    assert shown and not [m for m in shown if "efficientnet" in m.lower() or "_blocks" in m], shown
 
 
 def test_an_lm_run_warns_nothing(folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

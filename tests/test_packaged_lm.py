@@ -179,6 +179,18 @@ def test_the_short_name_builds_with_its_quantisation_logged(
     assert not torch.equal(random.state_dict()["lm_head.weight"], shipped["lm_head.weight"])
 
 
+def test_a_layer_past_the_packaged_models_is_refused_from_its_config_before_its_weights_load(
+    stand_in: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import runner.app as app
+
+    monkeypatch.setattr(packaged_lm, "convert_gguf", CopyShipped())
+    monkeypatch.setattr(app, "build_model", lambda cfg: pytest.fail("the model was built"))
+    config = make_config("experiment=patching_lm_induction", f"model.name={NAME}", "method.patching.layers=[2]")
+    with pytest.raises(RunnerError, match=r"^method\.patching\.layers=\[2\]: the model has layers 0\.\.1\.$"):
+        app.run(config, tmp_path / "run")
+
+
 # ---- the real model (slow) ---------------------------------------------------------------------------------------
 
 SMOLLM2 = "smollm2-135m"

@@ -41,6 +41,12 @@ class Method:
     # The method's main table: what `runner.store.reader.load(dir)` returns when no table is named (kept in the manifest).
     table: str
 
+    @classmethod
+    def check_layout(cls, cfg: MethodConfig, layout: Any, target: Any) -> None:
+        """Called before a language model's weights load, with its layout read from its config alone: raise the
+        RunnerError that `setup` would raise for `cfg` and the run's `target` (a layer out of range, a site the
+        model lacks, a target that scores no tokens). Methods of image models check nothing here."""
+
     def prepare(self, dataset: Dataset) -> None:
         """Called once before `setup` with the whole data set (patching pairs a sample with another one)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -18,6 +19,9 @@ from runner.models.base import ModelBundle, ModelSource, load_checkpoint
 from runner.models.check import check_input, check_positions
 from runner.options.registry import MODELS
 from runner.schema import ModelConfig
+
+if TYPE_CHECKING:
+    from runner.models.lm_sites import LanguageModelLayout
 
 _SOURCES: dict[str, ModelSource] = {}
 
@@ -67,6 +71,11 @@ def model_label(cfg: ModelConfig) -> str:
     return model_source_of(cfg).label(cfg)
 
 
+def model_layout(cfg: ModelConfig) -> LanguageModelLayout | None:
+    """The configured language model's layout from its config alone (no weights); None for an image model."""
+    return model_source_of(cfg).layout(cfg)
+
+
 def build_model(cfg: ModelConfig) -> ModelBundle:
     """Build the configured model, load its weights, freeze it (no weight gradients are ever needed)."""
     source = model_source_of(cfg)
@@ -105,6 +114,7 @@ __all__ = [
     "check_positions",
     "load_checkpoint",
     "model_label",
+    "model_layout",
     "model_source_of",
     "model_sources",
 ]

@@ -11,13 +11,16 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from runner.errors import RunnerError
 from runner.schema import ModelConfig
+
+if TYPE_CHECKING:
+    from runner.models.lm_sites import LanguageModelLayout
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,11 @@ class ModelSource:
     def build(self, cfg: ModelConfig) -> ModelBundle:
         """The model with its weights loaded (not yet frozen or in eval mode: build_model does that)."""
         raise NotImplementedError
+
+    def layout(self, cfg: ModelConfig) -> LanguageModelLayout | None:
+        """A language model's layout read from its config alone, no weights loaded (what a run checks a method's
+        sites and layers against before the model loads); None for a source of image models."""
+        return None
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:

@@ -118,9 +118,10 @@ def _first_line(error: BaseException) -> str:
     return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
-def from_hub(name: str, load: Any) -> Any:
+def from_hub(name: str, load: Any, download: bool = True) -> Any:
     """`load({local_files_only, trust_remote_code=False})`: from the folder or the Hugging Face cache first, then
-    downloaded into the cache (not with HF_HUB_OFFLINE=1); a model found nowhere is one clear error."""
+    downloaded into the cache (not with HF_HUB_OFFLINE=1, nor with download=False); a model found nowhere is one
+    clear error."""
     try:
         return load({"local_files_only": True, **NO_REMOTE_CODE})
     except OSError as cached:
@@ -128,6 +129,8 @@ def from_hub(name: str, load: Any) -> Any:
             raise RunnerError(
                 f"Cannot load the Hugging Face model in {name}: {str(cached).splitlines()[0]}"
             ) from cached
+        if not download:
+            raise not_in_cache(name, _first_line(cached)) from cached
         error: Exception = cached
     if not hub_offline():
         try:
@@ -140,6 +143,28 @@ def from_hub(name: str, load: Any) -> Any:
         f" ({why}). With internet, `hf download {name}` fills the cache; offline, copy a folder saved with"
         " save_pretrained (config.json, the weights, preprocessor_config.json) and give its path as model.name."
     ) from error
+
+
+def in_hub_cache(name: str) -> bool:
+    """Whether `name` is a hub id whose config.json is in the Hugging Face cache (looked up on disk: no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a hub id at all (huggingface_hub's HFValidationError)
+        return False
+
+
+def not_in_cache(name: str, detail: str = "") -> RunnerError:
+    """The one line for a model that is neither a local folder nor (completely) in the Hugging Face cache, where the
+    runner does not download it."""
+    found = f" ({detail})" if detail else ""
+    return RunnerError(
+        f"model.name={name} is no local folder, and no hub id of that name is in the Hugging Face cache"
+        f" {hub_cache_dir()}{found}: the runner does not download language models. On a machine with internet,"
+        f" `hf download {name}` fills its cache (copy it here, or point HF_HOME at it); or give a folder saved with"
+        " save_pretrained as model.name."
+    )
 
 
 @functools.cache

@@ -16,8 +16,16 @@ import torch
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
-from runner.models.hf import dtype_argument, from_hub, hub_errors, refuse_remote_code, transformers_module
-from runner.models.lm_sites import layout_of
+from runner.models.hf import (
+    dtype_argument,
+    from_hub,
+    hub_errors,
+    in_hub_cache,
+    not_in_cache,
+    refuse_remote_code,
+    transformers_module,
+)
+from runner.models.lm_sites import LanguageModelLayout, layout_of, layout_of_config
 from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM, HfLmModelConfig
 from runner.schema import ModelConfig
@@ -62,39 +70,26 @@ class HfLmSource(ModelSource):
     def known_names(self) -> list[str]:
         return [SHIPPED_LM, *PACKAGED_LMS]
 
-    def build(self, cfg: ModelConfig) -> ModelBundle:
-        if not isinstance(cfg, HfLmModelConfig):
-            raise RunnerError("model.source=hf_lm takes conf/model/hf_lm.yaml's keys: use model=hf_lm.")
-        if not cfg.name:
-            raise RunnerError("model=hf_lm needs model.name=NAME: induction (shipped), a local folder or a hub id.")
-        if cfg.weights not in (None, "DEFAULT", "true", "True"):
-            raise RunnerError(
-                f"model=hf_lm loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
-                f" weights from its config), not '{cfg.weights}'."
-            )
-        if cfg.weights is None and cfg.device_map is not None:
-            raise RunnerError(
-                "model.device_map places saved weights across devices as they load; random weights (model.weights="
-                "null) are built in memory: leave model.device_map=null, or load saved weights."
-            )
-        if cfg.weights is not None and cfg.config:
-            raise RunnerError(
-                "model.config overrides a config for random weights: it needs model.weights=null (saved weights"
-                " come with their own config)."
-            )
-        refuse_remote_code(cfg.kwargs)
-        _check_attention(cfg.attn_implementation)
+    def layout(self, cfg: ModelConfig) -> LanguageModelLayout:
+        """The layout from the model's config.json alone (a packaged model is converted first, once)."""
+        checked = _checked(cfg)
         transformers = transformers_module()
-        name = model_folder(cfg.name)
-        _check_folder(name)
+        name = _located(checked.name)
+        config = _model_config(transformers, name, checked)
+        return layout_of_config(config, checked.attn_implementation)
+
+    def build(self, cfg: ModelConfig) -> ModelBundle:
+        cfg = _checked(cfg)
+        transformers = transformers_module()
+        name = _located(cfg.name)
         dtype = getattr(torch, cfg.dtype)
         options: dict[str, Any] = {
             "attn_implementation": cfg.attn_implementation,
             **dtype_argument(transformers, dtype),
             **cfg.kwargs,
         }
+        config = _model_config(transformers, name, cfg)
         with hub_errors(name):
-            config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local))
             if cfg.weights is None:
                 model = _from_config(transformers, config, cfg.config, options)
                 log.info("model %s: random weights from its config (model.weights=null)", cfg.name)
@@ -104,11 +99,15 @@ class HfLmSource(ModelSource):
                     _check_device_map(transformers, config, cfg.device_map)
                     options["device_map"] = cfg.device_map
                 model = from_hub(
-                    name, lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options)
+                    name,
+                    lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options),
+                    download=False,
                 )
             tokenizer_name = model_folder(cfg.tokenizer) if cfg.tokenizer else name
             tokenizer = from_hub(
-                tokenizer_name, lambda local: transformers.AutoTokenizer.from_pretrained(tokenizer_name, **local)
+                tokenizer_name,
+                lambda local: transformers.AutoTokenizer.from_pretrained(tokenizer_name, **local),
+                download=False,
             )
         _check_vocabulary(model, tokenizer, tokenizer_name)
         layout = layout_of(model)  # refuses an architecture without a site adapter, before any data loads
@@ -117,6 +116,50 @@ class HfLmSource(ModelSource):
         log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, layout.arch.family,
                  layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation, cfg.dtype, weights)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
+
+
+def _checked(cfg: ModelConfig) -> HfLmModelConfig:
+    """`cfg` refused, before anything is read, where its values do not go together."""
+    if not isinstance(cfg, HfLmModelConfig):
+        raise RunnerError("model.source=hf_lm takes conf/model/hf_lm.yaml's keys: use model=hf_lm.")
+    if not cfg.name:
+        raise RunnerError("model=hf_lm needs model.name=NAME: induction (shipped), a local folder or a hub id.")
+    if cfg.weights not in (None, "DEFAULT", "true", "True"):
+        raise RunnerError(
+            f"model=hf_lm loads the weights saved with the model (model.weights=DEFAULT) or none (null: random"
+            f" weights from its config), not '{cfg.weights}'."
+        )
+    if cfg.weights is None and cfg.device_map is not None:
+        raise RunnerError(
+            "model.device_map places saved weights across devices as they load; random weights (model.weights="
+            "null) are built in memory: leave model.device_map=null, or load saved weights."
+        )
+    if cfg.weights is not None and cfg.config:
+        raise RunnerError(
+            "model.config overrides a config for random weights: it needs model.weights=null (saved weights"
+            " come with their own config)."
+        )
+    refuse_remote_code(cfg.kwargs)
+    _check_attention(cfg.attn_implementation)
+    return cfg
+
+
+def _located(name: str) -> str:
+    """What transformers loads for `name` (model_folder), refused in one line where it is neither a folder saved
+    with save_pretrained nor a hub id in the Hugging Face cache: nothing is downloaded (offline, a download would
+    retry for half a minute before it failed)."""
+    folder = model_folder(name)
+    _check_folder(folder)
+    if not Path(folder).expanduser().exists() and not in_hub_cache(folder):
+        raise not_in_cache(folder)
+    return folder
+
+
+def _model_config(transformers: Any, name: str, cfg: HfLmModelConfig) -> Any:
+    """The model's transformers config (no weights), with model.config's overrides for random weights."""
+    with hub_errors(name):
+        config = from_hub(name, lambda local: transformers.AutoConfig.from_pretrained(name, **local), download=False)
+    return _with_overrides(config, cfg.config) if cfg.weights is None else config
 
 
 def _check_attention(implementation: str) -> None:
@@ -140,8 +183,8 @@ def _check_folder(name: str) -> None:
         )
 
 
-def _from_config(transformers: Any, config: Any, overrides: dict[str, Any], options: dict[str, Any]) -> Any:
-    """Random weights from `config` with model.config's overrides, each key checked against the config's own."""
+def _with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+    """`config` with model.config's overrides, each key checked against the config's own."""
     for key, value in overrides.items():
         if not hasattr(config, key):  # setattr would add it silently, and nothing would read it
             raise RunnerError(
@@ -151,6 +194,11 @@ def _from_config(transformers: Any, config: Any, overrides: dict[str, Any], opti
             setattr(config, key, value)
         except Exception as e:  # the config class validates its fields (huggingface_hub's strict dataclasses)
             raise RunnerError(f"model.config.{key}={value!r} is refused by {type(config).__name__}: {_first(e)}") from e
+    return config
+
+
+def _from_config(transformers: Any, config: Any, overrides: dict[str, Any], options: dict[str, Any]) -> Any:
+    """Random weights from `config` (model.config's `overrides` already applied: they are named in an error)."""
     try:
         return transformers.AutoModelForCausalLM.from_config(config, **options)
     except (ValueError, TypeError, AssertionError) as e:  # sizes that do not fit together (heads, dimensions)

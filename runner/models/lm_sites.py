@@ -254,6 +254,14 @@ class LanguageModelLayout:
             return raw
         return torch.tanh(raw / self.logit_softcap) * self.logit_softcap
 
+    def block_layers(self, layers: list[int] | None, key: str) -> list[int]:
+        """The blocks `key` (a config key) selects: every block for None; RunnerError for one out of range."""
+        chosen = list(range(self.layers)) if layers is None else list(layers)
+        bad = [layer for layer in chosen if not 0 <= layer < self.layers]
+        if bad:
+            raise RunnerError(f"{key}={bad}: the model has layers 0..{self.layers - 1}.")
+        return chosen
+
     def module_name(self, part: str, layer: int) -> str:
         return f"{self.arch.blocks}.{layer}.{part}"
 
@@ -309,7 +317,13 @@ class LanguageModelLayout:
 
 def layout_of(model: nn.Module) -> LanguageModelLayout:
     """The layout of a Hugging Face causal LM; RunnerError naming the supported families for another model."""
-    config = getattr(model, "config", None)
+    return layout_of_config(getattr(model, "config", None))
+
+
+def layout_of_config(config: Any, attn_implementation: str | None = None) -> LanguageModelLayout:
+    """The layout of the causal LM that transformers config `config` describes, read from the config alone (no
+    weights: what a run checks its sites and layers against before the model loads); `attn_implementation`: the one
+    the model will be loaded with (None: the config's own). RunnerError naming the supported families for another."""
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(str(model_type))
     if family is None:
@@ -325,7 +339,7 @@ def layout_of(model: nn.Module) -> LanguageModelLayout:
     heads = int(getattr(config, "num_attention_heads", None) or config.n_head)  # type: ignore[union-attr]
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)  # type: ignore[union-attr]
-    implementation = str(getattr(config, "_attn_implementation", None) or "eager")
+    implementation = attn_implementation or str(getattr(config, "_attn_implementation", None) or "eager")
     return LanguageModelLayout(arch, layers, heads, kv_heads, implementation, arch.logit_softcap(config))
 
 

@@ -33,13 +33,13 @@ from runner.methods.lm_patching.prefix import (
 )
 from runner.methods.lm_patching.readout import Readout
 from runner.methods.patching.rows import small_spans
-from runner.models.lm_sites import layout_of
-from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
+from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
+from runner.options.method.lm_patching import HeadPositions, LmPatchingConfig, LmPatchingMethodConfig
 from runner.options.method.patching import PatchDirection, PatchMode
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare, optional
-from runner.targets.tokens import target_name, token_target
+from runner.targets.tokens import TokenTarget, target_name, token_target
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,17 @@ LM_PATCHING_SCHEMA = declare(
 ROWS_PER_FORWARD = 32
 
 
+def _planned(
+    p: LmPatchingConfig, layout: LanguageModelLayout, target: Any
+) -> tuple[TokenTarget, list[int], list[SiteSpec]]:
+    """The run's token target, the patched layers and each (site, layer)'s spec; every refusal that the model's
+    layout alone earns (a target that scores no tokens, a layer out of range, a site the family lacks or its
+    attention never materialises): `setup` on the loaded model, `check_layout` before it loads."""
+    scored = token_target(target, LmPatching.name, per_position=True)
+    layers = layout.block_layers(p.layers, "method.patching.layers")
+    return scored, layers, [layout.site(kind, layer) for kind in p.sites for layer in layers]
+
+
 class LmPatching(Method):
     name = "lm_patching"
     table = "lm_patching"
@@ -93,19 +104,17 @@ class LmPatching(Method):
         self.dataset = dataset
         self.corruption.prepare(dataset)
 
+    @classmethod
+    def check_layout(cls, cfg: LmPatchingMethodConfig, layout: LanguageModelLayout, target: Any) -> None:
+        _planned(cfg.patching, layout, target)
+
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         self.layout = layout_of(model)
-        self.target = token_target(self.runtime.target, self.name, per_position=True)
+        self.target, self.layers, specs = _planned(self.p, self.layout, self.runtime.target)
         self.readout = Readout(model, self.layout, self.target)
         self.replay = BlockReplay(model, self.layout.arch.blocks, session)
         self.cache_key = cache_name(model)  # the forward's name for the key/value cache, read once, not per chunk
-        layers = list(range(self.layout.layers)) if self.p.layers is None else list(self.p.layers)
-        bad = [layer for layer in layers if not 0 <= layer < self.layout.layers]
-        if bad:
-            raise RunnerError(f"method.patching.layers={bad}: the model has layers 0..{self.layout.layers - 1}.")
-        self.layers = layers
-        specs = [self.layout.site(kind, layer) for kind in self.p.sites for layer in layers]
         self.hooks = SiteHooks(model, specs, session)
         self.corruption.setup(session, model, self.layout)
 

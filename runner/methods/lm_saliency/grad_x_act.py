@@ -26,12 +26,12 @@ from runner.layers import Layer
 from runner.methods.base import Method
 from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import clean_prompts, real_cells, token_strings
-from runner.models.lm_sites import PER_HEAD, SiteSpec, layout_of
+from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
-from runner.targets.tokens import target_name, token_target
+from runner.targets.tokens import TokenTarget, target_name, token_target
 
 LM_GRAD_X_ACT_SCHEMA = declare(
     "lm_grad_x_act",
@@ -57,6 +57,15 @@ LM_GRAD_X_ACT_SCHEMA = declare(
 )
 
 
+def _planned(cfg: LmGradXActConfig, layout: LanguageModelLayout, target: Any) -> tuple[TokenTarget, list[SiteSpec]]:
+    """The run's token target and each (site, layer)'s spec; every refusal that the model's layout alone earns (a
+    target with no gradient on the clean prompt, a layer out of range, a site the family lacks or its attention
+    never materialises): `setup` on the loaded model, `check_layout` before it loads."""
+    scored = token_target(target, LmGradXAct.name, per_position=False)
+    layers = layout.block_layers(cfg.layers, "method.layers")
+    return scored, [layout.site(kind, layer) for kind in cfg.sites for layer in layers]
+
+
 class LmGradXAct(Method):
     name = "lm_grad_x_act"
     table = "lm_grad_x_act"
@@ -71,15 +80,14 @@ class LmGradXAct(Method):
     def prepare(self, dataset: Dataset) -> None:
         self.dataset = dataset
 
+    @classmethod
+    def check_layout(cls, cfg: LmGradXActConfig, layout: LanguageModelLayout, target: Any) -> None:
+        _planned(cfg, layout, target)
+
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         layout = layout_of(model)
-        self.target = token_target(self.runtime.target, self.name, per_position=False)
-        layers = list(range(layout.layers)) if self.cfg.layers is None else list(self.cfg.layers)
-        bad = [layer for layer in layers if not 0 <= layer < layout.layers]
-        if bad:
-            raise RunnerError(f"method.layers={bad}: the model has layers 0..{layout.layers - 1}.")
-        self.specs = [layout.site(kind, layer) for kind in self.cfg.sites for layer in layers]
+        self.target, self.specs = _planned(self.cfg, layout, self.runtime.target)
         # The sites kept in the autograd graph, each the very tensor the rest of the forward reads (the engine of
         # lm_patching): resid_mid is the stream both branches read, pattern the softmax inside eager attention.
         self.hooks = SiteHooks(model, self.specs, session)

@@ -25,12 +25,12 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
 from runner.methods.lm_saliency.common import CleanPrompts, clean_prompts, real_cells, token_strings
-from runner.models.lm_sites import SiteSpec, layout_of, read_site, unembedding
+from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
-from runner.targets.tokens import AnswerLogprob, set_mean, target_name, token_target
+from runner.targets.tokens import AnswerLogprob, TokenTarget, set_mean, target_name, token_target
 
 EMBEDDINGS = -1  # the layer of the embeddings (block 0's input)
 
@@ -60,6 +60,21 @@ LM_LOGIT_LENS_SCHEMA = declare(
 )
 
 
+def _planned(cfg: LmLogitLensConfig, layout: LanguageModelLayout, target: Any) -> tuple[TokenTarget, list[int]]:
+    """The run's token target and the layers read; every refusal that the model's layout alone earns (a target that
+    scores no tokens, a layer out of range or given twice): `setup` on the loaded model, `check_layout` before it
+    loads."""
+    scored = token_target(target, LmLogitLens.name, per_position=True)
+    every = [EMBEDDINGS, *range(layout.layers)]
+    layers = every if cfg.layers is None else list(cfg.layers)
+    bad = [layer for layer in layers if layer not in every]
+    if bad or len(set(layers)) != len(layers) or not layers:
+        raise RunnerError(
+            f"method.layers={layers}: each of -1 (the embeddings) .. {layout.layers - 1}, once (at least one)."
+        )
+    return scored, layers
+
+
 class LmLogitLens(Method):
     name = "lm_logit_lens"
     table = "lm_logit_lens"
@@ -74,25 +89,21 @@ class LmLogitLens(Method):
     def prepare(self, dataset: Dataset) -> None:
         self.dataset = dataset
 
+    @classmethod
+    def check_layout(cls, cfg: LmLogitLensConfig, layout: LanguageModelLayout, target: Any) -> None:
+        _planned(cfg, layout, target)
+
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         layout = layout_of(model)
-        self.target = token_target(self.runtime.target, self.name, per_position=True)
-        every = [EMBEDDINGS, *range(layout.layers)]
-        layers = every if self.cfg.layers is None else list(self.cfg.layers)
-        bad = [layer for layer in layers if layer not in every]
-        if bad or len(set(layers)) != len(layers) or not layers:
-            raise RunnerError(
-                f"method.layers={layers}: each of -1 (the embeddings) .. {layout.layers - 1}, once (at least one)."
-            )
-        self.layers = layers
+        self.target, self.layers = _planned(self.cfg, layout, self.runtime.target)
         self.last = layout.layers - 1
         modules = dict(model.named_modules())
         self.norm, self.unembed = modules[layout.arch.final_norm], unembedding(model)
         self.layout = layout
         # The last block's output is always read: its lens is the reference distribution of kl_to_clean.
         self.specs = {layer: layout.site("resid_pre", 0) if layer == EMBEDDINGS else layout.site("resid_post", layer)
-                      for layer in dict.fromkeys([*layers, self.last])}  # fmt: skip
+                      for layer in dict.fromkeys([*self.layers, self.last])}  # fmt: skip
         self.kept: dict[int, torch.Tensor] = {}
         self.capturing = False
         for layer, spec in self.specs.items():

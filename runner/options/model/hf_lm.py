@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from runner.errors import RunnerError
 from runner.fingerprints import listing_digest
@@ -69,6 +69,8 @@ class HfLmModelConfig(ModelConfig):
     # The dtype the weights are loaded in, whatever the saved one: float32, bfloat16 or float16. Activations follow
     # the weights; metrics are computed in float32 from the final logits either way.
     dtype: str = "float32"
+
+    MODALITY: ClassVar[str] = "text"  # its models take token ids (image models' schemas have none: "image")
 
     def check(self) -> list[str]:
         if self.dtype not in DTYPES:
