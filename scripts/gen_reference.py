@@ -381,14 +381,20 @@ def render_families(c: Collected) -> str:
         else:
             mid = f"`{a.mid_norm}`"
         qkv = ", ".join(f"`{q}`" for q in a.qkv) if isinstance(a.qkv, tuple) else f"`{a.qkv}` ({a.fused_layout})"
+        if a.kv_heads is not {f.name: f.default for f in dataclasses.fields(a)}["kv_heads"]:
+            qkv += f"; key-value heads: {doc(a.kv_heads)}"
         cells = [f"`{model_type}`", a.family, f"`{a.blocks}`", f"`{a.attn_branch or a.attn}`",
                  f"`{a.mlp_branch or a.mlp}`", mid, f"`{a.out_proj}`", qkv, f"`{a.final_norm}`",
                  f"`{a.embed}`", doc(a.logit_softcap), doc(a.refuse)]  # fmt: skip
         if a.mlp_rows:
             cells[4] += " (on the positions flattened, viewed back)"
+        if doc(a.mutated) != "none":
+            cells[4] += f"; changed in place by the block afterwards, kept as a copy: {doc(a.mutated)}"
         out.append("| " + " | ".join(cell(x) for x in cells) + " |")
     out += ["", "Fused q/k/v layouts: gpt2 = q | k | v in equal thirds; neox = per head, q k v; gqa = q | k | v with q",
-            "of the query heads and k, v of the key-value heads. Mixtral's and Qwen2/3-MoE's `mlp` is the sparse MoE",
+            "of the query heads and k, v of the key-value heads; grouped = per key-value head, the query heads that share",
+            "it, then its k, then its v (Falcon's three forms: one key-value head, one per query head, or",
+            "config.num_kv_heads). Mixtral's and Qwen2/3-MoE's `mlp` is the sparse MoE",
             "block (its output: what the block adds); OPT has no MLP module, its `mlp_out` is `fc2`'s output. Gemma's",
             "embedding module multiplies its rows by sqrt(hidden_size): the embedding corruptions edit its output, and",
             "the noise's std is measured on it.", ""]  # fmt: skip

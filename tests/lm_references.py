@@ -4,7 +4,8 @@ Two ways of computing the same layer x position / layer x head patching results,
 patching engine and as contenders in scripts/bench_lm_patching.py:
   - `loop_patching`: one full forward per cell, plain torch hooks on the HF modules (GPT-2 and Llama);
     `patched_metric` and `capture_all` do the same for every site of every family in FAMILIES, from the module
-    paths in PARTS (written from each family's modeling file, not from the runner's adapters);
+    paths in PARTS (written from each family's modeling file, not from the runner's adapters), and `gradients_all`
+    gives each site's gradient for gradient x activation and attribution patching;
   - `tl_patching`: TransformerLens 4.3's `patching.get_act_patch_*` through its `TransformerBridge`.
 `build_tiny_lm` makes the random-weight models both are run on, offline: GPT-2, Llama (grouped-query) and the
 other families in FAMILIES.
@@ -49,8 +50,9 @@ def build_tokenizer(n_tokens: int = N_TOKENS) -> Any:
 # family's own config class. gpt_neox_seq and stablelm_par: the other residual form of a family that has both.
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_seq", "gemma", "gemma2", "olmo",
             "olmo2", "phi3", "stablelm", "stablelm_par", "gptj", "phi", "mixtral", "gemma3_text", "qwen2_moe",
-            "qwen3_moe", "opt")  # fmt: skip
-VARIANTS = {"gpt_neox_seq": "gpt_neox", "stablelm_par": "stablelm"}  # variant -> its model_type
+            "qwen3_moe", "opt", "falcon", "falcon_seq", "falcon_new", "falcon_alibi")  # fmt: skip
+VARIANTS = {"gpt_neox_seq": "gpt_neox", "stablelm_par": "stablelm", "falcon_seq": "falcon", "falcon_new": "falcon",
+            "falcon_alibi": "falcon"}  # variant -> its model_type  # fmt: skip
 SOFTCAP = 2.0  # Gemma 2 and 3's final-logit softcap: small, so that a readout without it is visibly wrong
 
 # Config class and the family's own settings, beside the shared shape (2 layers, 32 wide, 4 heads of 8, MLP 64).
@@ -79,6 +81,15 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_key_value_heads": 2, "head_dim": 8, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    # Falcon-7B: attention and MLP in parallel from one norm, one key-value head, rotary
+    "falcon": ("FalconConfig", {"ffn_hidden_size": 64, "parallel_attn": True, "multi_query": True}),
+    # sequential (a post-attention norm), one key-value head, rotary
+    "falcon_seq": ("FalconConfig", {"ffn_hidden_size": 64, "parallel_attn": False, "multi_query": True}),
+    # Falcon-40B/180B: the new decoder architecture, two norms (ln_attn, ln_mlp), 2 key-value heads of 4
+    "falcon_new": ("FalconConfig", {"ffn_hidden_size": 64, "new_decoder_architecture": True, "num_kv_heads": 2}),
+    # Falcon-RW: ALiBi, sequential, a key-value head per query head, biases
+    "falcon_alibi": ("FalconConfig", {"ffn_hidden_size": 64, "alibi": True, "parallel_attn": False,
+                                      "multi_query": False, "bias": True}),
 }  # fmt: skip
 
 
@@ -122,6 +133,9 @@ def tiny_config(arch: str, vocab: int) -> Any:
     )  # fmt: skip
 
 
+NORM_NAMES = ("norm", "ln_attn", "ln_mlp")  # parameters of norms (Falcon-40B's two: ln_attn and ln_mlp)
+
+
 def build_tiny_lm(arch: str, seed: int, folder: str | Path | None = None) -> tuple[nn.Module, Any, Path]:
     """A random-weight causal LM of a family in FAMILIES, fp32, eval, eager attention, saved with its tokenizer;
     norm weights and biases randomised too (at their init, 1 and 0, a norm hides mistakes about where it sits).
@@ -136,7 +150,7 @@ def build_tiny_lm(arch: str, seed: int, folder: str | Path | None = None) -> tup
     if arch not in ("gpt2", "llama"):  # gpt2 and llama keep the weights their tests were written against
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name or name.endswith(".bias"):
+                if any(norm in name for norm in NORM_NAMES) or name.endswith(".bias"):
                     param.add_(torch.randn_like(param) * 0.2)
     model.config._attn_implementation = "eager"
     model = model.float().eval()
@@ -451,13 +465,15 @@ class Parts:
     out_proj: str  # its input: the heads' outputs side by side
     qkv: tuple[str, str, str] | str
     fused: str = ""  # "thirds" (q | k | v, equal), "per_head" (q k v of head 0, of head 1, ...), "gqa" (q | k | v
-    # with k and v of the key-value heads)
+    # with k and v of the key-value heads), "per_group" (per key-value head: the query heads sharing it, its k, its v)
     sequential: bool = True  # attention then MLP (a stream between them); False: both read the block's input
 
 
 _SEPARATE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LLAMA_PARTS = Parts("model.layers", "self_attn", "self_attn", "mlp", "self_attn.o_proj", _SEPARATE)
 _POST_NORMED = replace(_LLAMA_PARTS, attn_add="post_attention_layernorm", mlp_add="post_feedforward_layernorm")
+_FALCON = Parts("transformer.h", "self_attention", "self_attention", "mlp", "self_attention.dense",
+                "self_attention.query_key_value", "gqa", sequential=False)  # fmt: skip
 PARTS: dict[str, Parts] = {
     "gpt2": Parts("transformer.h", "attn", "attn", "mlp", "attn.c_proj", "attn.c_attn", "thirds"),
     **{arch: _LLAMA_PARTS for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "stablelm", "mixtral",
@@ -477,6 +493,13 @@ PARTS: dict[str, Parts] = {
                  "self_attn.k_proj", "self_attn.v_proj")),
     "gptj": Parts("transformer.h", "attn", "attn", "mlp", "attn.out_proj", ("attn.q_proj", "attn.k_proj",
                   "attn.v_proj"), sequential=False),
+    # Falcon (FalconAttention._split_heads): multi-query q | k | v with one key-value head; the new decoder
+    # architecture per key-value group (its query heads, then k, then v); otherwise per head q k v. Its parallel
+    # blocks change the MLP's output in place (`mlp_output += attention_output`): the hooks here clone what they keep.
+    "falcon": _FALCON,
+    "falcon_seq": replace(_FALCON, sequential=True),
+    "falcon_new": replace(_FALCON, fused="per_group"),
+    "falcon_alibi": replace(_FALCON, fused="per_head", sequential=True),
 }  # fmt: skip
 ALL_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
 HEAD_SITES = ("head", "q", "k", "v", "pattern")
@@ -484,6 +507,10 @@ HEAD_SITES = ("head", "q", "k", "v", "pattern")
 
 def kv_heads(model: nn.Module) -> int:
     config = model.config
+    if config.model_type == "falcon":  # FalconAttention: num_kv_heads in the new architecture, 1 for multi-query
+        if config.new_decoder_architecture:
+            return int(config.num_kv_heads)
+        return 1 if config.multi_query else n_heads(model)
     return int(getattr(config, "num_key_value_heads", None) or n_heads(model))
 
 
@@ -503,6 +530,10 @@ def _channels(model: nn.Module, parts: Parts, site: str, width: int, head: int) 
     elif parts.fused == "per_head":
         d = width // 3 // h
         start = (head * 3 + part) * d
+    elif parts.fused == "per_group":  # group g: query heads g*q..(g+1)*q-1, then k, then v; q = h / kv
+        d, q = width // (h + 2 * kv), h // kv
+        group, slot = (head // q, head % q) if part == 0 else (head, q + part - 1)
+        start = (group * (q + 2) + slot) * d
     else:  # gqa
         d = width // (h + 2 * kv)
         start = [0, h * d, (h + kv) * d][part] + head * d
@@ -620,3 +651,40 @@ def patched_metric(model: nn.Module, arch: str, ids: torch.Tensor, site: str, la
         return metric(_forward(model, ids)).float().cpu()
     finally:
         _remove(handles)
+
+
+def cell_sum(model: nn.Module, arch: str, site: str, values: torch.Tensor, batch: int, position: int | None,
+             head: int | None) -> torch.Tensor:  # fmt: skip
+    """(B,) the sum of `values` (shaped as the site's raw tensor) over one cell's elements: the position (None:
+    every one; the pattern: the query position, all keys) and the head (None: the whole tensor)."""
+    where = slice(None) if position is None else position
+    if site == "pattern":  # (B, H, T query, T key)
+        return values[:, slice(None) if head is None else head, where].flatten(1).sum(-1)
+    values = values.reshape(batch, -1, values.shape[-1])  # OPT's MLP: (B x T, d) rows
+    channels = slice(None) if head is None else _channels(model, PARTS[arch], site, values.shape[-1], head)
+    return values[:, where, channels].flatten(1).sum(-1)
+
+
+def gradients_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str,
+                  metric: Metric) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per layer, the raw tensor of `site` in a forward of `ids` and the gradient of the metric (summed over the
+    rows, which are independent) with respect to it: one forward per layer, the tensor replaced by a leaf that the
+    rest of the forward reads through a copy (a block may change what it is given in place: Falcon's
+    `mlp_output += attention_output`)."""
+    layers = int(model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.n_layer)
+    found = []
+    for layer in range(layers):
+        leaf: dict[str, torch.Tensor] = {}
+
+        def substitute(raw: torch.Tensor, leaf: dict[str, torch.Tensor] = leaf) -> torch.Tensor:
+            leaf["x"] = raw.detach().clone().requires_grad_(True)
+            return leaf["x"].clone()
+
+        handles = _hook_raw(model, arch, site, layer, substitute)
+        try:
+            with torch.enable_grad():
+                (grad,) = torch.autograd.grad(metric(_forward(model, ids)).sum(), [leaf["x"]], allow_unused=True)
+        finally:
+            _remove(handles)
+        found.append((leaf["x"].detach(), torch.zeros_like(leaf["x"]) if grad is None else grad))
+    return found

@@ -1,7 +1,8 @@
 """Named sites of every supported decoder family (runner/models/lm_sites.py), checked the same way on each, on a
 random 2-layer model with eager attention (tests/lm_references.py FAMILIES; an adapter without one fails here):
 every site in both directions, per-head sites at all positions and at each, equals a plain one-forward-per-cell loop
-that reads the family's modules directly (lm_references.PARTS); clean patched into clean is flagged degenerate; the
+that reads the family's modules directly (lm_references.PARTS), and so do grad x activation and attribution patching's
+estimates against plain autograd on those modules; clean patched into clean is flagged degenerate; the
 answer-only readout and the logit lens equal the model's own logits (final softcap included); the noise corruption
 is scaled as what the first block receives. The residual stream at the last layer's last position is all that
 reaches the logits, so patching it restores exactly (resid_mid and resid_post); resid_mid's attribution estimate is
@@ -18,7 +19,7 @@ from torch import nn
 
 from runner.errors import RunnerError
 from runner.methods.lm_patching import lm_activation_patching
-from runner.methods.lm_saliency import lm_logit_lens
+from runner.methods.lm_saliency import lm_grad_x_act, lm_logit_lens
 from runner.models import lm_sites
 from runner.models.lm_sites import layout_of, unembedding
 from tests.lm_references import (
@@ -28,6 +29,8 @@ from tests.lm_references import (
     PARTS,
     build_tiny_lm,
     capture_all,
+    cell_sum,
+    gradients_all,
     logit_diff,
     model_type,
     patched_metric,
@@ -188,6 +191,65 @@ def test_every_site_equals_the_plain_loop(family, direction: str) -> None:  # ty
     assert worst <= 1e-5, worst
 
 
+def _worst_gradient_gap(arch: str, model: nn.Module, tokenizer: Any, only: tuple[str, ...] = ALL_SITES,
+                        attribution: bool = True) -> tuple[float, int]:  # fmt: skip
+    """The largest gap, over every row of every site, between plain autograd (lm_references.gradients_all) and
+    lm_grad_x_act's values, then lm_patching's attribution estimates in both directions; run with the parameters
+    frozen, as a run loads the model (every site's tensor then a leaf, or a tensor read after the embeddings')."""
+    sites = [s for s in only if s in layout_of(model).available()]
+    clean, corrupted, metric = _tokens(tokenizer, PAIRS)
+    model.requires_grad_(False)
+    try:
+        saliency = lm_grad_x_act(model, tokenizer, PAIRS, sites=sites)
+        assert (saliency.value.abs() > 1e-3).any()  # not a comparison of zeros
+        directions = ["denoising", "noising"] if attribution else []
+        estimates = lm_activation_patching(model, tokenizer, PAIRS, sites=sites, mode="attribution",
+                                           directions=directions) if directions else None  # fmt: skip
+    finally:
+        model.requires_grad_(True)
+    batch, worst, compared = len(PAIRS), 0.0, 0
+
+    def gap(rows: Any, column: str, want: torch.Tensor) -> float:
+        got = torch.tensor(rows.sort_values("sample_index")[column].to_numpy().copy())
+        assert len(got) == batch
+        return float((got - want).abs().max())
+
+    for site in sites:
+        per_head = site in HEAD_SITES
+        taken = {"clean": gradients_all(model, arch, clean, site, metric)}
+        runs = {} if estimates is None else {"denoising": (clean, corrupted), "noising": (corrupted, clean)}
+        for direction, (source, receiver) in runs.items():
+            taken[direction] = gradients_all(model, arch, receiver, site, metric)
+            sources = capture_all(model, arch, source, site)
+            with torch.no_grad():
+                base = metric(model(input_ids=receiver, use_cache=False).logits)
+            rows = estimates[(estimates.site == site) & (estimates.direction == direction)]
+            for (layer, head, position), cell in rows.groupby(["layer", "head", "position"], dropna=False):
+                act, grad = taken[direction][int(layer)]
+                terms = (sources[int(layer)] - act) * grad
+                want = base + cell_sum(model, arch, site, terms, batch, None if position != position else int(position),
+                                       int(head) if per_head else None)  # fmt: skip
+                worst, compared = max(worst, gap(cell, "patched", want)), compared + batch
+        rows = saliency[saliency.site == site]
+        for (layer, head, position), cell in rows.groupby(["layer", "head", "position"], dropna=False):
+            act, grad = taken["clean"][int(layer)]
+            want = cell_sum(model, arch, site, act * grad, batch, int(position), int(head) if per_head else None)
+            worst, compared = max(worst, gap(cell, "value", want)), compared + batch
+    return worst, compared
+
+
+@pytest.mark.slow  # a forward and a backward per site, layer and run
+def test_grad_x_act_and_attribution_estimates_equal_plain_autograd(family) -> None:  # type: ignore[no-untyped-def]
+    """Every row of lm_grad_x_act and of attribution patching, every site the family has, equals gradient x
+    activation from plain autograd on the family's modules, 1e-5: the kept tensors are what the forward read
+    (Falcon's parallel blocks change the MLP's output in place after its hook)."""
+    arch, model, tokenizer = family
+    worst, compared = _worst_gradient_gap(arch, model, tokenizer)
+    print(f"{arch}: worst |runner - autograd| = {worst:.2e} over {compared} rows")
+    assert compared > 0
+    assert worst <= 1e-5, worst
+
+
 def test_clean_into_clean_is_flagged_degenerate(family) -> None:  # type: ignore[no-untyped-def]
     arch, model, tokenizer = family
     same = [{**p, "corrupted": p["clean"]} for p in PAIRS[:2]]
@@ -257,6 +319,28 @@ def test_a_gemma2_adapter_missing_one_of_its_differences_fails_these_checks(
     monkeypatch.setitem(lm_sites.ARCHITECTURES, "gemma2", replace(right, attn_branch=""))
     worst, _ = _worst_against_the_loop("gemma2", model, tokenizer, "denoising", only=("resid_mid",))
     assert worst > 1e-2
+
+
+@pytest.mark.slow
+def test_a_falcon_adapter_that_forgets_the_in_place_add_fails_these_checks(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Falcon-7B's parallel block adds the attention's output into the MLP's output tensor in place after the MLP's
+    hook: the adapter without `mutated` keeps a tensor that changes afterwards (exact patching's sources, grad x
+    activation's activations, off by more than 1), and traces a leaf the block then changes (attribution patching
+    with frozen parameters: autograd refuses)."""
+    from dataclasses import replace
+
+    model, tokenizer, _ = build_tiny_lm("falcon", seed=0, folder=tmp_path_factory.mktemp("falcon_broken"))
+    monkeypatch.setitem(
+        lm_sites.ARCHITECTURES, "falcon", replace(lm_sites.ARCHITECTURES["falcon"], mutated=lambda config: ())
+    )
+    worst, _ = _worst_against_the_loop("falcon", model, tokenizer, "denoising", only=("mlp_out",))
+    assert worst > 0.5, worst
+    worst, _ = _worst_gradient_gap("falcon", model, tokenizer, only=("mlp_out",), attribution=False)
+    assert worst > 0.5, worst
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place"):
+        _worst_gradient_gap("falcon", model, tokenizer, only=("mlp_out",))
 
 
 def test_the_noise_is_scaled_as_what_the_first_block_receives(family) -> None:  # type: ignore[no-untyped-def]

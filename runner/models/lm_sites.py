@@ -18,8 +18,9 @@ attention's, or its post-norm's where the family applies one: Gemma 2 and 3, OLM
 that output as (new - stream), so that every reader of the stream gets the new value. `attn_out` and `mlp_out` are
 the same branch outputs: what each branch adds onto the stream.
 
-A family's differences (parallel attention and MLP, fused q/k/v layouts, post-norms, the final logits' softcap) are
-fields of its `Architecture`; a model_type without one is refused, naming those that exist.
+A family's differences (parallel attention and MLP, fused q/k/v layouts, post-norms, the final logits' softcap, a
+branch output the block changes in place) are fields of its `Architecture`; a model_type without one is refused,
+naming those that exist.
 """
 
 from __future__ import annotations
@@ -57,6 +58,33 @@ def _stablelm_parallel(config: Any) -> bool:
 def _always(config: Any) -> bool:
     """always"""
     return True
+
+
+def _falcon_parallel(config: Any) -> bool:
+    """config.parallel_attn or config.new_decoder_architecture"""
+    return bool(config.parallel_attn or config.new_decoder_architecture)
+
+
+def _key_value_heads(config: Any) -> int | None:
+    """config.num_key_value_heads (none: as many as the query heads)"""
+    return getattr(config, "num_key_value_heads", None)
+
+
+def _falcon_key_value_heads(config: Any) -> int | None:
+    """config.num_kv_heads with new_decoder_architecture, else 1 with multi_query, else as many as the query heads"""
+    if config.new_decoder_architecture:
+        return int(config.num_kv_heads)
+    return 1 if config.multi_query else None
+
+
+def _nothing_mutated(config: Any) -> tuple[str, ...]:
+    """none"""
+    return ()
+
+
+def _falcon_mutated(config: Any) -> tuple[str, ...]:
+    """`mlp` where the block is parallel (`mlp_output += attention_output`)"""
+    return ("mlp",) if _falcon_parallel(config) else ()
 
 
 def _accepted(config: Any) -> str | None:
@@ -100,7 +128,9 @@ class Architecture:
     embed: str
     qkv: tuple[str, str, str] | str  # separate q, k, v projections, or one fused module
     fused_layout: str = ""  # a fused qkv's layout: "gpt2" (q | k | v, equal thirds), "neox" (per head: q k v),
-    # "gqa" (q | k | v, q of the query heads, k and v of the key-value heads)
+    # "gqa" (q | k | v, q of the query heads, k and v of the key-value heads), "grouped" (per key-value head: the
+    # query heads that share it, then its k, then its v; "neox" is its case of one query head per key-value head,
+    # "gqa" its case of one key-value head)
     attn_branch: str = ""  # the module whose output the block adds onto the stream after attention ("": attn);
     # a post-attention norm where the family applies one to the branch (Gemma 2 and 3, OLMo 2)
     mlp_branch: str = ""  # the same after the MLP ("": mlp)
@@ -108,6 +138,11 @@ class Architecture:
     # mid_norm None: always)
     logit_softcap: Callable[[Any], float | None] = _no_softcap  # config -> c of the final logits' c*tanh(x/c)
     mlp_rows: bool = False  # the MLP runs on the positions flattened, (batch x positions, d) rows (OPT's fc1/fc2)
+    kv_heads: Callable[[Any], int | None] = _key_value_heads  # config -> the key-value heads (None: the query heads)
+    mutated: Callable[[Any], tuple[str, ...]] = _nothing_mutated  # config -> the parts of a block whose output the
+    # block itself changes in place afterwards (Falcon's parallel blocks: `mlp_output += attention_output`): a site
+    # there is kept as a copy, and a copy is passed on where the kept tensor is the one the forward reads
+    # (SiteSpec.mutated)
     refuse: Callable[[Any], str | None] = _accepted  # config -> why this adapter does not fit it (None: it does)
 
 
@@ -139,6 +174,12 @@ ARCHITECTURES: dict[str, Architecture] = {
                                   "final_norm": "model.final_layernorm", "parallel": _always}),
     "gptj": Architecture("gptj", "transformer.h", "attn", "mlp", "attn.out_proj", None, "transformer.ln_f",
                          "transformer.wte", ("attn.q_proj", "attn.k_proj", "attn.v_proj"), parallel=_always),
+    # Falcon: fused q/k/v per key-value group in all three forms (7B's multi-query, 40B/180B's new decoder
+    # architecture, RW's one key-value head per query head); parallel blocks add the attention's output into the MLP's.
+    "falcon": Architecture("falcon", "transformer.h", "self_attention", "mlp", "self_attention.dense",
+                           "post_attention_layernorm", "transformer.ln_f", "transformer.word_embeddings",
+                           "self_attention.query_key_value", "grouped", parallel=_falcon_parallel,
+                           kv_heads=_falcon_key_value_heads, mutated=_falcon_mutated),
     # OPT: no `mlp` module; the block flattens the positions before fc1 and fc2 (mlp_out: fc2's output).
     "opt": Architecture("opt", "model.decoder.layers", "self_attn", "fc2", "self_attn.out_proj", "final_layer_norm",
                         "model.decoder.final_layer_norm", "model.decoder.embed_tokens",
@@ -150,7 +191,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
             "olmo": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama",
             "gpt_neox": "gpt_neox", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3_text",
-            "olmo2": "olmo2", "phi3": "phi3", "stablelm": "stablelm", "phi": "phi", "gptj": "gptj", "opt": "opt"}  # fmt: skip
+            "olmo2": "olmo2", "phi3": "phi3", "stablelm": "stablelm", "phi": "phi", "gptj": "gptj", "opt": "opt",
+            "falcon": "falcon"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -178,6 +220,8 @@ class SiteSpec:
     stream: StreamSum | None = None  # a stream site written as a sum (resid_mid); None: written where it is read
     rows_of: str = ""  # the raw tensor is (batch x positions, ...) rows of this module's (B, T, D) input (the block:
     # OPT's MLP); "": it has the batch and position axes
+    mutated: bool = False  # the forward changes the raw tensor in place after the hook has run (Architecture.mutated):
+    # what is kept of it must be a copy, and what is passed on must not be the kept tensor
 
     @property
     def name(self) -> str:
@@ -213,6 +257,8 @@ def _heads_first(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def _fused_part(layout: str, part: int, heads: int, kv_heads: int) -> tuple[Callable, Callable]:
     """q (0), k (1) or v (2) of a fused projection's output, per head (`heads` query heads, `kv_heads` key-value)."""
     own = heads if part == 0 else kv_heads
+    groups = heads if layout == "neox" else kv_heads  # grouped layouts: per key-value head, its queries, k, v
+    share = heads // groups  # the query heads of one group
 
     def sizes(raw: torch.Tensor) -> list[int]:
         if layout == "gpt2":  # [q | k | v], equal thirds
@@ -220,18 +266,24 @@ def _fused_part(layout: str, part: int, heads: int, kv_heads: int) -> tuple[Call
         size = raw.shape[-1] // (heads + 2 * kv_heads)  # gqa: [q | k | v], q of the query heads, k and v of the kv
         return [heads * size, kv_heads * size, kv_heads * size]
 
+    def slots(raw: torch.Tensor) -> tuple[torch.Tensor, slice | int]:
+        """The raw tensor as (..., groups, share + 2, d), and this part's slots in it."""
+        return raw.unflatten(-1, (groups, share + 2, -1)), slice(0, share) if part == 0 else share + part - 1
+
     def get(raw: torch.Tensor) -> torch.Tensor:
-        if layout == "neox":  # per head [q k v]
-            return raw.unflatten(-1, (heads, 3, -1))[..., part, :]
+        if layout in ("neox", "grouped"):
+            grouped, slot = slots(raw)
+            return grouped[..., slot, :].flatten(-3, -2) if part == 0 else grouped[..., slot, :]
         return raw.split(sizes(raw), dim=-1)[part].unflatten(-1, (own, -1))
 
     def put(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        if layout != "neox":
+        if layout not in ("neox", "grouped"):
             parts = list(raw.split(sizes(raw), dim=-1))
             parts[part] = new.flatten(-2)
             return torch.cat(parts, dim=-1)
-        out = raw.unflatten(-1, (heads, 3, -1)).clone()
-        out[..., part, :] = new
+        grouped, slot = slots(raw)
+        out = grouped.clone()
+        out[..., slot, :] = new.unflatten(-2, (groups, share)) if part == 0 else new
         return out.flatten(-3)
 
     return get, put
@@ -247,6 +299,7 @@ class LanguageModelLayout:
     kv_heads: int
     attn_implementation: str
     logit_softcap: float | None = None  # the final logits are c * tanh(x / c) (Gemma 2 and 3); None: as they are
+    mutated: tuple[str, ...] = ()  # parts of a block whose output the block changes in place (Architecture.mutated)
 
     def logits(self, raw: torch.Tensor) -> torch.Tensor:
         """The model's logits from its unembedding's output: the final softcap applied where the family has one."""
@@ -267,6 +320,11 @@ class LanguageModelLayout:
 
     def site(self, kind: str, layer: int) -> SiteSpec:
         """The site `kind` of block `layer`; RunnerError for a kind this family lacks or a layer out of range."""
+        spec = self._site(kind, layer)
+        changed = {self.module_name(part, layer) for part in self.mutated}
+        return replace(spec, mutated=True) if spec.where == "output" and spec.module in changed else spec
+
+    def _site(self, kind: str, layer: int) -> SiteSpec:
         if kind not in SITE_KINDS:
             raise RunnerError(
                 f"Unknown site '{kind}'.{suggest(kind, list(SITE_KINDS))} Sites: {', '.join(SITE_KINDS)}."
@@ -337,10 +395,12 @@ def layout_of_config(config: Any, attn_implementation: str | None = None) -> Lan
     if arch.mid_norm is not None and arch.parallel(config):
         arch = replace(arch, mid_norm=None)
     heads = int(getattr(config, "num_attention_heads", None) or config.n_head)  # type: ignore[union-attr]
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kv_heads = int(arch.kv_heads(config) or heads)
     layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)  # type: ignore[union-attr]
     implementation = attn_implementation or str(getattr(config, "_attn_implementation", None) or "eager")
-    return LanguageModelLayout(arch, layers, heads, kv_heads, implementation, arch.logit_softcap(config))
+    return LanguageModelLayout(
+        arch, layers, heads, kv_heads, implementation, arch.logit_softcap(config), arch.mutated(config)
+    )
 
 
 def unembedding(model: nn.Module) -> nn.Module:

@@ -11,6 +11,9 @@ read: it is kept and replaced at the attention's output (`SiteSpec.stream`), as 
 pre-hook on the block) plus that output, and a replacement is written back as the attention's output plus
 (new - stream), exact zeros wherever nothing is patched.
 
+A site whose tensor the forward changes in place after the hook (`SiteSpec.mutated`: Falcon's parallel blocks add the
+attention's output into the MLP's output tensor) is kept as a copy, and traced through a copy passed on in its place.
+
 A site whose module runs on the positions flattened (OPT's fc2: (batch x positions, d) rows; `SiteSpec.rows_of`) is
 viewed with the (batch, positions) of its block's input, kept by a pre-hook on the block, and flattened back.
 
@@ -147,14 +150,18 @@ class SiteHooks:
         if self.keeping:
             view = spec.get(raw)
             if not self.tracing:
-                self.kept[spec.name] = view.detach()
+                # A tensor the forward changes in place later (SiteSpec.mutated) is kept as it is now: a copy.
+                self.kept[spec.name] = view.detach().clone() if spec.mutated else view.detach()
                 return None
             # Passed on in the site's place, so the metric's gradient w.r.t. this very tensor exists; a view that
             # nothing upstream makes require grad (frozen weights, token ids) becomes a leaf that does.
             if not view.requires_grad:
                 view = view.detach().requires_grad_(True)
             self.kept[spec.name] = view
-            return spec.put(raw, view)
+            passed = spec.put(raw, view)
+            # mutated: the forward gets a copy to change in place, so the kept tensor keeps its values (and a leaf is
+            # never changed in place, which autograd refuses); the gradient reaches it through the copy
+            return passed.clone() if spec.mutated else passed
         patch = self.patches.get(spec.name)
         if patch is None:
             return None
