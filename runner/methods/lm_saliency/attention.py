@@ -25,7 +25,7 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
 from runner.methods.lm_saliency.common import clean_prompts, token_strings
-from runner.models.lm_sites import layout_of
+from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
@@ -53,6 +53,22 @@ LM_ATTENTION_SCHEMA = declare(
 )
 
 
+def _planned(cfg: LmAttentionConfig, layout: LanguageModelLayout) -> tuple[list[int], list[int]]:
+    """The layers and heads read; every refusal that the model's layout alone earns (not eager attention, a layer or
+    head out of range or given twice): `setup` on the loaded model, `check_layout` before it loads."""
+    if layout.attn_implementation != "eager":
+        raise RunnerError(
+            "method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
+            f" {layout.attn_implementation!r}): set model.attn_implementation=eager."
+        )
+    layers = list(range(layout.layers)) if cfg.layers is None else list(cfg.layers)
+    heads = list(range(layout.heads)) if cfg.heads is None else list(cfg.heads)
+    for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
+        if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
+            raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
+    return layers, heads
+
+
 class LmAttention(Method):
     name = "lm_attention"
     table = "lm_attention"
@@ -67,21 +83,12 @@ class LmAttention(Method):
     def prepare(self, dataset: Dataset) -> None:
         self.dataset = dataset
 
+    @classmethod
+    def check_layout(cls, cfg: LmAttentionConfig, layout: LanguageModelLayout, target: Any) -> None:
+        _planned(cfg, layout)
+
     def setup(self, session: HookSession, num_samples: int) -> None:
-        model = session.model
-        layout = layout_of(model)
-        implementation = getattr(model.config, "_attn_implementation", None)
-        if implementation != "eager":
-            raise RunnerError(
-                f"method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
-                f" {implementation!r}): set model.attn_implementation=eager."
-            )
-        layers = list(range(layout.layers)) if self.cfg.layers is None else list(self.cfg.layers)
-        heads = list(range(layout.heads)) if self.cfg.heads is None else list(self.cfg.heads)
-        for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
-            if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
-                raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
-        self.layers, self.heads = layers, heads
+        self.layers, self.heads = _planned(self.cfg, layout_of(session.model))
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = clean_prompts(batch, self.name)
