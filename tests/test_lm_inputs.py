@@ -338,6 +338,13 @@ def test_trust_remote_code_is_refused_for_an_image_classifier_too() -> None:
         build_model(config.model)
 
 
+def gpt2_run(folders: dict[str, Path], tmp_path: Path) -> list[str]:
+    """A patching run of the random GPT-2 on PAIRS (written into tmp_path)."""
+    pairs = pairs_file(tmp_path, PAIRS)
+    return ["model=hf_lm", f"model.name={folders['gpt2']}", "data=prompts", "target=token_logit_diff",
+            f"data.file={pairs}"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -353,15 +360,7 @@ def test_bad_device_maps_and_config_values_are_refused(
     folders: dict[str, Path], tmp_path: Path, overrides: list[str], message: str
 ) -> None:
     pytest.importorskip("accelerate")
-    pairs = pairs_file(tmp_path, PAIRS)
-    run = [
-        "model=hf_lm",
-        f"model.name={folders['gpt2']}",
-        "data=prompts",
-        "target=token_logit_diff",
-        f"data.file={pairs}",
-    ]
-    assert refusal(tmp_path / "run", *run, *overrides).startswith(message)
+    assert refusal(tmp_path / "run", *gpt2_run(folders, tmp_path), *overrides).startswith(message)
 
 
 def test_flash_attention_without_flash_attn_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -410,15 +409,7 @@ def test_what_the_models_config_shows_wrong_is_refused_before_its_weights_load(
     folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], message: str
 ) -> None:
     monkeypatch.setattr(app, "build_model", lambda cfg: pytest.fail("the model was built"))
-    pairs = pairs_file(tmp_path, PAIRS)
-    run = [
-        "model=hf_lm",
-        f"model.name={folders['gpt2']}",
-        "data=prompts",
-        "target=token_logit_diff",
-        f"data.file={pairs}",
-    ]
-    assert refusal(tmp_path / "run", *run, *overrides).startswith(message)
+    assert refusal(tmp_path / "run", *gpt2_run(folders, tmp_path), *overrides).startswith(message)
 
 
 def test_the_shipped_models_layers_are_checked_before_it_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
