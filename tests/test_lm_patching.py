@@ -163,7 +163,7 @@ def test_cli_runs_a_folder_model_and_refuses_mixed_modalities(tiny, tmp_path: Pa
     table = load(tmp_path / "run")
     assert set(table.site) == {"resid_pre", "attn_out", "mlp_out", "head"} and len(set(table.sample_id)) == 3
     refused = run_cli("model=hf_lm", f"model.name={folder}", f"hydra.run.dir={tmp_path / 'bad'}")
-    message = "is a language model: it takes a method for language models (method=lm_grad_x_act | lm_logit_lens"
+    message = "is a language model: it takes a method for language models (method=lm_attention | lm_grad_x_act | lm_logit_lens"
     assert refused.returncode == 2 and message in refused.stderr
     assert "Traceback" not in refused.stderr
     from runner.commands.layers import main as layers_main
@@ -303,3 +303,42 @@ def test_a_model_without_a_readable_cache_runs_whole_prompts(tiny, monkeypatch: 
     got = lm_activation_patching(model, tokenizer, PAIRS, **settings)
     assert len(asked) == 1
     assert (got.patched - expected.patched).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_cells_before_the_first_difference_are_not_run_and_still_equal_the_loop(
+    tiny, direction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Pairs whose prompts share their first four tokens (BOS and three words): no forward patches a cell before
+    position 4 (the runs are equal there, so the patched metric is the receiving run's), and every row, those
+    included, equals one forward per cell."""
+    from runner.methods.lm_patching.method import LmPatching
+
+    model, tokenizer, _ = tiny
+    pairs = [{**p, "corrupted": " ".join(p["clean"].split()[:3] + p["corrupted"].split()[3:])} for p in PAIRS]
+    run_cells: list = []
+    original = LmPatching.patched_metrics
+
+    def spy(self, model, ids, mask, noise, sources, cells, *args):  # type: ignore[no-untyped-def]
+        run_cells.extend(cells)
+        return original(self, model, ids, mask, noise, sources, cells, *args)
+
+    monkeypatch.setattr(LmPatching, "patched_metrics", spy)
+    sites = ["resid_pre", "attn_out", "head"]
+    table = lm_activation_patching(model, tokenizer, pairs, sites=sites, directions=[direction])
+    whole = [c for c in run_cells if c.position is not None]
+    assert whole and min(c.position for c in whole) == 4
+    assert len(table) == len(pairs) * (len(run_cells) + 2 * 4 * 2)  # 2 whole sites x positions 0-3 x 2 layers
+    ids = {k: torch.tensor([_ids(tokenizer, p[k]) for p in pairs]) for k in ("clean", "corrupted")}
+    answer = torch.tensor([tokenizer.convert_tokens_to_ids(p["answer"]) for p in pairs])
+    distractor = torch.tensor([tokenizer.convert_tokens_to_ids(p["distractor"]) for p in pairs])
+    for site in sites:
+        expected = loop_patching(model, ids["clean"], ids["corrupted"], site, logit_diff(answer, distractor),
+                                 direction="denoise" if direction == "denoising" else "noise", reduce="none")  # fmt: skip
+        rows = table[table.site == site]
+        cell = "head" if site == "head" else "position"
+        want = expected[rows.layer.to_numpy(), rows[cell].astype(int).to_numpy(), rows.sample_index.to_numpy()]
+        torch.testing.assert_close(torch.tensor(rows.patched.to_numpy().copy()), want.float(), atol=1e-5, rtol=0)
+    early = table[table.position.notna() & (table.position < 4)]
+    receiving = "corrupted" if direction == "denoising" else "clean"
+    assert (early.patched == early[receiving]).all() and len(early) == len(pairs) * 2 * 4 * 2

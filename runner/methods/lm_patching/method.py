@@ -143,6 +143,7 @@ class LmPatching(Method):
         flags = self._flags(batch, clean_ids, corrupted_ids, noise, m_clean, m_corrupted)
         cells = cells_of(self.layout, self.p.sites, self.layers, t,
                          self.p.head_positions is HeadPositions.each)  # fmt: skip
+        first = first_difference(clean_ids, corrupted_ids, noise, mask)
         parts: list[Columns] = []
         for direction in self.p.directions:
             denoising = direction is PatchDirection.denoising
@@ -155,8 +156,14 @@ class LmPatching(Method):
                 parts += attribution_rows(self, model, batch, run, cells, answers, distractors, clean_logits,
                                           m_clean, m_corrupted, flags)  # fmt: skip
                 continue
-            patched = self.patched_metrics(model, receiver_ids, mask, receiver_noise, sources, cells, answers,
-                                           distractors, clean_logits)  # fmt: skip
+            # A cell before the first position where the two runs differ patches a value into a run that already
+            # has it (the causal mask: nothing there sees the difference): its metric is the receiving run's.
+            receiving = (m_corrupted if denoising else m_clean).float().cpu()
+            patched = receiving.expand(len(cells), b).clone()
+            live = [i for i, c in enumerate(cells) if c.position is None or c.position >= first]
+            if live:
+                patched[live] = self.patched_metrics(model, receiver_ids, mask, receiver_noise, sources,
+                                                     [cells[i] for i in live], answers, distractors, clean_logits)  # fmt: skip
             parts.append(self._rows(batch, direction, cells, patched, m_clean, m_corrupted, flags, mask,
                                     corrupted.names))  # fmt: skip
         self.hooks.clear()
@@ -309,3 +316,15 @@ class LmPatching(Method):
             "degenerate_reason": [flags["reason"][r] for r in keep_b],
             "small_span": [flags["small"][r] for r in keep_b],
         }
+
+
+def first_difference(clean: torch.Tensor, corrupted: torch.Tensor, edit: EmbeddingEdit | None,
+                     mask: torch.Tensor) -> int:  # fmt: skip
+    """The first index (of the left-padded batch) where any pair's clean and corrupted runs differ: a token, or a
+    position the corrupted run's embedding edit changes; the batch's length where none does."""
+    differs = (clean != corrupted) & mask.bool()
+    if edit is not None:
+        scale, shift = edit.scale.to(differs.device), edit.shift.to(differs.device)
+        differs |= ((scale != 1).any(-1) | (shift != 0).any(-1)) & mask.bool()
+    where = differs.any(0).nonzero()
+    return int(where[0]) if len(where) else clean.shape[1]
