@@ -9,6 +9,7 @@ patching engine and as contenders in scripts/bench_lm_patching.py:
   - `tl_patching`: TransformerLens 4.3's `patching.get_act_patch_*` through its `TransformerBridge`.
 `build_tiny_lm` makes the random-weight models both are run on, offline: GPT-2, Llama (grouped-query) and the
 other families in FAMILIES.
+`rank_correlations` compares attribution patching's estimates with exact patching's effects (Spearman, per site).
 """
 
 from __future__ import annotations
@@ -688,3 +689,19 @@ def gradients_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str,
             _remove(handles)
         found.append((leaf["x"].detach(), torch.zeros_like(leaf["x"]) if grad is None else grad))
     return found
+
+
+def rank_correlations(exact: Any, estimated: Any) -> Any:
+    """Per site and pair: Spearman's rho between attribution patching's estimated effect and exact patching's
+    (patched - corrupted) over the site's cells, from two `lm_patching` tables with the same cells; one row per site,
+    a column per pair (`sample_index`) and their `mean`."""
+    from scipy.stats import spearmanr
+
+    keys = ["sample_index", "site", "layer", "head", "position"]
+    both = exact.merge(estimated, on=keys, suffixes=("", "_est"), validate="one_to_one")
+    if len(both) != len(exact):
+        raise ValueError(f"{len(exact)} exact rows, {len(both)} with an estimate")
+    rho = both.groupby(["site", "sample_index"]).apply(
+        lambda g: spearmanr(g.patched - g.corrupted, g.patched_est - g.corrupted_est).statistic, include_groups=False
+    )
+    return rho.unstack("sample_index").assign(mean=lambda d: d.mean(axis=1))
