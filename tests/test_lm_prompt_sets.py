@@ -4,6 +4,7 @@ span for causal tracing (`subject` in the data, corruption.span=subject), the sh
 
 from __future__ import annotations
 
+import copy
 import importlib.resources
 import json
 import logging
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from runner.data.ioi import ioi_pairs, ioi_source, one_token_names
 from runner.data.prompts import kept_pairs, position_ids, prompts_source
 from runner.errors import RunnerError
+from runner.hooks import count_hooks
 from runner.methods.lm_patching import lm_activation_patching
 from runner.options.data.ioi import IoiConfig
 from runner.options.data.prompts import PromptsConfig, read_pairs_file
@@ -251,11 +253,13 @@ def test_attention_rows_are_each_prompts_own_weights_whatever_its_padding(induct
     short = {**lines[0], "clean": " ".join(lines[0]["clean"].split()[4:]), "corrupted": None}
     short.pop("corrupted")
     table = _attention_table(model, tokenizer, [short, lines[1]], query=query)
+    assert count_hooks(model) == 0  # the run's hooks removed (and none of transformers' output_attentions hooks)
     sums = table.groupby(["sample_index", "layer", "head", "query_position"])["weight"].sum()
     torch.testing.assert_close(torch.tensor(sums.to_numpy()), torch.ones(len(sums)), atol=1e-5, rtol=0)
     ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(short["clean"], add_special_tokens=False)["input_ids"]]])
     with torch.no_grad():
-        alone = model(input_ids=ids, output_attentions=True).attentions  # (1, H, T, T) per layer
+        # on a copy: transformers answers output_attentions with hooks that stay on the model
+        alone = copy.deepcopy(model)(input_ids=ids, output_attentions=True).attentions  # (1, H, T, T) per layer
     mine = table[table["sample_index"] == 0]
     t = ids.shape[1]
     assert set(mine["query_position"]) == ({t - 1} if query == "last" else set(range(t)))
@@ -271,7 +275,7 @@ def test_the_shipped_models_induction_head_attends_to_the_answer(induction) -> N
     from tests.lm_circuits import induction_scores
 
     model, tokenizer = induction
-    head = int(induction_scores(model, tokenizer)[1].argmax())
+    head = int(induction_scores(copy.deepcopy(model), tokenizer)[1].argmax())  # output_attentions: on a copy
     pairs = [json.loads(line) for line in (INDUCTION / "induction_pairs.jsonl").read_text().splitlines()[:8]]
     table = _attention_table(model, tokenizer, pairs, layers=[1])
     to_answer = table[(table["head"] == head) & (table["token"] == table["answer"])]

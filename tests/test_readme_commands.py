@@ -204,6 +204,7 @@ NOT_RUN = {
     "python scripts/bench_gradcam.py --model vgg16 --size 64 --rounds 20": "a benchmark (minutes of timing)",
     "python scripts/bench_gradcam.py --model vgg16 --size 64": "a benchmark (minutes of timing)",
     "scripts/bench_patching.py": "a benchmark (minutes of timing)",
+    "scripts/bench_tl_smollm2.py": "a benchmark (minutes of interleaved timing against TransformerLens on SmolLM2)",
     "scripts/train_induction_lm.py": "trains the shipped model (a minute; tests/test_lm_model.py runs it for a few"
     " steps twice and checks that it writes the same weights)",
     "scripts/bench_metrics.py": "a benchmark (minutes of timing)",

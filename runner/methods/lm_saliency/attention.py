@@ -2,9 +2,10 @@
 position, key position): from the last position only (`query: last`, where the answer is read: what the heads
 that move it attend to) or from every position (`query: all`, keys up to the query's, as the causal mask allows).
 
-The weights are the model's own, returned by its forward with `output_attentions=True` (the softmax of eager
-attention, after any attention softcap and the padding mask: a left-padded pair's weights are those it has alone),
-one forward without gradient per batch. The report draws, per layer and head, the mean attention from the last
+The weights are the `pattern` site of lm_patching, read by its engine (`SiteHooks`) where eager attention computes
+them: the one softmax inside each attention module, after any attention softcap and the padding mask (a left-padded
+pair's weights are those it has alone); one forward without gradient per batch. (Not `output_attentions=True`:
+transformers 5 answers it with hooks of its own that stay on the model.) The report draws, per layer and head, the mean attention from the last
 position to the answer's token and to the distractor's (where the prompt holds them: in IOI, the indirect object
 and the subject), and the attention of the heads of the layer that attends most to the answer over every key.
 """
@@ -24,6 +25,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.base import Method
+from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import clean_prompts, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
@@ -88,18 +90,21 @@ class LmAttention(Method):
         _planned(cfg, layout)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
-        self.layers, self.heads = _planned(self.cfg, layout_of(session.model))
+        layout = layout_of(session.model)
+        self.layers, self.heads = _planned(self.cfg, layout)
+        self.specs = [layout.site("pattern", layer) for layer in self.layers]
+        self.hooks = SiteHooks(session.model, self.specs, session)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = clean_prompts(batch, self.name)
         ids, mask = prompts.ids, prompts.mask
-        with torch.no_grad(), self.runtime.autocast():
+        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
             out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                        output_attentions=True, logits_to_keep=1)  # fmt: skip
-        attentions = out.attentions
-        if attentions is None or any(a is None for a in attentions):
-            raise RunnerError("method=lm_attention: this model's forward returns no attention weights with"
-                              " output_attentions=True (set model.attn_implementation=eager).")  # fmt: skip
+                        logits_to_keep=1)  # fmt: skip
+        views, self.hooks.kept = self.hooks.kept, {}
+        missing = [spec.name for spec in self.specs if spec.name not in views]
+        if missing:
+            raise RunnerError(f"method=lm_attention: the forward never reached {', '.join(missing)}.")
         strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
         pads = prompts.pads.cpu()
         t = ids.shape[1]
@@ -110,15 +115,16 @@ class LmAttention(Method):
             indexing="ij"))  # fmt: skip
         keep = (query >= pads[row]) & (key >= pads[row]) & (key <= query)
         row, head, query, key = row[keep], head[keep], query[keep], key[keep]
-        parts = [self._rows(layer, attentions[layer].float().cpu(), row, head, query, key, pads, strings)
-                 for layer in self.layers]  # fmt: skip
+        parts = [self._rows(spec.layer, views[spec.name].float().cpu(), row, head, query, key, pads, strings)
+                 for spec in self.specs]  # fmt: skip
         return BatchOutput(
             predicted=out.logits[:, -1].float().argmax(dim=1), tables={self.table: concat_columns(parts)}
         )
 
     def _rows(self, layer: int, weights: torch.Tensor, row: torch.Tensor, head: torch.Tensor, query: torch.Tensor,
               key: torch.Tensor, pads: torch.Tensor, strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
-        """One row per kept (pair, head, query, key) of one layer; `weights` (B, H, T, T)."""
+        """One row per kept (pair, head, query, key) of one layer; `weights` (B, T query, H, T key), the pattern
+        site's view."""
         r = row.tolist()
         queries, keys = (query - pads[row]).tolist(), (key - pads[row]).tolist()
         n = len(r)
@@ -132,5 +138,5 @@ class LmAttention(Method):
             "token": token_strings(strings, r, keys),
             "answer": [strings[i]["answer"] for i in r],
             "distractor": [strings[i]["distractor"] for i in r],
-            "weight": weights[row, head, query, key],
+            "weight": weights[row, query, head, key],
         }
