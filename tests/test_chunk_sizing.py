@@ -234,6 +234,7 @@ def test_both_engines_keep_their_cpu_constants(monkeypatch: pytest.MonkeyPatch) 
 
 # ---- on a device ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_real_sizing_fits_and_patching_gives_the_rows_of_a_fixed_chunk(device: str) -> None:
     """On CUDA the probes read real peaks: a positive memory per variant, a stack within [1, cap] whose forward's
