@@ -33,7 +33,8 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow" $(ARGS)
 
-# The GPU path on a CUDA machine: tests/test_gpu.py (skipped without CUDA), CPU vs GPU on the real model.
+# The device path (tests/test_gpu.py and the other gpu-marked tests): each test's cpu case always (`make test`
+# runs it too), its cuda case where CUDA exists: CUDA against the CPU on the real model.
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu $(ARGS)
 

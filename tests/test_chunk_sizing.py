@@ -15,6 +15,7 @@ from runner.chunk_sizing import CAP, FRACTION, StackSizer, size_stack
 from runner.errors import RunnerError
 from runner.methods.patching import activation_patching
 from tests.conftest import TinyNet, frozen
+from tests.devices import DEVICES
 
 MIB = 2**20
 CUDA = torch.device("cuda", 0)
@@ -231,30 +232,38 @@ def test_both_engines_keep_their_cpu_constants(monkeypatch: pytest.MonkeyPatch) 
     assert seen == [32 // 3]
 
 
-# ---- on a GPU ----------------------------------------------------------------------------------------------------
+# ---- on a device ------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)")
-def test_a_real_sizing_on_the_gpu_fits_and_patching_gives_the_rows_of_a_fixed_chunk() -> None:
-    """The probes read real peaks: a positive memory per variant, a stack within [1, cap] whose forward's peak stays
-    within the usable memory; the automatic chunk's table equals chunk=8's (TF32 off)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_real_sizing_fits_and_patching_gives_the_rows_of_a_fixed_chunk(device: str) -> None:
+    """On CUDA the probes read real peaks: a positive memory per variant, a stack within [1, cap] whose forward's
+    peak stays within the usable memory. On the CPU (no allocator to read) the stack is the fixed CPU_CHUNK,
+    unprobed. Either way the automatic chunk's table equals chunk=8's (TF32 off)."""
     import torchvision
+
+    from runner.methods.patching.engine import CPU_CHUNK
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         torch.manual_seed(0)
-        model = frozen(torchvision.models.vgg11(weights=None)).cuda()
-        x = torch.randn(1, 3, 64, 64, device="cuda")
-        device = x.device
+        model = frozen(torchvision.models.vgg11(weights=None)).to(device)
+        x = torch.randn(1, 3, 64, 64, device=device)
+        on = x.device
 
         def probe(n: int) -> None:
             with torch.no_grad():
                 model(x.expand(n, -1, -1, -1))
 
-        got = size_stack(probe, device, total=10_000, cap=512)
-        assert got.measured and got.per_variant > 0 and 1 <= got.stack <= 512, got
-        usable = sizing.usable_bytes(device)
-        assert sizing.peak_bytes(probe, got.stack, device) <= usable
+        if on.type == "cuda":
+            got = size_stack(probe, on, total=10_000, cap=512)
+            assert got.measured and got.per_variant > 0 and 1 <= got.stack <= 512, got
+            usable = sizing.usable_bytes(on)
+            assert sizing.peak_bytes(probe, got.stack, on) <= usable
+        else:
+            never = lambda n: pytest.fail("probed off CUDA")  # noqa: E731
+            assert StackSizer(None, "variant").stack("k", on, 10_000, never, CPU_CHUNK) == CPU_CHUNK
         auto = activation_patching(model, x, ["features.3"], grid=[7, 7])
         fixed = activation_patching(model, x, ["features.3"], grid=[7, 7], chunk=8)
         pd.testing.assert_frame_equal(auto, fixed, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ from runner.models.embedded import EMBEDDED
 from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import SHIPPED_LM
 from tests.conftest import CONF, make_config
+from tests.devices import DEVICE_PARAMS
 from tests.lm_references import build_tokenizer_lm, build_word_lm, prompt_words
 
 SMOLLM2 = "smollm2-135m"
@@ -109,9 +110,11 @@ def test_every_experiment_is_listed() -> None:
     assert set(EXPERIMENTS) == set(TABLES), "list each experiment's tables in TABLES"
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)  # cuda where there is one, marked gpu (`make test-gpu`)
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: str) -> None:
-    result = app.run(make_config(f"experiment={name}", "debug=tiny", *offline(name, tmp_path / "lm")), tmp_path)
+def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: str, device: str) -> None:
+    overrides = [f"experiment={name}", "debug=tiny", f"device={device}", *offline(name, tmp_path / "lm")]
+    result = app.run(make_config(*overrides), tmp_path)
     assert set(result.tables) == TABLES.get(name, set())
     for table, path in result.tables.items():
         frame = pd.read_parquet(path)

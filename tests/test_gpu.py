@@ -1,10 +1,13 @@
-"""The GPU path on a real GPU: the same run on CUDA and on the CPU gives the same numbers.
+"""The GPU path: the same run on a device and on the CPU gives the same numbers.
 
-Every test here is marked `gpu` and skips cleanly without CUDA (`make test` on a CPU machine); `make
-test-gpu` runs them on a GPU. The embedded pretrained EfficientNet-Lite0 on real scikit-image photos,
-64 px, so each run takes seconds. Tolerances: TF32 is switched off for every test (the GPU's
-convolutions use other kernels than the CPU's, so values agree to 1e-4 relative, not bit for bit); the draws keyed by sample
-(`runner.randomness`) are made on the CPU and so agree exactly.
+Every test here is marked `gpu` and takes the device as a parameter (tests/devices.py): `cpu` always, so
+`make test` runs each test's code on the CPU (a stale call fails there, not first on a GPU), and `cuda` where
+there is one (`make test-gpu`). A test that compares the device's run with the CPU's compares two CPU runs on
+the CPU; a test whose point only a GPU shows (peak memory, host syncs, a real out-of-memory) asserts on the CPU
+the strongest thing that holds there. The embedded pretrained EfficientNet-Lite0 on real scikit-image photos,
+64 px. Tolerances: TF32 is switched off for every test (the GPU's convolutions use other kernels than the CPU's,
+so values agree to 1e-4 relative, not bit for bit); the draws keyed by sample (`runner.randomness`) are made on
+the CPU and so agree exactly.
 """
 
 from __future__ import annotations
@@ -12,9 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +26,9 @@ import runner.app as app
 import runner.loop
 from runner.hooks import count_hooks
 from tests.conftest import make_config
+from tests.devices import DEVICES, counted_syncs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)"),
-]
+pytestmark = pytest.mark.gpu
 
 PHOTOS = "data.photos=[chelsea,coffee,rocket,astronaut]"
 # CPU vs CUDA parity is checked to 1e-4 relative with TF32 off (the `_fp32_exact` fixture below).
@@ -48,42 +46,20 @@ def _fp32_exact():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device under test: `cpu` always, `cuda` where there is one."""
+    return request.param
+
+
 SMALL = ["data.image_size=64", PHOTOS, "data.batch_size=2"]
-# The text of the warning torch.cuda.set_sync_debug_mode("warn") gives at each synchronizing CUDA call.
-SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-@contextmanager
-def counted_syncs() -> Iterator[list[str]]:
-    """The host-device syncs made inside, one entry each, filled on exit (none without CUDA: nothing to sync with).
-
-    Counted under set_sync_debug_mode("warn"), which warns at every sync (a `.item()`, a `.cpu()`, a copy from
-    pageable host memory to the device); other warnings are passed on, not counted; the previous mode is restored.
-    """
-    syncs: list[str] = []
-    cuda = torch.cuda.is_available()
-    previous = torch.cuda.get_sync_debug_mode() if cuda else 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # each sync warns from the same place: keep every one
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield syncs
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(previous)
-    for w in caught:
-        if SYNC_WARNING in str(w.message):
-            syncs.append(str(w.message))
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-
-
-def _run_both(tmp_path: Path, table: str, *overrides: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The same config run on the CPU and on CUDA, each table sorted into the same row order."""
+def _run_both(tmp_path: Path, device: str, table: str, *overrides: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The same config run on the CPU (the reference) and on `device`: the two tables, unsorted."""
     frames = []
-    for device in ("cpu", "cuda"):
-        result = app.run(make_config(*overrides, f"device={device}"), tmp_path / device)
+    for name, on in (("reference", "cpu"), ("device", device)):
+        result = app.run(make_config(*overrides, f"device={on}"), tmp_path / name)
         frames.append(pd.read_parquet(result.tables[table]))
     return frames[0], frames[1]
 
@@ -94,29 +70,74 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / scale)
 
 
-def test_gradcam_maps_on_cuda_equal_the_cpu_maps(tmp_path: Path) -> None:
-    cpu, gpu = _run_both(tmp_path, "cam", "experiment=gradcam_effnet", "method.faithfulness.enabled=false", *SMALL)
-    keys = ["sample_id", "layer"]
-    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
-    assert len(cpu) == len(gpu) == 4 * 7
-    assert (cpu["predicted"].to_numpy() == gpu["predicted"].to_numpy()).all()
-    for a, b in zip(cpu["map"], gpu["map"], strict=True):
+def _sorted(*frames: pd.DataFrame, keys: list[str]) -> list[pd.DataFrame]:
+    return [f.sort_values(keys).reset_index(drop=True) for f in frames]
+
+
+@pytest.mark.slow
+def test_gradcam_maps_on_the_device_equal_the_cpu_maps(tmp_path: Path, device: str) -> None:
+    cpu, run = _run_both(
+        tmp_path, device, "cam", "experiment=gradcam_effnet", "method.faithfulness.enabled=false", *SMALL
+    )
+    cpu, run = _sorted(cpu, run, keys=["sample_id", "layer"])
+    assert len(cpu) == len(run) == 4 * 7
+    assert (cpu["predicted"].to_numpy() == run["predicted"].to_numpy()).all()
+    for a, b in zip(cpu["map"], run["map"], strict=True):
         assert _relative(np.asarray(a), np.asarray(b)) < PARITY
 
 
-def test_faithfulness_on_cuda_equals_the_cpu(tmp_path: Path) -> None:
-    """Item 3 of issue 10: the pixel order of equal-saliency pixels is keyed by sample, so the AUCs agree."""
-    cpu, gpu = _run_both(tmp_path, "cam", "experiment=gradcam_effnet", "method.faithfulness.steps=10", *SMALL)
-    keys = ["sample_id", "layer"]
-    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
+FAITHFULNESS_STEPS = 10
+
+
+@pytest.mark.slow
+def test_faithfulness_on_the_device_equals_the_cpu(tmp_path: Path, device: str) -> None:
+    """Item 3 of issue 10: the pixel order of equal-saliency pixels is keyed by sample, so exact ties agree.
+
+    Near-ties cannot be keyed: two pixels whose saliencies differ by less than the devices' 1e-4 may come in either
+    order. The tolerance, derived: the AUC is a trapezoid over `steps` + 1 points spaced 1/steps, so a step whose
+    deleted (or inserted) set differs moves the AUC by at most 1/steps x the change of a probability in [0, 1]; one
+    such step is allowed on any row (0.1 at 10 steps; an H100 measured 0.0215 on one row of 28 with 4 photos), every other row
+    agrees to 1e-3 (the probabilities differ by ~1e-4). The faithfulness code itself, given the same maps on both
+    devices, is held to 1e-4 by `test_curve_aucs_of_the_same_maps_on_the_device_equal_the_cpu`."""
+    overrides = ["experiment=gradcam_effnet", f"method.faithfulness.steps={FAITHFULNESS_STEPS}"]
+    overrides += ["data.image_size=64", "data.photos=[chelsea,coffee]", "data.batch_size=2"]  # 2 x 7 rows
+    cpu, run = _run_both(tmp_path, device, "cam", *overrides)
+    cpu, run = _sorted(cpu, run, keys=["sample_id", "layer"])
     for column in ("deletion_auc", "insertion_auc", "random_deletion_auc", "random_insertion_auc"):
-        a, b = cpu[column].to_numpy(float), gpu[column].to_numpy(float)
+        a, b = cpu[column].to_numpy(float), run[column].to_numpy(float)
         assert (np.isnan(a) == np.isnan(b)).all(), column
-        # Near-ties that TF32 rounding reorders move an AUC by a step's worth at most; exact ties are keyed.
-        assert np.nanmax(np.abs(a - b)) < 0.02, column
+        apart = np.abs(a - b)[~np.isnan(a)]
+        assert apart.max(initial=0) <= 1 / FAITHFULNESS_STEPS, column
+        assert (apart > 1e-3).sum() <= max(1, len(apart) // 10), (column, np.sort(apart)[-3:])
 
 
-def test_patching_on_cuda_equals_the_cpu(tmp_path: Path) -> None:
+def test_curve_aucs_of_the_same_maps_on_the_device_equal_the_cpu(device: str) -> None:
+    """The same maps (so the same pixel order, ties keyed by sample) on the device and on the CPU: the deletion and
+    insertion AUCs differ only by the model's probabilities (1e-4 relative); the curves move (not constant)."""
+    from runner.metrics.curves import curve_aucs, tie_keys
+    from runner.options.method.cam import FaithfulnessConfig
+    from runner.runtime import Runtime
+    from runner.schema import Precision
+    from tests.conftest import TinyNet, frozen
+
+    torch.manual_seed(0)
+    model = frozen(TinyNet())
+    x = torch.randn(3, 3, 16, 16)  # (B, C, H, W)
+    maps = torch.rand(3, 4, 4).repeat_interleave(4, 1).repeat_interleave(4, 2)  # (B, H, W): 16-pixel plateaus of ties
+    target = model(x).argmax(dim=1)
+    cfg = FaithfulnessConfig(steps=8, chunk=32)
+    aucs = {}
+    for name, on in (("reference", "cpu"), ("device", device)):
+        keys = tie_keys(cfg.seed, [0, 1, 2], 16 * 16, torch.device(on))
+        runtime = Runtime(torch.device(on), Precision.fp32)
+        got = curve_aucs(model.to(on), x.to(on), maps.to(on), target.to(on), keys, cfg, runtime)
+        aucs[name] = torch.stack(got).cpu()  # (2, B)
+    torch.testing.assert_close(aucs["device"], aucs["reference"], atol=1e-4, rtol=0)
+    assert aucs["reference"].std() > 0
+
+
+@pytest.mark.slow
+def test_patching_on_the_device_equals_the_cpu(tmp_path: Path, device: str) -> None:
     overrides = [
         "experiment=patching_effnet",
         "layers.include=[_blocks.10,_conv_head]",
@@ -124,42 +145,57 @@ def test_patching_on_cuda_equals_the_cpu(tmp_path: Path) -> None:
         "data.image_size=64",
         "data.photos=[chelsea,coffee]",
     ]
-    cpu, gpu = _run_both(tmp_path, "patching", *overrides)
-    keys = ["sample", "direction", "layer", "y", "x"]
-    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
-    assert len(cpu) == len(gpu) > 0
+    cpu, run = _run_both(tmp_path, device, "patching", *overrides)
+    cpu, run = _sorted(cpu, run, keys=["sample", "direction", "layer", "y", "x"])
+    assert len(cpu) == len(run) > 0
     # The corruption noise is drawn per sample on the CPU: the corrupted logits agree up to the GPU's kernels.
-    assert _relative(cpu["corrupted"].to_numpy(), gpu["corrupted"].to_numpy()) < PARITY
-    assert _relative(cpu["patched"].to_numpy(), gpu["patched"].to_numpy()) < PARITY
+    assert _relative(cpu["corrupted"].to_numpy(), run["corrupted"].to_numpy()) < PARITY
+    assert _relative(cpu["patched"].to_numpy(), run["patched"].to_numpy()) < PARITY
 
 
-def test_recording_memory_is_flat_across_batches_on_cuda(tmp_path: Path) -> None:
-    """Hook state is per batch: the peak GPU memory of 8 batches is that of 2, and nothing stays behind."""
-    # A first CUDA run allocates what stays for the process (cuBLAS workspaces, cuDNN plans): not per batch.
-    app.run(make_config("method=record", "device=cuda", "data.image_size=64", "data.photos=[chelsea]"), tmp_path / "w")
-    peaks = []
-    for photos in ("[chelsea,coffee]", "[chelsea,coffee,rocket,astronaut,motorcycle,horse,chelsea,coffee]"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+@pytest.mark.slow
+def test_recording_memory_is_flat_across_batches(tmp_path: Path, device: str) -> None:
+    """Hook state is per batch. On CUDA: the peak GPU memory of 8 batches is that of 2, and nothing stays behind.
+    On the CPU (no allocator to read): the photos repeated in batches 7 and 8 give the rows of batches 1 and 2, and
+    those of the 2-batch run, so no batch's statistics carry an earlier batch's state."""
+    cuda = device == "cuda"
+    if cuda:  # a first CUDA run allocates what stays for the process (cuBLAS workspaces, cuDNN plans): not per batch
         app.run(
-            make_config(
-                "method=record", "device=cuda", "data.image_size=64", "data.batch_size=1", f"data.photos={photos}"
-            ),
-            tmp_path / str(len(peaks)),
+            make_config("method=record", "device=cuda", "data.image_size=64", "data.photos=[chelsea]"), tmp_path / "w"
         )
-        peaks.append(torch.cuda.max_memory_allocated() - before)
-        assert torch.cuda.memory_allocated() - before < 1 << 20  # the model and every hook's tensors released
-    assert peaks[1] <= peaks[0] * 1.05 + (1 << 20)
+    peaks, tables = [], []
+    for photos in ("[chelsea,coffee]", "[chelsea,coffee,rocket,astronaut,motorcycle,horse,chelsea,coffee]"):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        result = app.run(
+            make_config(
+                "method=record", f"device={device}", "data.image_size=64", "data.batch_size=1", f"data.photos={photos}"
+            ),
+            tmp_path / str(len(tables)),
+        )
+        tables.append(pd.read_parquet(result.tables["hooks"]))
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+            assert torch.cuda.memory_allocated() - before < 1 << 20  # the model and every hook's tensors released
+    if cuda:
+        assert peaks[1] <= peaks[0] * 1.05 + (1 << 20)
+    two, eight = tables
+    assert set(eight["sample"]) == set(range(8))
+    first, last = eight[eight["sample"] < 2], eight[eight["sample"] >= 6].assign(sample=lambda f: f["sample"] - 6)
+    compared = _float_columns_agree(first, last, PARITY) + _float_columns_agree(two, first, PARITY)
+    assert compared, "no float column recorded"
 
 
-def test_bf16_on_cuda_agrees_with_fp32(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_bf16_agrees_with_fp32(tmp_path: Path, device: str) -> None:
     frames = []
     for precision in ("fp32", "bf16"):
         config = make_config(
             "experiment=gradcam_effnet",
             "method.faithfulness.enabled=false",
-            "device=cuda",
+            f"device={device}",
             f"precision={precision}",
             *SMALL,
         )
@@ -177,60 +213,80 @@ def test_bf16_on_cuda_agrees_with_fp32(tmp_path: Path) -> None:
     assert np.median(correlations) > 0.95
 
 
-def _float_columns_agree(cpu: pd.DataFrame, gpu: pd.DataFrame, tolerance: float) -> list[str]:
+def _float_columns_agree(cpu: pd.DataFrame, other: pd.DataFrame, tolerance: float) -> list[str]:
     """Sort both tables by their scalar non-float columns; the float columns compared; their names returned."""
     keys = [c for c in cpu.columns if cpu[c].dtype.kind in "iubOU" and cpu[c].map(np.isscalar).all()]
-    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
-    assert len(cpu) == len(gpu) > 0
+    cpu, other = _sorted(cpu, other, keys=keys)
+    assert len(cpu) == len(other) > 0
     floats = [c for c in cpu.columns if cpu[c].dtype.kind == "f"]
     for column in floats:
-        a, b = cpu[column].to_numpy(float), gpu[column].to_numpy(float)
+        a, b = cpu[column].to_numpy(float), other[column].to_numpy(float)
         assert (np.isnan(a) == np.isnan(b)).all(), column
         assert _relative(np.nan_to_num(a), np.nan_to_num(b)) < tolerance, column
     return floats
 
 
-def test_recorded_statistics_on_cuda_equal_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_recorded_statistics_on_the_device_equal_the_cpu(tmp_path: Path, device: str) -> None:
     """method=record: every float column of every table (per-sample mean, std, min, max, norm...) to 1e-4."""
-    results = [app.run(make_config("method=record", f"device={d}", *SMALL), tmp_path / d) for d in ("cpu", "cuda")]
+    results = [
+        app.run(make_config("method=record", f"device={on}", *SMALL), tmp_path / name)
+        for name, on in (("reference", "cpu"), ("device", device))
+    ]
     assert results[0].tables.keys() == results[1].tables.keys()
     compared = []
     for name in results[0].tables:
-        cpu, gpu = (pd.read_parquet(r.tables[name]) for r in results)
-        compared += _float_columns_agree(cpu, gpu, PARITY)
+        cpu, run = (pd.read_parquet(r.tables[name]) for r in results)
+        compared += _float_columns_agree(cpu, run, PARITY)
     assert compared, "no float column recorded"
 
 
-def test_real_out_of_memory_halves_the_batch_and_gives_the_same_table(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.slow
+def test_out_of_memory_halves_the_batch_and_gives_the_same_table(
+    tmp_path: Path, device: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A memory cap between the peaks of batch 4 and batch 8: batch 8 hits a real CUDA OOM, the halves fit, and
-    the table equals the unconstrained run's."""
+    """On CUDA a real OOM: a memory cap between the peaks of batch 4 and batch 8 (224 px), so batch 8 runs out and
+    the halves fit. On the CPU (no memory to cap) the OOM is raised for batches over 4, at 64 px. Either way the
+    back-off takes it and the table equals the unconstrained run's."""
     photos = "data.photos=[chelsea,coffee,rocket,astronaut,motorcycle,horse,chelsea,coffee]"
-    common = ["experiment=gradcam_effnet", "method.faithfulness.enabled=false", "device=cuda"]
-    common += ["data.image_size=224", photos]
+    common = ["experiment=gradcam_effnet", "method.faithfulness.enabled=false", f"device={device}"]
+    common += [f"data.image_size={224 if device == 'cuda' else 64}", photos]
     peaks, tables = {}, {}
-    for batch in (4, 8):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    for batch in (4, 8) if device == "cuda" else (8,):
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         result = app.run(make_config(*common, f"data.batch_size={batch}"), tmp_path / f"free{batch}")
-        peaks[batch] = torch.cuda.max_memory_reserved()
+        if device == "cuda":
+            peaks[batch] = torch.cuda.max_memory_reserved()
         tables[batch] = pd.read_parquet(result.tables["cam"])
-    assert peaks[8] > peaks[4] * 1.2, peaks  # enough room between the two for a cap
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction((peaks[4] + peaks[8]) / 2 / total)
+    if device == "cuda":
+        assert peaks[8] > peaks[4] * 1.2, peaks  # enough room between the two for a cap
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((peaks[4] + peaks[8]) / 2 / total)
+    else:
+        from runner.methods import cam_methods
+
+        GradCAM = cam_methods()["gradcam"]
+        original = GradCAM.run_batch
+
+        def over_four_runs_out(self, model, batch, session):  # noqa: ANN001, ANN202
+            if batch.x.shape[0] > 4:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in on the CPU)")
+            return original(self, model, batch, session)
+
+        monkeypatch.setattr(GradCAM, "run_batch", over_four_runs_out)
     try:
         with caplog.at_level("WARNING"):
             result = app.run(make_config(*common, "data.batch_size=8"), tmp_path / "capped")
         capped = pd.read_parquet(result.tables["cam"])
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
-    assert "CUDA out of memory at batch size 8" in caplog.text  # the OOM was real, and the back-off took it
-    keys = ["sample_id", "layer"]
-    free = tables[8].sort_values(keys).reset_index(drop=True)
-    capped = capped.sort_values(keys).reset_index(drop=True)
+        if device == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
+    assert "CUDA out of memory at batch size 8" in caplog.text  # the OOM happened, and the back-off took it
+    free, capped = _sorted(tables[8], capped, keys=["sample_id", "layer"])
     assert len(free) == len(capped) == 8 * 7
     assert (free["predicted"].to_numpy() == capped["predicted"].to_numpy()).all()
     for a, b in zip(free["map"], capped["map"], strict=True):
@@ -238,7 +294,7 @@ def test_real_out_of_memory_halves_the_batch_and_gives_the_same_table(
 
 
 @pytest.mark.slow
-def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> None:
+def test_cli_default_run_exits_0_and_leaves_no_hook(tmp_path: Path, device: str) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -248,7 +304,7 @@ def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> N
             sys.executable,
             "-m",
             "runner",
-            "device=cuda",
+            f"device={device}",
             "data.image_size=64",
             PHOTOS,
             "progress=false",
@@ -264,7 +320,8 @@ def test_cli_default_run_on_cuda_exits_0_and_leaves_no_hook(tmp_path: Path) -> N
     assert tables, "no Parquet written"
 
 
-def test_no_hook_left_after_a_cuda_run_fails_mid_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow
+def test_no_hook_left_after_a_run_fails_mid_way(tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list = []
     original_build, original_rows = app.build_model, runner.loop.rows_for
 
@@ -283,12 +340,13 @@ def test_no_hook_left_after_a_cuda_run_fails_mid_way(tmp_path: Path, monkeypatch
     monkeypatch.setattr(app, "build_model", spy)
     monkeypatch.setattr(runner.loop, "rows_for", fail_on_second_batch)  # where the batch loop looks it up
     with pytest.raises(RuntimeError, match="planted failure"):
-        app.run(make_config("device=cuda", "data.image_size=64", PHOTOS, "data.batch_size=2"), tmp_path)
+        app.run(make_config(f"device={device}", "data.image_size=64", PHOTOS, "data.batch_size=2"), tmp_path)
     assert fail_on_second_batch.calls == 1 and len(seen) == 1
     assert count_hooks(seen[0]) == 0
 
 
-def test_attribution_topk_on_cuda_runs_and_equals_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_attribution_topk_on_the_device_runs_and_equals_the_cpu(tmp_path: Path, device: str) -> None:
     """rank_correlation used to be made on the CPU and concatenated with the CUDA rows (issue 12)."""
     overrides = [
         "experiment=patching_effnet",
@@ -299,21 +357,22 @@ def test_attribution_topk_on_cuda_runs_and_equals_the_cpu(tmp_path: Path) -> Non
         "data.image_size=64",
         "data.photos=[chelsea,coffee]",
     ]
-    cpu, gpu = _run_both(tmp_path, "patching", *overrides)
-    keys = ["sample", "direction", "patch_method", "y", "x"]
-    cpu, gpu = cpu.sort_values(keys).reset_index(drop=True), gpu.sort_values(keys).reset_index(drop=True)
-    assert (gpu["patch_method"] == "attribution").sum() == 2 * 4 and (gpu["patch_method"] == "exact").sum() == 2 * 3
+    cpu, run = _run_both(tmp_path, device, "patching", *overrides)
+    cpu, run = _sorted(cpu, run, keys=["sample", "direction", "patch_method", "y", "x"])
+    assert (run["patch_method"] == "attribution").sum() == 2 * 4 and (run["patch_method"] == "exact").sum() == 2 * 3
     attribution = cpu["patch_method"] == "attribution"
-    assert gpu.loc[attribution, "rank_correlation"].isna().all()
-    assert _relative(cpu.loc[attribution, "patched"].to_numpy(), gpu.loc[attribution, "patched"].to_numpy()) < PARITY
+    assert run.loc[attribution, "rank_correlation"].isna().all()
+    assert _relative(cpu.loc[attribution, "patched"].to_numpy(), run.loc[attribution, "patched"].to_numpy()) < PARITY
 
 
 # ---- host syncs per batch (issue 12, item 5) ----------------------------------------------------
+# On CUDA every sync is counted (set_sync_debug_mode); on the CPU the stand-in counts the reads of a tensor's value
+# into Python (`.item()`, `bool(t)`), a lower bound of the CUDA count (tests/devices.py `counted_syncs`).
 def _syncs_per_batch(
     model: torch.nn.Module, layers: list[str], cfg: object, x: torch.Tensor
 ) -> tuple[list[int], dict[str, dict]]:
-    """Host syncs of each of 3 calls of the method's run_batch on `x` (already on CUDA), after a warm-up batch
-    (the first batch gives the once-per-run warnings, whose lines name samples: syncs of their own); and the
+    """Host syncs of each of 3 calls of the method's run_batch on `x` (already on its device), after a warm-up
+    batch (the first batch gives the once-per-run warnings, whose lines name samples: syncs of their own); and the
     last batch's tables."""
     from runner.data.base import Batch
     from runner.hooks import HookSession
@@ -322,7 +381,7 @@ def _syncs_per_batch(
     from runner.runtime import Runtime
     from runner.schema import Precision
 
-    method = build_method(cfg, resolve_layers(model, layers), Runtime(torch.device("cuda"), Precision.fp32))
+    method = build_method(cfg, resolve_layers(model, layers), Runtime(x.device, Precision.fp32))
     labels = torch.full((x.shape[0],), -1, device=x.device)
     batch = Batch(x, labels, [f"s{i}" for i in range(x.shape[0])], 0)
     counts = []
@@ -330,13 +389,13 @@ def _syncs_per_batch(
         method.setup(session, x.shape[0])
         for _ in range(4):
             session.begin_batch(x.shape[0], 0)
-            with counted_syncs() as syncs:
+            with counted_syncs(x.device) as syncs:
                 out = method.run_batch(model, batch, session)
             counts.append(len(syncs))
     return counts[1:], out.tables
 
 
-def test_gradcam_makes_at_most_two_host_syncs_per_batch() -> None:
+def test_gradcam_makes_at_most_two_host_syncs_per_batch(device: str) -> None:
     """Expected <= 2, whatever the number of layers: the two once-per-run warning checks of cam.py `_rows`
     (`bool(flags.any())` for constant logits and for degenerate maps; none once each has warned). The forward,
     the one autograd.grad, the maps and the rows' tensors stay on the device; the loop moves them to the host."""
@@ -344,18 +403,19 @@ def test_gradcam_makes_at_most_two_host_syncs_per_batch() -> None:
     from tests.conftest import TinyNet, frozen
 
     torch.manual_seed(0)
-    model = frozen(TinyNet()).cuda()
-    x = torch.randn(4, 3, 16, 16, device="cuda")
+    model = frozen(TinyNet()).to(device)
+    x = torch.randn(4, 3, 16, 16, device=device)
     for layers in (["features.0"], ["features.0", "features.2"]):
         counts, _ = _syncs_per_batch(model, layers, method_config("gradcam"), x)
         assert max(counts) <= 2, (layers, counts)
 
 
-def test_channel_patching_makes_at_most_two_host_syncs_per_batch() -> None:
+@pytest.mark.slow
+def test_channel_patching_makes_at_most_two_host_syncs_per_batch(device: str) -> None:
     """Expected <= 2 per batch, none per channel, layer or sample: the corruption noise's copy to the device
-    (drawn on the CPU per sample, so every device gets the same noise) and the degenerate flags' one `.cpu()`
-    (rows.py `degenerate_reasons`). The channel masks used to take two syncs per channel (CPU index tensors):
-    here 2 x (64 + 128) x 2 samples of them."""
+    (drawn on the CPU per sample, so every device gets the same noise) and the pair flags' one `.cpu()` (rows.py
+    `pair_flags`: degenerate reasons and small spans together; the small spans' own `.tolist()` was a third).
+    The channel masks used to take two syncs per channel (CPU index tensors): here 2 x (64 + 128) x 2 samples."""
     import torchvision
 
     from runner.methods.patching import PatchingConfig, PatchingMethodConfig
@@ -363,8 +423,8 @@ def test_channel_patching_makes_at_most_two_host_syncs_per_batch() -> None:
     from tests.conftest import frozen
 
     torch.manual_seed(3)
-    model = frozen(torchvision.models.resnet18(weights=None)).cuda()
-    x = torch.randn(2, 3, 32, 32, device="cuda")
+    model = frozen(torchvision.models.resnet18(weights=None)).to(device)
+    x = torch.randn(2, 3, 32, 32, device=device)
     cfg = PatchingMethodConfig(patching=PatchingConfig(units=PatchUnit.channel, chunk=32))
     counts, tables = _syncs_per_batch(model, ["layer1.0.conv1", "layer2.0.conv1"], cfg, x)
     assert max(counts) <= 2, counts
@@ -372,11 +432,12 @@ def test_channel_patching_makes_at_most_two_host_syncs_per_batch() -> None:
     assert len(columns["channel"]) == 2 * (64 + 128)
     for key, value in columns.items():  # every tensor column on the rows' device (rows.py `unit_columns`)
         if torch.is_tensor(value):
-            assert value.device.type == "cuda", key
+            assert value.device.type == device, key
 
 
 # ---- bf16 patching (issue 12, item 5) ----------------------------------------------------------
-def test_bf16_patching_agrees_with_fp32(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_bf16_patching_agrees_with_fp32(tmp_path: Path, device: str) -> None:
     """bf16 keeps 8 bits of mantissa (about 0.4% per rounding, accumulated over the layers after the patch): the
     effects (patched minus the patched run's own metric) rank the cells the same (Spearman >= 0.99) and differ
     by at most 5% of their fp32 range. The same comparison under CPU autocast gave 0.998 and 2.1%."""
@@ -389,7 +450,7 @@ def test_bf16_patching_agrees_with_fp32(tmp_path: Path) -> None:
         "method.patching.directions=[denoising,noising]",
         "data.image_size=64",
         "data.photos=[chelsea,coffee]",
-        "device=cuda",
+        f"device={device}",
     ]
     keys = ["sample", "direction", "layer", "y", "x"]
     effects = {}
@@ -405,31 +466,17 @@ def test_bf16_patching_agrees_with_fp32(tmp_path: Path) -> None:
     assert np.abs(fp32 - bf16).max() <= 5e-2 * np.ptp(fp32)
 
 
-# ---- the shipped experiments on CUDA (issue 12, item 5) ----------------------------------------
-def _experiments() -> list[str]:
-    from tests.test_experiments import EXPERIMENTS
-
-    return EXPERIMENTS
+# The shipped experiments on each device: tests/test_experiments.py `test_experiment_runs_at_tiny_size` (its cuda
+# case is marked gpu), one body for every device, so it cannot go stale on one of them.
 
 
-@pytest.mark.parametrize("name", _experiments())
-def test_experiment_runs_at_tiny_size_on_cuda(tmp_path: Path, name: str) -> None:
-    """Each conf/experiment/*.yaml at debug=tiny (32 px, two samples) on CUDA writes its tables, with rows."""
-    from tests.test_experiments import ONE_PHOTO, TABLES, offline
-
-    result = app.run(make_config(f"experiment={name}", "debug=tiny", "device=cuda", *offline(name)), tmp_path)
-    assert set(result.tables) == TABLES[name]
-    for table, path in result.tables.items():
-        frame = pd.read_parquet(path)
-        assert len(frame) > 0, table
-        assert set(frame["sample"]) == ({0} if name in ONE_PHOTO else {0, 1}), table
-
-
-def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
+@pytest.mark.slow
+def test_road_imputation_and_curves_on_the_device_equal_the_cpu(device: str) -> None:
     """ROAD's imputation (road_solver=auto: float32 CG on CUDA to a relative residual of 1e-5, the exact direct
     solve on the CPU) agrees to 1e-3 absolute on [0, 1] images (the residual bound times the system's condition
-    number at 32 px); solver="direct" on CUDA inputs solves on the host and returns to CUDA, equal to the CPU's;
-    ROAD's probability curves on the embedded EfficientNet-Lite0 (noise drawn on the CPU, so the same) to 1e-3."""
+    number at 32 px); solver="direct" on the device's inputs solves on the host and returns to the device, equal to
+    the CPU's; ROAD's probability curves on the embedded EfficientNet-Lite0 (noise drawn on the CPU, so the same)
+    to 1e-3."""
     from runner.metrics import EvaluationConfig, MetricInputs
     from runner.metrics.faithfulness_family import noisy_linear_imputation, road_curves
     from runner.models import build_model
@@ -440,12 +487,12 @@ def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
     x = torch.rand(4, 3, 32, 32, generator=g)
     removed = torch.rand(4, 32, 32, generator=g) < torch.tensor([0.05, 0.5, 0.9, 0.95])[:, None, None]
     cpu, ok_cpu = noisy_linear_imputation(x, removed, None, 1e-5)
-    gpu, ok_gpu = noisy_linear_imputation(x.cuda(), removed.cuda(), None, 1e-5)
-    assert ok_cpu and ok_gpu
+    on_device, ok_device = noisy_linear_imputation(x.to(device), removed.to(device), None, 1e-5)
+    assert ok_cpu and ok_device
     assert not torch.equal(cpu, x)  # something was imputed
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-3, rtol=0)
-    direct, _ = noisy_linear_imputation(x.cuda(), removed.cuda(), None, solver="direct")
-    assert direct.is_cuda and torch.equal(direct.cpu(), cpu)
+    torch.testing.assert_close(on_device.cpu(), cpu, atol=1e-3, rtol=0)
+    direct, _ = noisy_linear_imputation(x.to(device), removed.to(device), None, solver="direct")
+    assert direct.device.type == device and torch.equal(direct.cpu(), cpu)
 
     model = build_model(ModelConfig(name="efficientnet_lite0", weights="embedded")).model.eval()
     photos = torch.nn.functional.interpolate(x, size=(64, 64)) * 2 - 1  # (4, 3, 64, 64)
@@ -453,12 +500,12 @@ def test_road_imputation_and_curves_on_cuda_equal_the_cpu() -> None:
     target = model(photos).argmax(dim=1)
     cfg = EvaluationConfig(road_percentages=[10.0, 50.0, 90.0])
     curves = {}
-    for device in ("cpu", "cuda"):
-        runtime = Runtime(torch.device(device), Precision.fp32)
-        m = model.to(device)
-        inputs = MetricInputs(m, photos.to(device), target.to(device), torch.arange(4, device=device), None, runtime, 0)
-        prob, _, converged = road_curves(inputs, maps.to(device), cfg)
+    for name, on in (("reference", "cpu"), ("device", device)):
+        runtime = Runtime(torch.device(on), Precision.fp32)
+        m = model.to(on)
+        inputs = MetricInputs(m, photos.to(on), target.to(on), torch.arange(4, device=on), None, runtime, 0)
+        prob, _, converged = road_curves(inputs, maps.to(on), cfg)
         assert converged
-        curves[device] = prob.cpu()  # (4, 2, 3)
-    torch.testing.assert_close(curves["cuda"], curves["cpu"], atol=1e-3, rtol=0)
-    assert curves["cpu"].std() > 0  # the curves move: not two constant curves
+        curves[name] = prob.cpu()  # (4, 2, 3)
+    torch.testing.assert_close(curves["device"], curves["reference"], atol=1e-3, rtol=0)
+    assert curves["reference"].std() > 0  # the curves move: not two constant curves

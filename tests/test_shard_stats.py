@@ -3,6 +3,7 @@ per-batch path writes."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,6 +17,7 @@ from runner.layers import resolve_layers
 from runner.schema import HookKind, HookSpec
 from runner.shard_stats import ShardStats
 from tests.conftest import TinyNet, make_config
+from tests.devices import DEVICES, counted_syncs
 
 TINY = [
     "model._target_=tests.conftest.TinyNet",
@@ -71,32 +73,38 @@ def test_nothing_recorded_flushes_nothing() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make test-gpu` on one)")
-def test_recorded_batches_make_no_host_sync_on_cuda() -> None:
-    """Record hooks over several batches under set_sync_debug_mode("error"): any host sync raises; the shard's
-    one copy (flush) is pinned and non-blocking, so it makes none either; the writer job then waits for it."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_recorded_batches_make_no_host_sync(device: str) -> None:
+    """Record hooks over several batches; on CUDA under set_sync_debug_mode("error"): any host sync raises; the
+    shard's one copy (flush) is pinned and non-blocking, so it makes none either; the writer job then waits for it.
+    On the CPU the stand-in (tests/devices.py `counted_syncs`) sees no read of a tensor's value either."""
+    cuda = device == "cuda"
     torch.manual_seed(0)
-    model = TinyNet().cuda().eval()
+    model = TinyNet().to(device).eval()
     layers = resolve_layers(model, ["features.*"])
     spec = HookSpec(kind=HookKind.forward)
-    xs = [torch.randn(4, 3, 8, 8, device="cuda") for _ in range(3)]
+    xs = [torch.randn(4, 3, 8, 8, device=device) for _ in range(3)]
     shard = ShardStats()
     with HookSession(model, [BoundHook(spec, layers)]) as session, torch.no_grad():
         model(xs[0])  # warm-up: first-use allocations and any compilation of the fused statistics
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
         try:
-            for i, x in enumerate(xs):
-                session.begin_batch(4, 4 * i)
-                model(x)
-                recorded = session.end_batch()
-                assert recorded is not None and recorded["stats"].is_cuda
-                shard.add(recorded)(
-                    {"sample": torch.arange(4 * i, 4 * i + 4).numpy(), "sample_id": torch.arange(4).numpy()}
-                )
-            produce = shard.flush({"run_id": "gpu"})
+            with counted_syncs("cpu") if not cuda else nullcontext([]) as reads:
+                for i, x in enumerate(xs):
+                    session.begin_batch(4, 4 * i)
+                    model(x)
+                    recorded = session.end_batch()
+                    assert recorded is not None and recorded["stats"].device.type == device
+                    shard.add(recorded)(
+                        {"sample": torch.arange(4 * i, 4 * i + 4).numpy(), "sample_id": torch.arange(4).numpy()}
+                    )
+                produce = shard.flush({"run_id": "gpu"})
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    assert reads == []
     assert produce is not None
     rows = produce()
     assert len(rows) == 3 and all(table == "hooks" for table, _ in rows)

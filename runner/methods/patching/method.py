@@ -34,8 +34,7 @@ from runner.methods.patching.rows import (
     SMALL_SPAN_WARNING,
     UNDEFINED,
     Site,
-    degenerate_reasons,
-    small_spans,
+    pair_flags,
     unit_columns,
 )
 from runner.methods.patching.units import Units, enumerate_units
@@ -104,12 +103,12 @@ class Patching(Method):
         contrast = self._contrast(corrupted_logits, target)
         metric_clean = self.metric(clean_logits, target, contrast)
         metric_corrupted = self.metric(corrupted_logits, target, contrast)
-        reasons = degenerate_reasons(
+        reasons, spans = pair_flags(
             batch, corrupted, logits.detach(), target, contrast, metric_clean, metric_corrupted, self.p.metric,
-            self.warned,
+            self.warned, self.p.min_span,
         )  # fmt: skip
         undefined = [any(r in UNDEFINED for r in rs.split(",")) for rs in reasons]  # per sample
-        small = self._small_spans(batch, metric_clean, metric_corrupted, undefined)  # per sample
+        small = self._small_spans(batch, metric_clean, metric_corrupted, spans, undefined)  # per sample
         names = [n for n, _ in self.layers]
         estimates = (
             estimate_maps(self.p.metric, self.p.directions, logits, acts, names, target, contrast, b)
@@ -154,11 +153,10 @@ class Patching(Method):
         return metric(self.p.metric, logits, target, contrast)
 
     def _small_spans(
-        self, batch: Batch, m_clean: torch.Tensor, m_corrupted: torch.Tensor, undefined: list[bool]
+        self, batch: Batch, m_clean: torch.Tensor, m_corrupted: torch.Tensor, flags: list[bool], undefined: list[bool]
     ) -> list[bool]:
-        """Per sample, whether its pair's span is below `min_span` (undefined pairs are flagged as such instead);
-        warns once per run."""
-        flags = small_spans(m_clean, m_corrupted, self.p.min_span).tolist()
+        """Per sample, whether its pair's span is below `min_span` (`flags`, from `pair_flags`'s one transfer;
+        undefined pairs are flagged as such instead); warns once per run."""
         small = [bool(f) and not u for f, u in zip(flags, undefined, strict=True)]
         if any(small) and "small_span" not in self.warned:
             self.warned.add("small_span")

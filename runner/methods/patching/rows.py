@@ -81,6 +81,19 @@ def degenerate_reasons(
 ) -> list[str]:  # fmt: skip
     """Per sample, the comma-joined reasons its pair is degenerate ("" if none); warns once per reason per run
     (`warned` holds the reasons already warned about, and gains the new ones)."""
+    args = batch, corrupted, logits, target, contrast, m_clean, m_corrupted, metric, warned
+    return pair_flags(*args)[0]
+
+
+def pair_flags(
+    batch: Batch, corrupted: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, contrast: torch.Tensor,
+    m_clean: torch.Tensor, m_corrupted: torch.Tensor, metric: PatchMetric, warned: set[str],
+    min_span: float | None = None,
+) -> tuple[list[str], list[bool]]:  # fmt: skip
+    """Per sample, the comma-joined reasons its pair is degenerate ("" if none), and whether its span is below
+    `min_span` (`small_spans`; all False without one): both moved to the host in one transfer (on CUDA one
+    sync a batch, not one per flag set). Warns once per degenerate reason per run (`warned` holds the reasons
+    already warned about, and gains the new ones)."""
     b = batch.x.shape[0]
     constant = logits.amax(dim=1) == logits.amin(dim=1)  # (2B,): every logit of the run equal
     checks = {
@@ -91,7 +104,9 @@ def degenerate_reasons(
     # A zero span not already explained by the two above (they make it 0 by construction).
     zero = (m_clean == m_corrupted) | ~torch.isfinite(m_clean - m_corrupted)
     checks["zero_span"] = zero & ~checks["self_pair"] & ~checks["target_is_contrast"]
-    flags = torch.stack(list(checks.values()), dim=1).cpu()  # (B, reasons): one transfer
+    small = small_spans(m_clean, m_corrupted, min_span) if min_span is not None else torch.zeros_like(zero)
+    flags = torch.stack([*checks.values(), small], dim=1).cpu()  # (B, reasons + 1): one transfer
+    small_flags, flags = flags[:, -1].tolist(), flags[:, :-1]
     reasons = [",".join(r for r, hit in zip(checks, row, strict=True) if hit) for row in flags.tolist()]
     for k, reason in enumerate(checks):
         hit = flags[:, k].nonzero().flatten().tolist()
@@ -104,7 +119,7 @@ def degenerate_reasons(
                 message,
                 reason,
             )
-    return reasons
+    return reasons, small_flags
 
 
 @dataclass
