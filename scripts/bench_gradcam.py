@@ -15,7 +15,8 @@ Contenders (each on its own deep copy of the model; see scripts/benchtools.py fo
   captum x L           LayerGradCam, once per layer (it takes one layer per call)
   pytorch-grad-cam x L GradCAM once per layer (for per-layer maps; it averages layers otherwise)
 Peers get the model as their users hold it (parameters requiring grad); floors and the runner freeze it.
-Before timing, the maps are compared: every contender's against captum's at each layer (torchcam is known to be
+Before timing, the maps of the first --check-batch images (8) are compared, each contender on its own model copy:
+every contender's against captum's at each layer (torchcam is known to be
 wrong after an in-place ReLU, since it keeps a reference to the conv output that the ReLU then overwrites).
 """
 
@@ -258,6 +259,25 @@ def check_maps(names: list[str], maps: dict[str, list[torch.Tensor]], check_laye
         print(f"target: runner = captum at {check_layer} within 1e-5: {verdict} (max diff {abs_diff:.2e}, relative {rel_diff:.2e})")  # fmt: skip
 
 
+def maps_on(base: nn.Module, names: list[str], x: torch.Tensor, runtime: Runtime, torchcam: bool) -> dict:
+    """Each checked contender's maps of `x` (the check's slice of the batch), each on its own model copy, freed after:
+    captum's reference at the timed batch size would not fit where the others do (VGG16, fp32, 128 images)."""
+    autocast = runtime.autocast
+    contenders = {
+        "captum": captum_per_layer(*own_copy(base, names, trainable=True), x, autocast),
+        "tight floor": tight_floor(*own_copy(base, names), x, autocast),
+        "old floor": old_floor(*own_copy(base, names), x, autocast),
+        **({"torchcam": torchcam_gradcam(*own_copy(base, names, trainable=True), x, autocast, readme=False)}
+           if torchcam else {}),
+    }  # fmt: skip
+    try:
+        maps = {label: c.fn() for label, c in contenders.items()}
+        maps["runner"] = RunnerGradcam(*own_copy(base, names), x, runtime).maps()
+    finally:
+        close_all(list(contenders.values()))
+    return maps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="efficientnet_lite0", choices=sorted(LAYERS))
@@ -268,6 +288,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per contender first")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--skip", nargs="*", default=[], choices=PEERS, help="peers to leave out of the timing")
+    parser.add_argument("--check-batch", type=int, default=8,
+                        help="images the maps are compared on before timing (the first ones of the batch): captum's"
+                        " reference runs at this size, not the timed batch's")  # fmt: skip
     args = parser.parse_args()
 
     device = pick_device(args.device)
@@ -293,22 +316,15 @@ def main() -> None:
         torchcam_one = torchcam_gradcam(*own_copy(base, names, trainable=True), x, autocast, readme=False)
         contenders.append(torchcam_one)
         contenders.append(torchcam_gradcam(*own_copy(base, names, trainable=True), x, autocast, readme=True))
-    captum = captum_per_layer(*own_copy(base, names, trainable=True), x, autocast)
     if "captum" not in args.skip:
-        contenders.append(captum)
+        contenders.append(captum_per_layer(*own_copy(base, names, trainable=True), x, autocast))
     if "pytorch-grad-cam" not in args.skip:
         try:
             contenders.append(pytorch_grad_cam_per_layer(*own_copy(base, names, trainable=True), x))
         except ImportError:
             print("pytorch-grad-cam not installed (pip install grad-cam): left out")
-    by_name = {c.name: c for c in contenders}
-
-    maps = {"captum": captum.fn(), "runner": runner.maps()}
-    maps["tight floor"] = by_name["tight floor (in-place off, no clones)"].fn()
-    maps["old floor"] = by_name["old floor (hand-written, clones)"].fn()
-    if torchcam_one is not None:
-        maps["torchcam"] = torchcam_one.fn()
-    check_maps(names, maps, CHECK_LAYER.get(args.model))
+    check_maps(names, maps_on(base, names, x[: args.check_batch], runtime, "torchcam" not in args.skip),
+               CHECK_LAYER.get(args.model))  # fmt: skip
 
     try:
         timings = interleaved(contenders, device, reference="tight floor (in-place off, no clones)",
