@@ -252,11 +252,13 @@ class LmPatching(Method):
     def _flags(self, batch: Batch, clean_ids: torch.Tensor, corrupted_ids: torch.Tensor, noise: EmbeddingEdit | None,
                m_clean: torch.Tensor, m_corrupted: torch.Tensor) -> dict[str, list[Any]]:  # fmt: skip
         """Per pair: why its restoration is undefined (identical prompts, an equal metric) and small spans."""
-        same = (clean_ids == corrupted_ids).all(1).tolist() if noise is None else [False] * clean_ids.shape[0]
-        equal = (~torch.isfinite(m_clean - m_corrupted) | (m_clean == m_corrupted)).tolist()
+        equal = ~torch.isfinite(m_clean - m_corrupted) | (m_clean == m_corrupted)
+        same = (clean_ids == corrupted_ids).all(1).to(equal.device) if noise is None else torch.zeros_like(equal)
+        spans = small_spans(m_clean, m_corrupted, self.p.min_span).to(equal.device)
+        # the three flags in one transfer (on CUDA, one host sync a batch)
+        same, equal, spans = torch.stack([same, equal, spans], dim=1).cpu().T.tolist()
         reasons = ["self_pair" if s else "zero_span" if e else None for s, e in zip(same, equal, strict=True)]
-        small = [bool(f) and r is None for f, r in
-                 zip(small_spans(m_clean, m_corrupted, self.p.min_span).tolist(), reasons, strict=True)]  # fmt: skip
+        small = [bool(f) and r is None for f, r in zip(spans, reasons, strict=True)]
         for key, flags, text in (
             ("degenerate", [r is not None for r in reasons],
              "the clean and corrupted prompts (or metrics) are identical: restoration is NaN"),
