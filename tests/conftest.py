@@ -188,9 +188,10 @@ class SlowNet(TinyNet):
 
 @pytest.fixture
 def simulate_oom(monkeypatch: pytest.MonkeyPatch):
-    """A call that makes GradCAM.run_batch raise CUDA out of memory for every batch of more than one sample."""
+    """A call that makes GradCAM.run_batch raise CUDA out of memory for every batch of more than `largest` samples
+    (default one)."""
 
-    def apply() -> None:
+    def apply(largest: int = 1) -> None:
         from runner.methods import cam_methods
 
         GradCAM = cam_methods()["gradcam"]
@@ -198,7 +199,7 @@ def simulate_oom(monkeypatch: pytest.MonkeyPatch):
         original = GradCAM.run_batch
 
         def small_batches_only(self, model, batch, session):  # noqa: ANN001, ANN202
-            if batch.x.shape[0] > 1:
+            if batch.x.shape[0] > largest:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
             return original(self, model, batch, session)
 

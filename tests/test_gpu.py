@@ -243,8 +243,8 @@ def test_recorded_statistics_on_the_device_equal_the_cpu(tmp_path: Path, device:
 
 @pytest.mark.slow
 def test_out_of_memory_halves_the_batch_and_gives_the_same_table(
-    tmp_path: Path, device: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    tmp_path: Path, device: str, caplog: pytest.LogCaptureFixture, simulate_oom
+) -> None:  # type: ignore[no-untyped-def]
     """On CUDA a real OOM: a memory cap between the peaks of batch 4 and batch 8 (224 px), so batch 8 runs out and
     the halves fit. On the CPU (no memory to cap) the OOM is raised for batches over 4, at 64 px. Either way the
     back-off takes it and the table equals the unconstrained run's."""
@@ -266,17 +266,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_table(
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction((peaks[4] + peaks[8]) / 2 / total)
     else:
-        from runner.methods import cam_methods
-
-        GradCAM = cam_methods()["gradcam"]
-        original = GradCAM.run_batch
-
-        def over_four_runs_out(self, model, batch, session):  # noqa: ANN001, ANN202
-            if batch.x.shape[0] > 4:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in on the CPU)")
-            return original(self, model, batch, session)
-
-        monkeypatch.setattr(GradCAM, "run_batch", over_four_runs_out)
+        simulate_oom(largest=4)
     try:
         with caplog.at_level("WARNING"):
             result = app.run(make_config(*common, "data.batch_size=8"), tmp_path / "capped")

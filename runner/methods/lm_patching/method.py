@@ -15,11 +15,11 @@ from torch.utils.data import Dataset
 
 from runner.chunk_sizing import CAP, StackSizer
 from runner.data.base import Batch
-from runner.data.prompts import pair_strings, position_ids
+from runner.data.prompts import position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.base import Method
+from runner.methods.language_model import LanguageModelMethod
 from runner.methods.lm_patching.attribution import Receiver, attribution_rows
 from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.engine import Cell, SiteHooks, cells_of
@@ -34,7 +34,7 @@ from runner.methods.lm_patching.prefix import (
 from runner.methods.lm_patching.readout import Readout
 from runner.methods.patching.rows import small_spans
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
-from runner.options.method.lm_patching import HeadPositions, LmPatchingConfig, LmPatchingMethodConfig
+from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
 from runner.options.method.patching import PatchDirection, PatchMode
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
@@ -75,43 +75,37 @@ LM_PATCHING_SCHEMA = declare(
 ROWS_PER_FORWARD = 32
 
 
-def _planned(
-    p: LmPatchingConfig, layout: LanguageModelLayout, target: Any
-) -> tuple[TokenTarget, list[int], list[SiteSpec]]:
-    """The run's token target, the patched layers and each (site, layer)'s spec; every refusal that the model's
-    layout alone earns (a target that scores no tokens, a layer out of range, a site the family lacks or its
-    attention never materialises): `setup` on the loaded model, `check_layout` before it loads."""
-    scored = token_target(target, LmPatching.name, per_position=True)
-    layers = layout.block_layers(p.layers, "method.patching.layers")
-    return scored, layers, [layout.site(kind, layer) for kind in p.sites for layer in layers]
-
-
-class LmPatching(Method):
+class LmPatching(LanguageModelMethod):
     name = "lm_patching"
     table = "lm_patching"
-    needs_layers = False
-    modality = "text"
     summary_values = ("restoration", "rank_correlation")
+    cfg: LmPatchingMethodConfig
 
     def __init__(self, cfg: LmPatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
-        self.cfg, self.p, self.runtime = cfg, cfg.patching, runtime
-        self.dataset: Dataset | None = None
+        super().__init__(cfg, layers, runtime)
+        self.p = cfg.patching
         self.warned: set[str] = set()
         self.corruption = Corruption(self.p.corruption)
         self.stacks = StackSizer(self.p.chunk, "patched cell")
 
     def prepare(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+        super().prepare(dataset)
         self.corruption.prepare(dataset)
 
     @classmethod
-    def check_layout(cls, cfg: LmPatchingMethodConfig, layout: LanguageModelLayout, target: Any) -> None:
-        _planned(cfg.patching, layout, target)
+    def planned(
+        cls, cfg: LmPatchingMethodConfig, layout: LanguageModelLayout, target: Any
+    ) -> tuple[TokenTarget, list[int], list[SiteSpec]]:
+        """The run's token target, the patched layers and each (site, layer)'s spec; refused: a target that scores no
+        tokens, a layer out of range, a site the family lacks or its attention never materialises."""
+        scored = token_target(target, cls.name, per_position=True)
+        layers = layout.block_layers(cfg.patching.layers, "method.patching.layers")
+        return scored, layers, [layout.site(kind, layer) for kind in cfg.patching.sites for layer in layers]
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         self.layout = layout_of(model)
-        self.target, self.layers, specs = _planned(self.p, self.layout, self.runtime.target)
+        self.target, self.layers, specs = self.planned(self.cfg, self.layout, self.runtime.target)
         self.readout = Readout(model, self.layout, self.target)
         self.replay = BlockReplay(model, self.layout.arch.blocks, session)
         self.cache_key = cache_name(model)  # the forward's name for the key/value cache, read once, not per chunk
@@ -279,7 +273,7 @@ class LmPatching(Method):
         the (cell, pair)s it leaves False); `kind`: how `patched` was had (exact | attribution)."""
         b, t = mask.shape
         pads = (t - mask.sum(1)).tolist()
-        pairs = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        pairs = self.strings(batch)
         span = (m_clean - m_corrupted).cpu()
         undefined = torch.tensor([r is not None or s for r, s in zip(flags["reason"], flags["small"], strict=True)])
         restoration = ((patched.cpu() - m_corrupted.cpu()) / span).masked_fill(undefined, float("nan"))

@@ -17,20 +17,17 @@ from typing import Any
 import pyarrow as pa
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.data.prompts import pair_strings, position_ids
+from runner.data.prompts import position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.layers import Layer
-from runner.methods.base import Method
+from runner.methods.language_model import LanguageModelMethod
 from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import clean_prompts, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
 from runner.rows import BatchOutput, Columns, concat_columns
-from runner.runtime import Runtime
 from runner.tables import Presentation, declare
 
 LM_ATTENTION_SCHEMA = declare(
@@ -55,43 +52,31 @@ LM_ATTENTION_SCHEMA = declare(
 )
 
 
-def _planned(cfg: LmAttentionConfig, layout: LanguageModelLayout) -> tuple[list[int], list[int]]:
-    """The layers and heads read; every refusal that the model's layout alone earns (not eager attention, a layer or
-    head out of range or given twice): `setup` on the loaded model, `check_layout` before it loads."""
-    if layout.attn_implementation != "eager":
-        raise RunnerError(
-            "method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
-            f" {layout.attn_implementation!r}): set model.attn_implementation=eager."
-        )
-    layers = list(range(layout.layers)) if cfg.layers is None else list(cfg.layers)
-    heads = list(range(layout.heads)) if cfg.heads is None else list(cfg.heads)
-    for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
-        if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
-            raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
-    return layers, heads
-
-
-class LmAttention(Method):
+class LmAttention(LanguageModelMethod):
     name = "lm_attention"
     table = "lm_attention"
-    needs_layers = False
-    modality = "text"
     summary_values = ("weight",)
-
-    def __init__(self, cfg: LmAttentionConfig, layers: list[Layer], runtime: Runtime) -> None:
-        self.cfg, self.runtime = cfg, runtime
-        self.dataset: Dataset | None = None
-
-    def prepare(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    cfg: LmAttentionConfig
 
     @classmethod
-    def check_layout(cls, cfg: LmAttentionConfig, layout: LanguageModelLayout, target: Any) -> None:
-        _planned(cfg, layout)
+    def planned(cls, cfg: LmAttentionConfig, layout: LanguageModelLayout, target: Any) -> tuple[list[int], list[int]]:
+        """The layers and heads read (the target is not used); refused: not eager attention, a layer or head out of
+        range or given twice."""
+        if layout.attn_implementation != "eager":
+            raise RunnerError(
+                "method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
+                f" {layout.attn_implementation!r}): set model.attn_implementation=eager."
+            )
+        layers = list(range(layout.layers)) if cfg.layers is None else list(cfg.layers)
+        heads = list(range(layout.heads)) if cfg.heads is None else list(cfg.heads)
+        for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
+            if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
+                raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
+        return layers, heads
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         layout = layout_of(session.model)
-        self.layers, self.heads = _planned(self.cfg, layout)
+        self.layers, self.heads = self.planned(self.cfg, layout, self.runtime.target)
         self.specs = [layout.site("pattern", layer) for layer in self.layers]
         self.hooks = SiteHooks(session.model, self.specs, session)
 
@@ -105,7 +90,7 @@ class LmAttention(Method):
         missing = [spec.name for spec in self.specs if spec.name not in views]
         if missing:
             raise RunnerError(f"method=lm_attention: the forward never reached {', '.join(missing)}.")
-        strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        strings = self.strings(batch)
         pads = prompts.pads.cpu()
         t = ids.shape[1]
         # every (row, head, query, key) kept: real query and key, key at or before the query

@@ -16,20 +16,17 @@ from typing import Any
 import pyarrow as pa
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.data.prompts import pair_strings, position_ids
+from runner.data.prompts import position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.layers import Layer
-from runner.methods.base import Method
+from runner.methods.language_model import LanguageModelMethod
 from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import clean_prompts, real_cells, token_strings
 from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.rows import BatchOutput, Columns, concat_columns
-from runner.runtime import Runtime
 from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenTarget, target_name, token_target
 
@@ -57,37 +54,26 @@ LM_GRAD_X_ACT_SCHEMA = declare(
 )
 
 
-def _planned(cfg: LmGradXActConfig, layout: LanguageModelLayout, target: Any) -> tuple[TokenTarget, list[SiteSpec]]:
-    """The run's token target and each (site, layer)'s spec; every refusal that the model's layout alone earns (a
-    target with no gradient on the clean prompt, a layer out of range, a site the family lacks or its attention
-    never materialises): `setup` on the loaded model, `check_layout` before it loads."""
-    scored = token_target(target, LmGradXAct.name, per_position=False)
-    layers = layout.block_layers(cfg.layers, "method.layers")
-    return scored, [layout.site(kind, layer) for kind in cfg.sites for layer in layers]
-
-
-class LmGradXAct(Method):
+class LmGradXAct(LanguageModelMethod):
     name = "lm_grad_x_act"
     table = "lm_grad_x_act"
-    needs_layers = False
-    modality = "text"
     summary_values = ("value",)
-
-    def __init__(self, cfg: LmGradXActConfig, layers: list[Layer], runtime: Runtime) -> None:
-        self.cfg, self.runtime = cfg, runtime
-        self.dataset: Dataset | None = None
-
-    def prepare(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    cfg: LmGradXActConfig
 
     @classmethod
-    def check_layout(cls, cfg: LmGradXActConfig, layout: LanguageModelLayout, target: Any) -> None:
-        _planned(cfg, layout, target)
+    def planned(
+        cls, cfg: LmGradXActConfig, layout: LanguageModelLayout, target: Any
+    ) -> tuple[TokenTarget, list[SiteSpec]]:
+        """The run's token target and each (site, layer)'s spec; refused: a target with no gradient on the clean
+        prompt, a layer out of range, a site the family lacks or its attention never materialises."""
+        scored = token_target(target, cls.name, per_position=False)
+        layers = layout.block_layers(cfg.layers, "method.layers")
+        return scored, [layout.site(kind, layer) for kind in cfg.sites for layer in layers]
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         layout = layout_of(model)
-        self.target, self.specs = _planned(self.cfg, layout, self.runtime.target)
+        self.target, self.specs = self.planned(self.cfg, layout, self.runtime.target)
         # The sites kept in the autograd graph, each the very tensor the rest of the forward reads (the engine of
         # lm_patching): resid_mid is the stream both branches read, pattern the softmax inside eager attention.
         self.hooks = SiteHooks(model, self.specs, session)
@@ -121,7 +107,7 @@ class LmGradXAct(Method):
             raise RunnerError(f"method=lm_grad_x_act: the forward never reached {', '.join(missing)}.")
         # Rows are independent, so d(sum)/d(row's activation) is that row's own gradient.
         grads = torch.autograd.grad(score.sum(), [views[s.name] for s in self.specs], allow_unused=True)
-        strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        strings = self.strings(batch)
         parts = [self._rows(batch, spec, views[spec.name].detach(), grad, prompts.pads, strings)
                  for spec, grad in zip(self.specs, grads, strict=True)]  # fmt: skip
         return BatchOutput(predicted=logits.detach().argmax(dim=1), tables={self.table: concat_columns(parts)})

@@ -16,19 +16,16 @@ from typing import Any
 import pyarrow as pa
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
-from runner.data.prompts import pair_strings, position_ids, tokenizer_of
+from runner.data.prompts import position_ids, tokenizer_of
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.layers import Layer
-from runner.methods.base import Method
+from runner.methods.language_model import LanguageModelMethod
 from runner.methods.lm_saliency.common import CleanPrompts, clean_prompts, real_cells, token_strings
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
-from runner.runtime import Runtime
 from runner.tables import Presentation, declare
 from runner.targets.tokens import AnswerLogprob, TokenTarget, set_mean, target_name, token_target
 
@@ -60,43 +57,30 @@ LM_LOGIT_LENS_SCHEMA = declare(
 )
 
 
-def _planned(cfg: LmLogitLensConfig, layout: LanguageModelLayout, target: Any) -> tuple[TokenTarget, list[int]]:
-    """The run's token target and the layers read; every refusal that the model's layout alone earns (a target that
-    scores no tokens, a layer out of range or given twice): `setup` on the loaded model, `check_layout` before it
-    loads."""
-    scored = token_target(target, LmLogitLens.name, per_position=True)
-    every = [EMBEDDINGS, *range(layout.layers)]
-    layers = every if cfg.layers is None else list(cfg.layers)
-    bad = [layer for layer in layers if layer not in every]
-    if bad or len(set(layers)) != len(layers) or not layers:
-        raise RunnerError(
-            f"method.layers={layers}: each of -1 (the embeddings) .. {layout.layers - 1}, once (at least one)."
-        )
-    return scored, layers
-
-
-class LmLogitLens(Method):
+class LmLogitLens(LanguageModelMethod):
     name = "lm_logit_lens"
     table = "lm_logit_lens"
-    needs_layers = False
-    modality = "text"
     summary_values = ("value",)
-
-    def __init__(self, cfg: LmLogitLensConfig, layers: list[Layer], runtime: Runtime) -> None:
-        self.cfg, self.runtime = cfg, runtime
-        self.dataset: Dataset | None = None
-
-    def prepare(self, dataset: Dataset) -> None:
-        self.dataset = dataset
+    cfg: LmLogitLensConfig
 
     @classmethod
-    def check_layout(cls, cfg: LmLogitLensConfig, layout: LanguageModelLayout, target: Any) -> None:
-        _planned(cfg, layout, target)
+    def planned(cls, cfg: LmLogitLensConfig, layout: LanguageModelLayout, target: Any) -> tuple[TokenTarget, list[int]]:
+        """The run's token target and the layers read; refused: a target that scores no tokens, a layer out of range
+        or given twice."""
+        scored = token_target(target, cls.name, per_position=True)
+        every = [EMBEDDINGS, *range(layout.layers)]
+        layers = every if cfg.layers is None else list(cfg.layers)
+        bad = [layer for layer in layers if layer not in every]
+        if bad or len(set(layers)) != len(layers) or not layers:
+            raise RunnerError(
+                f"method.layers={layers}: each of -1 (the embeddings) .. {layout.layers - 1}, once (at least one)."
+            )
+        return scored, layers
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
         layout = layout_of(model)
-        self.target, self.layers = _planned(self.cfg, layout, self.runtime.target)
+        self.target, self.layers = self.planned(self.cfg, layout, self.runtime.target)
         self.last = layout.layers - 1
         modules = dict(model.named_modules())
         self.norm, self.unembed = modules[layout.arch.final_norm], unembedding(model)
@@ -136,7 +120,7 @@ class LmLogitLens(Method):
         finally:
             self.capturing = False
         kept, self.kept = self.kept, {}
-        strings = [pair_strings(self.dataset, sample_id) for sample_id in batch.sample_ids]
+        strings = self.strings(batch)
         rows, index, _ = real_cells(prompts.pads, ids.shape[1])
         with torch.no_grad(), self.runtime.autocast():
             final = self.lens(kept[self.last])[rows, index]  # (N, V) the model's own logits at each real cell
