@@ -37,7 +37,7 @@ from runner.options.method.patching import (
 from runner.runtime import Runtime
 from runner.schema import Precision
 from tests.conftest import frozen
-from tests.test_gpu import counted_syncs
+from tests.devices import counted_syncs
 from tests.test_patching import CPU, patch
 from tests.test_reference import effnet, photos  # noqa: F401  (module fixtures: the real embedded model, 2 photos)
 
@@ -258,13 +258,16 @@ def test_first_right_singular_vector_is_the_svds_up_to_sign() -> None:
 
 
 # ---- the sync counter of tests/test_gpu.py -----------------------------------------------------
-def test_sync_counter_counts_only_sync_warnings_and_passes_the_others_on() -> None:
-    with pytest.warns(UserWarning, match="an unrelated warning"), counted_syncs() as syncs:
+def test_sync_counter_counts_scalar_reads_and_passes_other_warnings_on() -> None:
+    """On the CPU the counter sees each read of a tensor's value into Python (what would sync on CUDA): one
+    `.item()` is one, the tensor ops around it none; other warnings reach the caller."""
+    with pytest.warns(UserWarning, match="an unrelated warning"), counted_syncs("cpu") as syncs:
         warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
-        torch.randn(4).sum().item()  # a sync on CUDA tensors; CPU tensors have nothing to synchronise with
-    assert syncs == []
+        torch.randn(4).mul(2).sum().item()
+    assert len(syncs) == 1
     if torch.cuda.is_available():  # pragma: no cover - the CPU machines have no CUDA
-        with counted_syncs() as syncs:
+        with pytest.warns(UserWarning, match="an unrelated warning"), counted_syncs("cuda") as syncs:
+            warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
             torch.ones(2, device="cuda").sum().item()
         assert len(syncs) == 1
         assert torch.cuda.get_sync_debug_mode() == 0
