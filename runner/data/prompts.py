@@ -252,20 +252,24 @@ def kept_pairs(model: torch.nn.Module, dataset: Dataset, cfg: TextDataConfig, de
     samples = [dataset[i] for i in range(len(dataset))]  # type: ignore[arg-type]
     pairs = [source.by_id[sample_id] for _, _, sample_id in samples]
     kept: list[PromptPair] = []
+    left_out: list[str] = []
     for start in range(0, len(pairs), cfg.batch_size):
         part = pairs[start : start + cfg.batch_size]
         x, _, _, extras = source.collate(samples[start : start + cfg.batch_size])
         ids, mask = x[:, 0], extras["attention_mask"]
         with torch.no_grad():
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                        position_ids=position_ids(mask).to(device), use_cache=False)  # fmt: skip
+                        position_ids=position_ids(mask).to(device), use_cache=False, logits_to_keep=1)  # fmt: skip
         last = out.logits[:, -1].float().cpu()
         if keep is Keep.correct:
             good = (last.argmax(-1, keepdim=True) == extras["answers"]).any(-1)
         else:
             good = set_mean(last, extras["answers"]) > set_mean(last, extras["distractors"])
-        kept += [p for p, g in zip(part, good.tolist(), strict=True) if g]
-    left_out = [p.sample_id for p in pairs if p not in kept]
+        for pair, right in zip(part, good.tolist(), strict=True):
+            if right:
+                kept.append(pair)
+            else:
+                left_out.append(pair.sample_id)
     what = {Keep.correct: "the model's top next token is the answer",
             Keep.preferred: "the model gives the answer a higher logit than the distractor"}[keep]  # fmt: skip
     if not kept:
