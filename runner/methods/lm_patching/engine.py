@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -196,22 +197,23 @@ class SiteHooks:
         grouped: dict[str, list[tuple[int, Cell]]] = {}
         for c, cell in enumerate(cells):
             grouped.setdefault(f"{cell.kind}.{cell.layer}", []).append((c, cell))
-        self.sources = sources if start == 0 else {name: view[:, start:] for name, view in sources.items()}
+        # only the sites this run patches are cut to its positions
+        self.sources = {name: sources[name] if start == 0 else sources[name][:, start:] for name in grouped}
         self.patches = {}
-        b = torch.arange(pairs)
+        # the index tensors are made on the host with numpy, one per site: their cost does not grow with the cells
         for name, members in grouped.items():
-            rows = torch.cat([c * pairs + b for c, _ in members])
-            pair_ids = b.repeat(len(members))
+            variant = np.array([c for c, _ in members])
+            rows = (variant[:, None] * pairs + np.arange(pairs)).reshape(-1)  # (N,) cell c's pairs at c * pairs + b
+            pair_ids = np.tile(np.arange(pairs), len(members))
             first = members[0][1]
             positions = (
                 None if first.position is None
-                else torch.tensor([cell.position - start for _, cell in members]).repeat_interleave(pairs)
+                else np.repeat(np.array([cell.position - start for _, cell in members]), pairs)
             )  # fmt: skip
-            heads = (
-                None if first.head is None
-                else torch.tensor([cell.head for _, cell in members]).repeat_interleave(pairs)
-            )  # fmt: skip
-            self.patches[name] = _Patch(rows, pair_ids, positions, heads)
+            heads = None if first.head is None else np.repeat(np.array([cell.head for _, cell in members]), pairs)
+            self.patches[name] = _Patch(
+                *(None if a is None else torch.from_numpy(a) for a in (rows, pair_ids, positions, heads))
+            )
 
     def clear(self) -> None:
         self.patches, self.sources, self.kept, self.bases = {}, {}, {}, {}

@@ -9,12 +9,19 @@ activation, the variant's crop is laid over it, the op runs on the window alone,
 the next crop. At the chain's end the crops are pasted into the base output, and the rest of the
 model runs as usual. The arithmetic equals a full forward (the same ops on the same inputs);
 its cost is that of the cone instead of the whole map.
+
+The variants of a chunk move together: every crop of one step has one size, so the windows an op reads are
+gathered from one flat buffer (the base run's map, a zero for the padding, the variants' crops) by an index
+planned once per set of cells (`ConePlan`, on the device, reused for every sample). A step costs the same few
+operations for 1 cell or 64: on a GPU, the kernel launches of a chunk do not grow with its cells.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,6 +94,67 @@ def _apply(module: nn.Module, window: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class Gather:
+    """Where each pixel of a chunk's windows comes from, as a flat index into cat([map, zero, crops]):
+    pixel (i, c, y, x) reads `position[i, 0, y, x] + channel[c] * stride[i, 0, y, x]`."""
+
+    position: torch.Tensor  # (n, 1, h, w) int64: the pixel's place at channel 0
+    stride: torch.Tensor  # (n, 1, h, w) int64: the channel stride of the part it reads (0 for the padding)
+    channels: torch.Tensor  # (1, C, 1, 1) int64: arange(C)
+
+    def take(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(n, C, h, w) the windows read from `buffer` (flat): one index op, one gather."""
+        return buffer[torch.addcmul(self.position, self.stride, self.channels)]
+
+    def to(self, device: torch.device) -> Gather:
+        return Gather(self.position.to(device), self.stride.to(device), self.channels.to(device))
+
+
+@dataclass
+class ConePlan:
+    """The index plan of one set of cells through the chain: the first crops, each windowed op's gather (None for
+    an element-wise op), and the paste of the last crops into the chain's output."""
+
+    first: Gather
+    steps: list[Gather | None]
+    paste: Gather
+    regions: int  # cells
+
+
+def _windows(
+    regions: Sequence[Region], size: tuple[int, int], origins: Sequence[tuple[int, int]], map_hw: tuple[int, int],
+    pad: tuple[int, int], channels: int, overlay: Sequence[Region], overlay_is_map: bool,
+) -> Gather:  # fmt: skip
+    """The gather of n windows of `size` at `origins` (padded coordinates) over a map (C, *map_hw) padded by `pad`,
+    where variant i's `overlay[i]` (map coordinates) is read from the crops part instead of the map: from variant
+    i's crop (channels x `regions[i]`'s size, laid at regions[i]) or, with `overlay_is_map`, from a second map.
+
+    The buffer is cat([map.flatten(), zero, second.flatten()]): the map's C*H*W values, one zero (the padding),
+    then the overlay's part (the n crops, or a second map of the map's shape)."""
+    (h, w), (ph, pw), (wh, ww) = map_hw, pad, size
+    n, hw = len(origins), h * w
+    zero = channels * hw
+    ys = np.arange(wh)[None, :, None] + np.array([o[0] for o in origins])[:, None, None] - ph  # (n, wh, 1) map rows
+    xs = np.arange(ww)[None, None, :] + np.array([o[1] for o in origins])[:, None, None] - pw  # (n, 1, ww)
+    inside = (ys >= 0) & (ys < h) & (xs >= 0) & (xs < w)  # (n, wh, ww)
+    position = np.where(inside, ys * w + xs, zero)
+    stride = np.where(inside, hw, 0)
+    y0, y1, x0, x1 = (np.array([r[k] for r in overlay])[:, None, None] for k in range(4))
+    over = (ys >= y0) & (ys < y1) & (xs >= x0) & (xs < x1)  # (n, wh, ww)
+    if overlay_is_map:  # the second map, same shape as the first
+        position = np.where(over, zero + 1 + ys * w + xs, position)
+        stride = np.where(over, hw, stride)
+    else:  # crop i holds regions[i]; its pixel (y, x) sits at (y - r.y0, x - r.x0)
+        ry0, ry1, rx0, rx1 = (np.array([r[k] for r in regions])[:, None, None] for k in range(4))
+        ch, cw = int((ry1 - ry0).max()), int((rx1 - rx0).max())
+        crop = zero + 1 + np.arange(n)[:, None, None] * channels * ch * cw + (ys - ry0) * cw + (xs - rx0)
+        position = np.where(over, crop, position)
+        stride = np.where(over, ch * cw, stride)
+    channel = torch.arange(channels).view(1, channels, 1, 1)
+    return Gather(torch.from_numpy(position[:, None]).long(), torch.from_numpy(stride[:, None]).long(), channel)
+
+
+@dataclass
 class Cone:
     """The local chain after a patched layer: the Sequential that holds it and the modules after it."""
 
@@ -111,66 +179,69 @@ class Cone:
             return None
         return Cone(parent_name, parent, after)
 
-    @torch.no_grad()
-    def propagate(self, base: torch.Tensor, source: torch.Tensor, cells: list[Region]) -> torch.Tensor:
-        """The chain's output (n, C', H', W') for each variant: `base` (C, H, W) with `source` in one cell."""
-        with inplace_disabled(self.parent):
-            inputs = [base[None]]
-            for module in self.modules:  # the base run through the chain, batch 1
-                inputs.append(module(inputs[-1]))
-            h, w = base.shape[-2:]
-            regions, crops = self._first_crops(base, source, cells, h, w)
-            for module, base_in in zip(self.modules, inputs[:-1], strict=True):
-                regions, crops = self._step(module, base_in, regions, crops)
-            out = inputs[-1].expand(len(cells), *inputs[-1].shape[1:]).clone()
-            for i, (y0, y1, x0, x1) in enumerate(regions):
-                out[i, :, y0:y1, x0:x1] = crops[i]
-        return out
-
-    @staticmethod
-    def _first_crops(base: torch.Tensor, source: torch.Tensor, cells: list[Region], h: int, w: int):
-        """Crops of one size (the largest cell's), each holding its cell from `source` and base around it."""
+    def plan(self, shapes: Sequence[tuple[int, ...]], cells: Sequence[Region], device: torch.device) -> ConePlan:
+        """The index plan of `cells` through the chain, whose inputs have the shapes (C, H, W) `shapes` (the patched
+        map's, then each module's output: the base run's), built on the host once and moved to `device`."""
+        (c0, h, w) = shapes[0]
         ch = max(y1 - y0 for y0, y1, _, _ in cells)
         cw = max(x1 - x0 for _, _, x0, x1 in cells)
-        regions, crops = [], []
-        for y0, y1, x0, x1 in cells:
-            ey0, ex0 = min(y0, h - ch), min(x0, w - cw)
-            crop = base[:, ey0 : ey0 + ch, ex0 : ex0 + cw].clone()
-            crop[:, y0 - ey0 : y1 - ey0, x0 - ex0 : x1 - ex0] = source[:, y0:y1, x0:x1]
-            regions.append((ey0, ey0 + ch, ex0, ex0 + cw))
-            crops.append(crop)
-        return regions, torch.stack(crops)
+        # the first crops: one size (the largest cell's), each holding its cell from the source map, base around it
+        origins = [(min(y0, h - ch), min(x0, w - cw)) for y0, _, x0, _ in cells]
+        regions: list[Region] = [(oy, oy + ch, ox, ox + cw) for oy, ox in origins]
+        first = _windows(regions, (ch, cw), origins, (h, w), (0, 0), c0, cells, overlay_is_map=True)
+        steps: list[Gather | None] = []
+        for module, shape in zip(self.modules, shapes[:-1], strict=True):
+            (kh, kw), (sh, sw), (ph, pw) = geometry(module)  # type: ignore[misc]
+            if (kh, kw, sh, sw) == (1, 1, 1, 1):
+                steps.append(None)  # element-wise: the region stays, only the crop changes
+                continue
+            hin, win = shape[1:]
+            hout, wout = (hin + 2 * ph - kh) // sh + 1, (win + 2 * pw - kw) // sw + 1
+            spans = [_span(y0, y1, kh, sh, ph, hout) + _span(x0, x1, kw, sw, pw, wout) for y0, y1, x0, x1 in regions]
+            oh = max(b - a for a, b, _, _ in spans)
+            ow = max(d - c for _, _, c, d in spans)
+            outs = [(min(oy0, hout - oh), min(ox0, wout - ow)) for oy0, _, ox0, _ in spans]
+            window = ((oh - 1) * sh + kh, (ow - 1) * sw + kw)
+            origins = [(oy * sh, ox * sw) for oy, ox in outs]  # in padded coordinates
+            steps.append(_windows(regions, window, origins, (hin, win), (ph, pw), shape[0], regions, False))
+            regions = [(oy, oy + oh, ox, ox + ow) for oy, ox in outs]
+        c, h, w = shapes[-1]
+        paste = _windows(regions, (h, w), [(0, 0)] * len(cells), (h, w), (0, 0), c, regions, overlay_is_map=False)
+        moved = [None if g is None else g.to(device) for g in steps]
+        return ConePlan(first.to(device), moved, paste.to(device), len(cells))
 
-    @staticmethod
-    def _step(module: nn.Module, base_in: torch.Tensor, regions: list[Region], crops: torch.Tensor):
-        """One op on every variant's window: the new regions and crops (all of one size)."""
-        (kh, kw), (sh, sw), (ph, pw) = geometry(module)  # type: ignore[misc]
-        if (kh, kw, sh, sw) == (1, 1, 1, 1):
-            return regions, _apply(module, crops)  # element-wise: the region stays, only the crop changes
-        hin, win = base_in.shape[-2:]
-        hout, wout = (hin + 2 * ph - kh) // sh + 1, (win + 2 * pw - kw) // sw + 1
+    def base_run(self, base: torch.Tensor) -> list[torch.Tensor]:
+        """The base map (C, H, W) through the chain, batch 1: the input of each module, then the chain's output."""
+        with inplace_disabled(self.parent):
+            inputs = [base[None]]
+            for module in self.modules:
+                inputs.append(module(inputs[-1]))
+        return inputs
 
-        def span(r0: int, r1: int, k: int, s: int, p: int, size_out: int) -> tuple[int, int]:
-            lo = max(0, -(-(r0 + p - k + 1) // s))  # first output whose window reaches r0
-            hi = min(size_out, (r1 - 1 + p) // s + 1)  # one past the last output whose window reaches r1 - 1
-            return lo, hi
+    @torch.no_grad()
+    def propagate(self, inputs: list[torch.Tensor], source: torch.Tensor, plan: ConePlan) -> torch.Tensor:
+        """The chain's output (n, C', H', W') for each variant of `plan`: the base run `inputs` (`base_run`) with
+        `source` (C, H, W) in the variant's cell. Each windowed op reads its input's dtype, as the model would."""
+        zeros: dict[torch.dtype, torch.Tensor] = {}  # the padding's one zero, per dtype
 
-        spans = [span(y0, y1, kh, sh, ph, hout) + span(x0, x1, kw, sw, pw, wout) for y0, y1, x0, x1 in regions]
-        oh = max(b - a for a, b, _, _ in spans)
-        ow = max(d - c for _, _, c, d in spans)
-        padded = F.pad(base_in, (pw, pw, ph, ph))[0]  # (C, H+2p, W+2p): zero padding, as the conv's own
-        windows, new_regions = [], []
-        for (oy0, _, ox0, _), (y0, y1, x0, x1), crop in zip(spans, regions, crops, strict=True):
-            oy0, ox0 = min(oy0, hout - oh), min(ox0, wout - ow)
-            wy0, wx0 = oy0 * sh, ox0 * sw  # window origin in padded coordinates
-            window = padded[:, wy0 : (oy0 + oh - 1) * sh + kh, wx0 : (ox0 + ow - 1) * sw + kw].clone()
-            # lay the variant's crop over the window where they overlap (crop coords shifted by the padding)
-            ay0, ay1 = max(y0 + ph, wy0), min(y1 + ph, wy0 + window.shape[1])
-            ax0, ax1 = max(x0 + pw, wx0), min(x1 + pw, wx0 + window.shape[2])
-            if ay0 < ay1 and ax0 < ax1:
-                window[:, ay0 - wy0 : ay1 - wy0, ax0 - wx0 : ax1 - wx0] = crop[
-                    :, ay0 - ph - y0 : ay1 - ph - y0, ax0 - pw - x0 : ax1 - pw - x0
-                ]
-            windows.append(window)
-            new_regions.append((oy0, oy0 + oh, ox0, ox0 + ow))
-        return new_regions, _apply(module, torch.stack(windows))
+        def buffer(base_map: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+            """cat([map, zero, rest]) flat, in the map's dtype: what a `Gather` reads."""
+            zero = zeros.get(base_map.dtype)
+            if zero is None:
+                zero = zeros[base_map.dtype] = base_map.new_zeros(1)
+            return torch.cat([base_map.reshape(-1), zero, rest.reshape(-1).to(base_map.dtype)])
+
+        with inplace_disabled(self.parent):
+            crops = plan.first.take(buffer(inputs[0], source))
+            for module, step, base_in in zip(self.modules, plan.steps, inputs[:-1], strict=True):
+                if step is not None:
+                    crops = step.take(buffer(base_in, crops))
+                crops = _apply(module, crops)
+            return plan.paste.take(buffer(inputs[-1], crops))
+
+
+def _span(r0: int, r1: int, k: int, s: int, p: int, size_out: int) -> tuple[int, int]:
+    """The outputs [lo, hi) of an op (kernel k, stride s, padding p) whose window reaches input rows [r0, r1)."""
+    lo = max(0, -(-(r0 + p - k + 1) // s))  # first output whose window reaches r0
+    hi = min(size_out, (r1 - 1 + p) // s + 1)  # one past the last output whose window reaches r1 - 1
+    return lo, hi

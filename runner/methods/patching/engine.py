@@ -5,13 +5,20 @@ the forward takes the base input at batch 1 and the session's replacement return
 patched layer, so the layers before it run once per chunk instead of n times (skip connections broadcast
 the batch-1 tensors). A model that cannot (one that reshapes with the input's batch size, e.g.
 `x.view(bs, -1)`) is detected on the first chunk and run with the base input repeated instead. With
-`local_recompute`, a cell in a chain of local ops is carried through only its cone (cone.py).
+`local_recompute`, a cell in a chain of local ops is carried through only its cone (cone.py), and the chain's
+parent is not run at all in the variants' forward (its output is replaced).
+
+A chunk costs a fixed number of operations, whatever its number of variants: the masks and the cone's index plans
+depend only on the units, so they are made once (on the host, moved in one copy) and kept for every sample.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +26,7 @@ from torch import nn
 from runner.chunk_sizing import StackSizer
 from runner.chunks import spans
 from runner.hooks import Capture, HookSession, Replacement
-from runner.methods.patching.cone import Cone
+from runner.methods.patching.cone import Cone, ConePlan
 from runner.methods.patching.metric import metric
 from runner.methods.patching.units import Units
 from runner.options.method.patching import PatchingConfig, PatchUnit
@@ -30,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # Variants per forward off CUDA when no chunk is set (on CUDA: sized from free memory, runner.chunk_sizing).
 CPU_CHUNK = 64
+# Masks and cone plans kept per engine (per (layer, units) set; a run's layers x chunks, usually a few).
+KEPT_PLANS = 64
 
 
 class ExactEngine:
@@ -46,6 +55,17 @@ class ExactEngine:
         self.site: tuple[int, int] | None = None
         self.cones: dict[str, tuple[Cone, Replacement] | None] = {}
         self.stacks = StackSizer(p.chunk, "patched variant")
+        self.plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()  # masks and cone plans, least recent first
+
+    def _kept(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """The mask or plan of `key`, made on first use and kept (the `KEPT_PLANS` most recent)."""
+        if key in self.plans:
+            self.plans.move_to_end(key)
+            return self.plans[key]
+        self.plans[key] = value = make()
+        if len(self.plans) > KEPT_PLANS:
+            self.plans.popitem(last=False)
+        return value
 
     @torch.no_grad()
     def patched_metrics(
@@ -58,17 +78,28 @@ class ExactEngine:
         out: list[torch.Tensor] = []
         cone = self._cone(model, name) if units.kind is PatchUnit.cell and self.p.local_recompute else None
 
+        base_run: list[torch.Tensor] = []  # the base map through the cone's chain, run once for every chunk
+
         def metrics(picked: Sequence[int]) -> torch.Tensor:
             """(n,) the metric of the variants of units `picked`, in one forward."""
+            key = (name, units.kind, units.shape, tuple(picked), base.device)
             if cone is not None:  # only the patched cell's cone is recomputed through the local chain
                 chain, replacement = cone
                 # under autocast as the model's own forward: bf16 activations meet the convs' fp32 weights
                 with self.runtime.autocast():
-                    variants = chain.propagate(base, source, [units.cells[u] for u in picked])  # (n, ...)
-                logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
+                    if not base_run:
+                        base_run.extend(chain.base_run(base))
+                    plan: ConePlan = self._kept(
+                        ("cone", *key, tuple(tuple(t.shape[1:]) for t in base_run)),
+                        lambda: chain.plan([tuple(t.shape[1:]) for t in base_run], [units.cells[u] for u in picked],
+                                           base.device),
+                    )  # fmt: skip
+                    variants = chain.propagate(base_run, source, plan)  # (n, ...)
+                with _skipped(chain.parent, variants):
+                    logits = self._run_variants(model, chain.parent_name, base_input, variants, replacement)
             else:
-                masks = units.masks_of(list(picked), base.device)  # one op per block; (1, ...) for a layer unit
-                variants = base + masks * diff  # (n, ...)
+                masks = self._kept(("mask", *key), lambda: units.masks_of(list(picked), base.device))
+                variants = torch.addcmul(base, masks, diff)  # (n, ...): base + mask * diff in one op
                 logits = self._run_variants(model, name, base_input, variants, self.replacements[name])
             n = variants.shape[0]
             return metric(self.p.metric, logits, target.expand(n), contrast.expand(n))
@@ -125,3 +156,14 @@ class ExactEngine:
                 return model(base_input.expand(n, *base_input.shape[1:])).float()
         finally:
             replacement.value = None
+
+
+@contextmanager
+def _skipped(module: nn.Module, output: torch.Tensor) -> Iterator[None]:
+    """`module`'s forward returns `output` without computing: its output is replaced in the variants' forward (the
+    hooks around it still run), so the batch-1 run of its children would be thrown away."""
+    module.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.forward

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runner.errors import RunnerError
@@ -30,10 +31,11 @@ class Units:
         return self.masks_of(range(start, stop), device)
 
     def masks_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
-        """(n, *shape) bool masks of the units `order`, in that order, built on `device` in one comparison.
+        """(n, *shape) bool masks of the units `order`, in that order, on `device` in at most one host-device copy.
 
-        No index is made on the host: a contiguous block (a range) costs no host-device transfer, any other
-        order one copy of its indices (not one per unit, as indexing with CPU tensors did: two syncs per channel).
+        Channels and tokens: a contiguous block (a range) costs no host-device transfer, any other order one copy of
+        its indices (not one per unit, as indexing with CPU tensors did: two syncs per channel). Cells: the masks
+        are made on the host and moved in one copy (the exact engine keeps them for the next sample).
         """
         if self.kind is PatchUnit.layer:
             return torch.ones((1, *self.shape), dtype=torch.bool, device=device)
@@ -42,11 +44,12 @@ class Units:
             picked = _device_index(order, device)  # (n,)
             hot = picked[:, None] == torch.arange(self.shape[0], device=device)  # (n, C or T) one-hot rows
             return hot.reshape(n, self.shape[0], *(1,) * (len(self.shape) - 1))  # (n, C, 1, 1) or (n, T, 1)
-        mask = torch.zeros((n, 1, *self.shape[1:]), dtype=torch.bool, device=device)  # (n, 1, H, W)
-        for i, u in enumerate(order):
-            y0, y1, x0, x1 = self.cells[u]
-            mask[i, 0, y0:y1, x0:x1].fill_(True)  # a view by Python ints: a kernel launch, no transfer
-        return mask
+        # the cells' masks built on the host at once and moved in one copy (not one fill per cell on the device)
+        h, w = self.shape[1:]
+        y0, y1, x0, x1 = (np.array([self.cells[u][k] for u in order])[:, None] for k in range(4))
+        rows, cols = np.arange(h)[None], np.arange(w)[None]
+        inside = ((rows >= y0) & (rows < y1))[:, :, None] & ((cols >= x0) & (cols < x1))[:, None, :]  # (n, H, W)
+        return torch.from_numpy(inside[:, None]).to(device)  # (n, 1, H, W)
 
 
 def _device_index(order: Sequence[int], device: torch.device) -> torch.Tensor:
