@@ -16,7 +16,7 @@
 # setup + every bench_* step; `profile`; or single steps such as `bench_vgg_bf16`). GPU_SESSION_DRY=1 prints the
 # steps and runs nothing (checks the script on a CPU machine).
 # Files back: $OUT/session.log (everything), $OUT/summary.txt (step, exit code, seconds), $OUT/junit-gpu.xml
-# (per-test outcomes of `make test-gpu`), $OUT/profiles/{gradcam_batch,patching_call}.{txt,json} (operator tables
+# (per-test outcomes of `make test-gpu`), $OUT/profiles/{gradcam_batch,patching_call}.{txt,json.gz} (operator tables
 # and Chrome traces). $OUT defaults to /tmp/gpu_session_out where the caller sets none.
 set -u -o pipefail
 

@@ -6,7 +6,7 @@
 The contenders are bench_gradcam.py's `runner` (VGG16, its 13 convs) and bench_patching.py's `runner exact` (VGG16,
 5 layers of 7x7 cells), each warmed up once, then profiled for one call. Writes, to --out (default $OUT, else
 ./profiles): `<name>.txt` (the operators by device time, then by CPU time, and the GPU busy fraction) and
-`<name>.json` (a Chrome trace, for chrome://tracing or Perfetto).
+`<name>.json.gz` (a Chrome trace, for Perfetto or chrome://tracing).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def profile_one(name: str, fn: Callable[[], object], device: torch.device, out: 
     if device.type == "cuda":
         text.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
     (out / f"{name}.txt").write_text("\n\n".join(text))
-    prof.export_chrome_trace(str(out / f"{name}.json"))
+    prof.export_chrome_trace(str(out / f"{name}.json.gz"))  # gzip: traces of launch-bound code are large
     print(text[0])
     print(averages.table(sort_by=sort, row_limit=12))
 

@@ -13,12 +13,14 @@ import runner.app as app
 import runner.loop as loop
 from runner.data.base import NO_LABEL, Batch
 from runner.host_copy import HostCopy
+from runner.ids import ClassNames, rows_for
 from runner.layers import resolve_layers
 from runner.methods.base import library_runtime
 from runner.methods.cam import cam_method
 from runner.metrics.curves import degenerate_maps
+from runner.rows import BatchOutput, Block, Ragged
 from tests.conftest import TinyNet, make_config
-from tests.devices import DEVICES
+from tests.devices import DEVICES, counted_syncs
 
 CAM_RUN = [
     "model._target_=tests.conftest.TinyNet",
@@ -68,6 +70,34 @@ def test_host_copy_gives_back_each_tensor_as_it_was(device: str) -> None:
     for got, want in zip(host, tensors, strict=True):
         assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_packed_batch_starts_its_copy_without_a_host_sync(device: str) -> None:
+    """`rows_for(pack=True)` on the main thread starts the copy and reads nothing back (on CUDA: no synchronising
+    call at all); its job, run later, gives the rows the per-batch job gives."""
+    torch.manual_seed(0)
+    batch = Batch(torch.zeros(2, 1, device=device), torch.tensor([1, NO_LABEL], device=device), ["a", "b"], 4)
+    columns = {
+        "layer": ["l1", "l1", "l2", "l2"],
+        "sample_index": torch.arange(2, device=device).repeat(2),
+        "target": torch.tensor([3, 0, 3, 0], device=device),
+        "cam": Block(torch.randn(4, 7, device=device), [f"cam_{i}" for i in range(6)] + ["cam_nonfinite"]),
+        "degenerate": torch.tensor([False, True, False, False], device=device),
+        "map": Ragged(torch.randn(2 * 9 + 2 * 4, device=device), [9, 9, 4, 4]),
+    }
+    output = BatchOutput(torch.tensor([3, 0], device=device), {"cam": columns})
+    names = ClassNames(model=["w", "x", "y", "z"])
+    ids = {"run_id": "r", "method": "gradcam"}
+    reference = rows_for((batch, output, None), ids, names)()
+    with counted_syncs(device) as syncs:
+        produce = rows_for((batch, output, None), ids, names, pack=True)
+    assert syncs == []
+    (table, packed), ((_, expected),) = produce()[0], reference
+    assert table == "cam" and list(packed) == list(expected)
+    for name, value in expected.items():
+        got = packed[name]
+        assert got.equals(value) if hasattr(value, "equals") else list(got) == list(value), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
