@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from runner.data.base import NO_LABEL, Batch, label_classes
 from runner.errors import RunnerError
+from runner.host_copy import PLACEHOLDER, HostCopy, column_tensors, with_tensors
 from runner.models import model_label
 from runner.rows import BatchOutput, Block, to_host
 from runner.schema import DataConfig, RunConfig
@@ -63,35 +65,50 @@ def rows_for(
     id_columns: dict[str, Any],
     names: ClassNames,
     on_samples: Callable[[dict[str, np.ndarray]], None] | None = None,
+    pack: bool = False,
 ) -> Callable[[], list[tuple[str, dict[str, Any]]]]:
     """The writer thread's job for one batch: move rows to the host and add the identifier columns.
 
+    `pack`: every tensor of the batch (its tables' columns, labels and predictions) starts to the host here, in one
+    copy (runner/host_copy.py), and the job waits for that copy; otherwise the job moves each column itself.
     `on_samples` gets the batch's sample id columns (on the writer thread), for rows written later
     (runner/shard_stats.py)."""
     batch, output, recorded = part
+    first, sample_ids = batch.first_index, batch.sample_ids  # the job keeps these, not the batch's input
+    tables = list(output.tables.items())
+    if recorded is not None:
+        recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
+        tables.append(("hooks", recorded))
+    tensors = [batch.labels, output.predicted, *(t for _, columns in tables for t in column_tensors(columns))]
+    copy = None
+    if pack:  # the job holds the host buffers and the columns' skeletons, not the batch's device tensors
+        copy = HostCopy(tensors)
+        tensors = []
+        tables = [(table, with_tensors(columns, repeat(PLACEHOLDER))) for table, columns in tables]
 
     def produce() -> list[tuple[str, dict[str, Any]]]:
-        samples = sample_columns(batch, output.predicted, names)
+        host = iter(copy.wait() if copy is not None else tensors)
+        labels, predicted = next(host), next(host)
+        samples = sample_columns(first, sample_ids, labels, predicted, names)
         if on_samples is not None:
             on_samples(samples)
-        rows = [
-            (table, with_ids(id_columns, samples, with_target_names(to_host(columns), names.model)))
-            for table, columns in output.tables.items()
+        return [
+            (table, with_ids(id_columns, samples, with_target_names(to_host(with_tensors(columns, host)), names.model)))
+            for table, columns in tables
         ]
-        if recorded is not None:
-            recorded["stats"] = Block(recorded.pop("stats"), list(STAT_NAMES))
-            rows.append(("hooks", with_ids(id_columns, samples, to_host(recorded))))
-        return rows
 
     return produce
 
 
-def sample_columns(batch: Batch, predicted: torch.Tensor, names: ClassNames) -> dict[str, np.ndarray]:
-    """Per-sample identifiers of a batch, moved to the host in one transfer."""
-    host = torch.stack([batch.labels.to(predicted.device), predicted]).cpu().numpy()  # (2, B)
+def sample_columns(
+    first: int, sample_ids: Sequence[str], labels: torch.Tensor, predicted: torch.Tensor, names: ClassNames
+) -> dict[str, np.ndarray]:
+    """Per-sample identifiers of a batch whose first sample is `first` (`labels`, `predicted`: (B,) each), moved to
+    the host in one transfer."""
+    host = torch.stack([labels.to(predicted.device), predicted]).cpu().numpy()  # (2, B)
     return {
-        "sample": np.arange(batch.first_index, batch.first_index + len(batch.sample_ids)),
-        "sample_id": np.array(batch.sample_ids, dtype=object),
+        "sample": np.arange(first, first + len(sample_ids)),
+        "sample_id": np.array(sample_ids, dtype=object),
         "label": np.array([None if y == NO_LABEL else int(y) for y in host[0]], dtype=object),
         "label_name": name_column(host[0], names.labels),  # NO_LABEL (-1) is outside any list: null
         "predicted": host[1],

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 # The `hooks` table's statistics stay on the device until the shard ends and cross to the host in one copy
 # (runner/shard_stats.py); False copies them per batch (the reference the tests compare with).
 DEFER_HOOK_STATS = True
+# Each batch's tables cross to the host in one pinned, non-blocking copy that the writer thread waits for
+# (runner/host_copy.py): None does so on CUDA only (on the CPU the packing would be a copy for nothing); True or
+# False forces it (tests compare the two paths' tables).
+PACK_ROWS: bool | None = None
 
 
 @contextmanager
@@ -139,6 +143,7 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
     start = indices.start
     first = start
     deferred = ShardStats() if DEFER_HOOK_STATS else None
+    pack = PACK_ROWS if PACK_ROWS is not None else loop.device.type == "cuda"
     for _ in range(-(-len(indices) // loop.config.data.batch_size)):  # this shard's batches, from the run's loader
         raw = next(loop.batches)
         batch = to_batch(raw, loop.device, first, loop.config.channels_last)
@@ -147,7 +152,7 @@ def run_shard(shard: int, loop: ShardLoop) -> None:
             if deferred is not None and part[2] is not None:  # recorded rows: their statistics wait for the shard
                 on_samples = deferred.add(part[2])
                 part = (part[0], part[1], None)
-            loop.writer.submit(rows_for(part, loop.id_columns, loop.categories, on_samples))
+            loop.writer.submit(rows_for(part, loop.id_columns, loop.categories, on_samples, pack))
         if loop.progress is not None:
             loop.progress.batch_done()
         if loop.stop.is_set():

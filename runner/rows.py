@@ -39,7 +39,8 @@ def to_host(columns: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, Ragged):
             offsets = np.concatenate([[0], np.cumsum(value.lengths)]).astype(np.int32)
             out[name] = pa.ListArray.from_arrays(
-                pa.array(offsets), pa.array(value.values.detach().float().cpu().numpy())
+                pa.array(offsets),
+                pa.array(value.values.detach().cpu().float().numpy()),  # float16 maps cross as such
             )
         elif torch.is_tensor(value):
             out[name] = value.detach().cpu().numpy()

@@ -2,8 +2,8 @@
 
 `record` hooks leave each batch's (rows, 7) statistics on the tensor's device (runner/hooks/spec_hooks.py). Copied
 per batch, each copy waits for the batch's kernels; here they stay on the device until the shard's last batch, are
-concatenated there and copied in one transfer (into pinned memory, `non_blocking`, on CUDA), and the writer thread
-waits for that copy alone. The rows' other columns (layer, role, call, sample ids) are known per batch on the host
+packed and copied in one transfer (runner/host_copy.py: into pinned memory, `non_blocking`, on CUDA), and the writer
+thread waits for that copy alone. The rows' other columns (layer, role, call, sample ids) are known per batch on the host
 and kept as they are; the rows are written batch by batch, so the table is the one the per-batch path writes.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runner.host_copy import HostCopy
 from runner.ids import with_ids
 from runner.rows import Block, to_host
 from runner.stats import STAT_NAMES
@@ -49,24 +50,14 @@ class ShardStats:
         the copy, then writes one row group per batch."""
         if not self._stats:
             return None
-        sizes = [len(s) for s in self._stats]
-        device = torch.cat(self._stats)  # (rows, 7) on the device: one copy instead of one per batch
-        done: torch.cuda.Event | None = None
-        if device.is_cuda:
-            host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-            host.copy_(device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()  # on the stream the statistics were computed and copied on
-        else:
-            host = device.cpu()
+        copy = HostCopy(self._stats)  # one copy instead of one per batch (pinned and non-blocking on CUDA)
         columns, samples = self._columns, self._samples
         self._stats, self._columns, self._samples = [], [], []
 
         def produce() -> Rows:
-            if done is not None:
-                done.synchronize()  # the writer thread waits for this copy, never the main thread
+            host = copy.wait()  # the writer thread waits for this copy, never the main thread
             rows: Rows = []
-            for batch_columns, stats, batch_samples in zip(columns, host.split(sizes), samples, strict=True):
+            for batch_columns, stats, batch_samples in zip(columns, host, samples, strict=True):
                 assert batch_samples is not None, "the batch's own job runs first on the writer thread"
                 batch_columns["stats"] = Block(stats, list(STAT_NAMES))
                 rows.append(("hooks", with_ids(id_columns, batch_samples, to_host(batch_columns))))

@@ -12,6 +12,7 @@ import argparse
 import time
 
 import torch
+from benchtools import busy_text, gpu_busy
 
 from runner.models import build_model
 from runner.schema import ModelConfig
@@ -39,7 +40,9 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = (time.perf_counter() - start) / reps
-            print(f"batch {b:4d}: {b / seconds:8.1f} img/s", flush=True)
+            busy = gpu_busy({"forward": lambda x=x: model(x)}, device).get("forward")
+            gpu = f"   GPU busy {busy_text(busy)}" if busy is not None else ""
+            print(f"batch {b:4d}: {b / seconds:8.1f} img/s{gpu}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Contenders (each on its own deep copy of the model; see scripts/benchtools.py fo
   tight floor          in-place ops switched off on its copy, forward hooks keep the L outputs (no clones), one
                        torch.autograd.grad to them, the CAM arithmetic: the least work for exact maps
   old floor            the earlier hand-written floor: hooks registered per call, each activation cloned
-  runner               the `gradcam` method through the hook session, rows moved to the host (what a run adds)
+  runner               the `gradcam` method through the hook session, rows moved to the host as a run moves them
   torchcam 1 forward   torchcam 0.5.0 GradCAM(model, target_layer=[all L]), targets from the same forward
   torchcam README      the same with the targets from an extra no-grad forward, maps normalised (its defaults)
   captum x L           LayerGradCam, once per layer (it takes one layer per call)
@@ -31,6 +31,7 @@ from torch import nn
 
 from runner.data.base import Batch
 from runner.hooks import HookSession, count_hooks, disable_inplace
+from runner.host_copy import HostCopy, column_tensors, with_tensors
 from runner.layers import resolve_layers
 from runner.methods import Runtime, build_method, method_config_class
 from runner.models import build_model
@@ -160,8 +161,13 @@ class RunnerGradcam:
         return out.tables["cam"]
 
     def run(self) -> object:
-        """What a run adds per batch: the pass and the rows to the host."""
-        return to_host(self.columns())
+        """What a run adds per batch: the pass and the rows to the host, moved as a run moves them (on CUDA one
+        pinned copy, runner/host_copy.py; waited for here, where a run's writer thread waits while the next batch
+        computes)."""
+        columns = self.columns()
+        if self.x.is_cuda:
+            columns = with_tensors(columns, iter(HostCopy(column_tensors(columns)).wait()))
+        return to_host(columns)
 
     def maps(self) -> list[torch.Tensor]:
         """The per-layer maps, (B, h, w) each, from the `map` column (rows: layer-major, then sample)."""

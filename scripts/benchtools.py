@@ -7,7 +7,8 @@ A benchmark here cannot lie in the two ways earlier versions did:
   - the machine's load drifting between contenders timed back to back: contenders are timed round-robin, one
     call each per round, the order rotated every round, so a slow minute hits all of them alike.
 It prints each contender's median, its spread (quartiles and min-max) and its ratio to a named reference, both
-as a ratio of medians and as the median of the per-round ratios (paired, steadier under load).
+as a ratio of medians and as the median of the per-round ratios (paired, steadier under load); on CUDA also how
+busy the GPU was during one profiled call of each (`gpu_busy`, after the timed rounds).
 """
 
 from __future__ import annotations
@@ -88,12 +89,48 @@ class Contender:
             raise AssertionError(f"{self.name}: its model's in-place flags changed {when}.")
 
 
+def gpu_busy(calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per call: (seconds of CUDA kernels, wall seconds) of one call under torch.profiler; {} off CUDA.
+
+    Kernel time over wall time is the fraction of the call the GPU computed (copies and memsets are not kernels;
+    overlapping kernels on two streams count twice). Made after the timed rounds, whose timings it leaves alone;
+    the profiler's own per-op cost lengthens the wall time, so launch-bound code reads a little idler than it is."""
+    if device.type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    busy = {}
+    for name, fn in calls.items():
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            wall = time.perf_counter() - start
+        events = prof.events()
+        kernels = [
+            e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+        ]
+        busy[name] = (sum(e.time_range.elapsed_us() for e in kernels) / 1e6, wall)
+    return busy
+
+
+def busy_text(kernel_wall: tuple[float, float] | None) -> str:
+    """'73% (12.1/16.6 ms)': the GPU's busy fraction of a profiled call; 'n/a (CPU)' without one."""
+    if kernel_wall is None:
+        return "n/a (CPU)"
+    kernel, wall = kernel_wall
+    return f"{kernel / wall:4.0%} ({kernel * 1e3:.1f}/{wall * 1e3:.1f} ms)"
+
+
 @dataclass
 class Timings:
     """Seconds per call of each contender, one entry per round (round r of every contender ran in the same round)."""
 
     seconds: dict[str, list[float]]
     reference: str
+    busy: dict[str, tuple[float, float]] = field(default_factory=dict)  # CUDA only: `gpu_busy` of each contender
 
     def median(self, name: str) -> float:
         """Median seconds per call."""
@@ -148,7 +185,7 @@ def interleaved(
             seconds[c.name].append(time.perf_counter() - start)
         for c in contenders:  # the last one of the round has not been checked after its call yet
             c.check("after a round")
-    return Timings(seconds, reference)
+    return Timings(seconds, reference, gpu_busy({c.name: c.fn for c in contenders}, device))
 
 
 def close_all(contenders: list[Contender]) -> None:
@@ -163,7 +200,8 @@ def report(timings: Timings, per_call: int = 1, unit: str = "img/s", divide: flo
     ref = timings.reference
     print(
         f"{'contender':44s} {'median s':>9s} {'q1-q3 s':>15s} {'min-max s':>15s} {unit:>9s}"
-        f" {'x ref':>7s} {'paired':>7s}   (ref: {ref}; {len(timings.seconds[ref])} rounds)"
+        f" {'x ref':>7s} {'paired':>7s}{'   GPU busy (kernels/wall)' if timings.busy else ''}"
+        f"   (ref: {ref}; {len(timings.seconds[ref])} rounds)"
     )
     for name, values in timings.seconds.items():
         v = sorted(s / divide for s in values)
@@ -172,4 +210,5 @@ def report(timings: Timings, per_call: int = 1, unit: str = "img/s", divide: flo
         print(
             f"{name:44s} {med:9.4f} {q1:7.4f}-{q3:<7.4f} {v[0]:7.4f}-{v[-1]:<7.4f} {per_call / med:9.1f}"
             f" {timings.ratio(name):7.2f} {timings.paired(name):7.2f}"
+            + (f"   {busy_text(timings.busy.get(name))}" if timings.busy else "")
         )

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.fused_stats",
             "runner.tables",
             "runner.rows",
+            "runner.host_copy",
             "runner.progress",
             "runner.interrupts",
             "runner.distributed",

@@ -27,6 +27,7 @@ from torch import nn
 
 from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
+from runner.fused_stats import fused_stats
 from runner.hooks import HookSession
 from runner.layers import Layer, resolve_layers
 from runner.methods.base import (
@@ -42,7 +43,7 @@ from runner.methods.base import (
 from runner.methods.map_evaluation import MapEvaluation
 from runner.methods.map_pictures import draw_maps
 from runner.metrics import curves as faithfulness
-from runner.options.method.cam import CamConfig, cam_method_names
+from runner.options.method.cam import CamConfig, MapDtype, cam_method_names
 from runner.options.registry import METHODS, Option
 from runner.rows import BatchOutput, Block, Columns, Ragged, concat_columns
 from runner.runtime import Runtime
@@ -130,6 +131,17 @@ CAM_SCHEMA = declare(
         figures="runner.viz.plots:cam_figures",
     ),
 )
+
+
+MIN, MAX, NONFINITE = (STAT_NAMES.index(s) for s in ("min", "max", "nonfinite"))  # columns of the statistics
+MAP_DTYPES = {MapDtype.float32: torch.float32, MapDtype.float16: torch.float16}  # method.map_dtype
+
+
+def map_stats(maps: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """(B, 7) statistics of each map (B, h, w): on CUDA one fused pass (runner/fused_stats.py, as `record` hooks
+    compute theirs, compiled); on the CPU, where nothing is compiled, runner/stats.py's reductions."""
+    stats, _ = (fused_stats if maps.is_cuda else per_sample_stats)(maps, batch_size)
+    return stats
 
 
 class CamMethod(Method):
@@ -284,10 +296,12 @@ class CamMethod(Method):
             "all logits are equal, so the class explained is arbitrary (random or untrained weights?);"
             " rows flagged constant_logits, faithfulness NaN",
         )  # fmt: skip
-        # A constant map (all zero, say) or one with NaN/inf ranks no pixel: flagged, and NaN metrics.
-        degenerate = [faithfulness.degenerate_maps(m) for m in maps]  # each (B,)
+        stats = torch.cat([map_stats(m, b) for m in maps])  # (n*b, 7), layer-major like the rows
+        # A constant map (all zero, say) or one with NaN/inf ranks no pixel: flagged, and NaN metrics. Read off the
+        # statistics (min == max, or non-finite: runner.metrics.curves.degenerate_maps exactly), not the maps again.
+        degenerate = (stats[:, MIN] == stats[:, MAX]) | (stats[:, NONFINITE] != 0)  # (n*b,)
         self.warn(
-            "degenerate", torch.stack(degenerate).any(dim=0), batch,
+            "degenerate", degenerate.view(n, b).any(dim=0), batch,
             "a map is constant (all zero, say) or not finite at some layer; rows flagged degenerate,"
             " their faithfulness and evaluation metrics NaN",
         )  # fmt: skip
@@ -302,13 +316,17 @@ class CamMethod(Method):
             "probability": probs.gather(1, target[:, None]).squeeze(1).repeat(n),
             "map_height": [h for h, _ in sizes for _ in range(b)],
             "map_width": [w for _, w in sizes for _ in range(b)],
-            "cam": Block(torch.cat([per_sample_stats(m, b)[0] for m in maps]), [f"cam_{s}" for s in STAT_NAMES]),
-            "degenerate": torch.cat(degenerate),
+            "cam": Block(stats, [f"cam_{s}" for s in STAT_NAMES]),
+            "degenerate": degenerate,
             "constant_logits": flat_logits.repeat(n),
         }
         if self.cfg.store_maps:
+            # One buffer of every map, in the stored precision: the float16 copy is made by the concatenation itself.
+            flat = torch.empty(
+                sum(m.numel() for m in maps), dtype=MAP_DTYPES[self.cfg.map_dtype], device=maps[0].device
+            )
             columns["map"] = Ragged(
-                torch.cat([m.reshape(-1) for m in maps]), [h * w for h, w in sizes for _ in range(b)]
+                torch.cat([m.detach().reshape(-1) for m in maps], out=flat), [h * w for h, w in sizes for _ in range(b)]
             )
         return columns
 

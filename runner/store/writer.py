@@ -181,7 +181,8 @@ class ShardedWriter:
     background thread.
 
     The main thread hands over a batch's rows as a function (`submit`); the writer thread calls it
-    (moving the tensors to the host there, so the device never waits on the copy or the disk) and
+    (which moves the tensors to the host there, or on CUDA waits for the batch's one copy that the
+    main thread started, runner/host_copy.py: the device never waits on the copy or the disk) and
     appends the rows. The queue holds at most `queue_size` batches: when the disk is slower than
     the device, `submit` blocks instead of letting memory grow.
 

@@ -21,6 +21,13 @@ class BlurPadding(str, Enum):
     replicate = "replicate"
 
 
+class MapDtype(str, Enum):
+    """The precision the `map` column's values are kept in: float16 halves the bytes copied to the host."""
+
+    float32 = "float32"
+    float16 = "float16"
+
+
 T = TypeVar("T")
 
 
@@ -54,6 +61,8 @@ class CamConfig(MethodConfig):
     """What every map-making method shares (the CAM variants, captum, sanity): maps, tokens, faithfulness."""
 
     store_maps: bool = True  # put each map (at the layer's resolution) in its row
+    # the maps' values as stored: float16 rounds them on the device (half the bytes to copy; the column stays float32)
+    map_dtype: MapDtype = MapDtype.float32
     token_prefix: int = 1  # token models (ViT): leading tokens (the class token) dropped before the patch grid
     faithfulness: FaithfulnessConfig = field(default_factory=FaithfulnessConfig)
     feature_grid_layer: str | None = None  # also a grid of this layer's first feature maps per sample
