@@ -312,18 +312,18 @@ def test_cells_before_the_first_difference_are_not_run_and_still_equal_the_loop(
     """Pairs whose prompts share their first four tokens (BOS and three words): no forward patches a cell before
     position 4 (the runs are equal there, so the patched metric is the receiving run's), and every row, those
     included, equals one forward per cell."""
-    from runner.methods.lm_patching.method import LmPatching
+    from runner.methods.lm_patching.exact import ExactPatcher
 
     model, tokenizer, _ = tiny
     pairs = [{**p, "corrupted": " ".join(p["clean"].split()[:3] + p["corrupted"].split()[3:])} for p in PAIRS]
     run_cells: list = []
-    original = LmPatching.patched_metrics
+    original = ExactPatcher.patched_metrics
 
     def spy(self, model, ids, mask, noise, sources, cells, *args):  # type: ignore[no-untyped-def]
         run_cells.extend(cells)
         return original(self, model, ids, mask, noise, sources, cells, *args)
 
-    monkeypatch.setattr(LmPatching, "patched_metrics", spy)
+    monkeypatch.setattr(ExactPatcher, "patched_metrics", spy)
     sites = ["resid_pre", "attn_out", "head"]
     table = lm_activation_patching(model, tokenizer, pairs, sites=sites, directions=[direction])
     whole = [c for c in run_cells if c.position is not None]

@@ -7,59 +7,41 @@ site's tensor kept in the autograd graph, and the metric summed over pairs is di
 
 so an estimate reads like the `patched` column of an exact row. Per-head sites (head, q, k, v) are differentiated
 through their (B, T, H, d) views, so every site, layer, position and head comes from the same backward.
-`attribution_topk` then patches exactly (the exact engine), per pair and site, the `top_k` cells estimated to move the
+`attribution_topk` then patches exactly (exact.py), per pair and site, the `top_k` cells estimated to move the
 metric furthest toward the source run's (denoising: toward the clean metric; noising: toward the corrupted one,
 whichever way that is), and reports Spearman's rho between their estimated and exact effects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-from runner.data.base import Batch
-from runner.data.prompts import position_ids
-from runner.methods.lm_patching.corruptions import EmbeddingEdit
+from runner.methods.language_model import forward_last
 from runner.methods.lm_patching.engine import Cell
-from runner.options.method.patching import PatchDirection, PatchMode
+from runner.methods.lm_patching.exact import ExactPatcher
+from runner.methods.lm_patching.metric import PairMetrics, Receiver
+from runner.methods.lm_patching.rows import cell_rows
 from runner.ranking import spearman, toward_source
 from runner.rows import Columns
 
-if TYPE_CHECKING:
-    from runner.methods.lm_patching.method import LmPatching
-
-
-@dataclass
-class Receiver:
-    """One direction's receiving run: its prompts, mask, embedding edit, and the source run's site tensors."""
-
-    direction: PatchDirection
-    ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T)
-    edit: EmbeddingEdit | None  # the edit of its embeddings (noise, zero, mean), or None
-    sources: dict[str, torch.Tensor]  # site name -> (B, T, ...) the source run's views
-    metric: torch.Tensor  # (B,) the receiving run's metric
-    corrupted_names: list[str]  # per pair, what the `corrupted_id` column names
-
 
 def estimate_cells(
-    method: LmPatching, model: nn.Module, run: Receiver, cells: list[Cell], answers: torch.Tensor,
-    distractors: torch.Tensor, clean_logits: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """(len(cells), B) float32 on the CPU: each cell's first-order estimate of the metric with it patched in."""
-    method.corruption.active = run.edit
+    patcher: ExactPatcher, model: nn.Module, run: Receiver, cells: list[Cell], metrics: PairMetrics
+) -> torch.Tensor:
+    """(len(cells), B) float32 on the CPU: each cell's first-order estimate of the metric with it patched in (the
+    receiving run's sites kept in the autograd graph by `patcher`'s hooks)."""
+    patcher.corruption.active = run.edit
     try:
-        with torch.enable_grad(), method.runtime.autocast(), method.hooks.keep(grad=True):
-            out = model(input_ids=run.ids, attention_mask=run.mask, position_ids=position_ids(run.mask),
-                        use_cache=False, logits_to_keep=1)  # fmt: skip
-            metric = method._metric(out.logits[:, -1].float(), answers, distractors, clean_logits)
+        with torch.enable_grad(), patcher.runtime.autocast(), patcher.hooks.keep(grad=True):
+            out = forward_last(model, run.ids, run.mask)
+            metric = metrics.of(out.logits[:, -1].float())
     finally:
-        method.corruption.active = None
-    views = method.hooks.kept
-    method.hooks.kept = {}
+        patcher.corruption.active = None
+    views = patcher.hooks.kept
+    patcher.hooks.kept = {}
     names = sorted({f"{cell.kind}.{cell.layer}" for cell in cells})
     # The pairs' metrics are independent (no row reads another), so one backward of their sum gives each its own.
     grads = torch.autograd.grad(metric.sum(), [views[n] for n in names], allow_unused=True)
@@ -84,22 +66,21 @@ def estimate_cells(
 
 
 def attribution_rows(
-    method: LmPatching, model: nn.Module, batch: Batch, run: Receiver, cells: list[Cell], answers: torch.Tensor,
-    distractors: torch.Tensor, clean_logits: torch.Tensor, m_clean: torch.Tensor, m_corrupted: torch.Tensor,
-    flags: dict[str, list],
+    patcher: ExactPatcher, model: nn.Module, run: Receiver, cells: list[Cell], metrics: PairMetrics,
+    pairs: list[dict[str, Any]], top_k: int | None,
 ) -> list[Columns]:  # fmt: skip
-    """One direction's rows: every cell's estimate (patch_method attribution), and in attribution_topk mode each
-    pair's top_k cells per site patched exactly (patch_method exact, with their rank correlation)."""
-    estimates = estimate_cells(method, model, run, cells, answers, distractors, clean_logits)
-    rows = method._rows(batch, run.direction, cells, estimates, m_clean, m_corrupted, flags, run.mask,
-                        run.corrupted_names, kind="attribution")  # fmt: skip
-    if method.p.mode is not PatchMode.attribution_topk:
+    """One direction's rows: every cell's estimate (patch_method attribution), and given `top_k`
+    (attribution_topk) each pair's top_k cells per site patched exactly (patch_method exact, with their rank
+    correlation)."""
+    estimates = estimate_cells(patcher, model, run, cells, metrics)
+    rows = cell_rows(run, cells, estimates, metrics, pairs, kind="attribution")
+    if top_k is None:
         return [rows]
     b, t = run.mask.shape
     pads = (t - run.mask.sum(1)).tolist()
-    source = m_clean if run.direction is PatchDirection.denoising else m_corrupted  # (B,) the source run's metric
+    source = metrics.source(run.direction)  # (B,) the source run's metric
     toward = toward_source(estimates, run.metric.detach().float().cpu(), source.detach().float().cpu())  # (C, B)
-    chosen = [_top_cells(cells, toward[:, row], pads[row], method.p.top_k) for row in range(b)]
+    chosen = [_top_cells(cells, toward[:, row], pads[row], top_k) for row in range(b)]
     union = sorted({c for picked in chosen for c in picked})
     where = {c: u for u, c in enumerate(union)}
     patched = torch.full((len(union), b), float("nan"))
@@ -107,12 +88,12 @@ def attribution_rows(
     rho: dict[tuple[int, str], float] = {}
     for row, picked in enumerate(chosen):
         # One pair at a time: each pair has its own cells, and the engine patches a cell into every pair it runs.
-        exact = method.patched_metrics(
+        exact = patcher.patched_metrics(
             model, run.ids[row : row + 1], run.mask[row : row + 1],
             None if run.edit is None else run.edit.rows(row),
             {name: source[row : row + 1] for name, source in run.sources.items()},
-            [cells[c] for c in picked], answers[row : row + 1], distractors[row : row + 1],
-            clean_logits[row : row + 1],
+            [cells[c] for c in picked], metrics.answers[row : row + 1], metrics.distractors[row : row + 1],
+            metrics.clean_logits[row : row + 1],
         )[:, 0].cpu()  # fmt: skip
         for c, value in zip(picked, exact.tolist(), strict=True):
             patched[where[c], row] = value
@@ -121,11 +102,10 @@ def attribution_rows(
         for kind in dict.fromkeys(cells[c].kind for c in picked):
             part = [k for k, c in enumerate(picked) if cells[c].kind == kind]
             # a degenerate pair's effects are float noise around 0: their order says nothing
-            defined = len(part) > 1 and flags["reason"][row] is None
+            defined = len(part) > 1 and metrics.reasons[row] is None
             estimated = estimates[[picked[k] for k in part], row]
             rho[(row, kind)] = float(spearman(estimated, effect[part])) if defined else float("nan")
-    exact_rows = method._rows(batch, run.direction, [cells[c] for c in union], patched, m_clean, m_corrupted, flags,
-                              run.mask, run.corrupted_names, kind="exact", select=select)  # fmt: skip
+    exact_rows = cell_rows(run, [cells[c] for c in union], patched, metrics, pairs, kind="exact", select=select)
     exact_rows["rank_correlation"] = torch.tensor(
         [rho[(i, kind)] for i, kind in zip(exact_rows["sample_index"], exact_rows["site"], strict=True)],
         dtype=torch.float32,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.methods.lm_patching.metric import score
 from runner.models.lm_sites import LanguageModelLayout, unembedding
 
 
@@ -40,9 +41,7 @@ class Readout:
         if not self.compact:
             with torch.no_grad(), autocast():
                 logits = self.model(**inputs, logits_to_keep=1).logits[:, -1].float()
-            device = logits.device
-            return self.target.score_tokens(logits, answers.to(device), distractors.to(device),
-                                            clean_logits.to(device))  # fmt: skip
+            return score(self.target, logits, answers, distractors, clean_logits)
         assert self.base is not None and self.unembed is not None
         with torch.no_grad(), autocast():
             hidden = self.base(**inputs).last_hidden_state[:, -1]  # (rows, D), after the final norm

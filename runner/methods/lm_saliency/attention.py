@@ -19,12 +19,11 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
-from runner.data.prompts import position_ids
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod
+from runner.methods.language_model import LanguageModelMethod, chosen_once, forward_last
 from runner.methods.lm_patching.engine import SiteHooks
-from runner.methods.lm_saliency.common import clean_prompts, token_strings
+from runner.methods.lm_saliency.common import taken_views, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
 from runner.rows import BatchOutput, Columns, concat_columns
@@ -67,12 +66,8 @@ class LmAttention(LanguageModelMethod):
                 "method=lm_attention reads the attention weights, which only eager attention forms (the model runs"
                 f" {layout.attn_implementation!r}): set model.attn_implementation=eager."
             )
-        layers = list(range(layout.layers)) if cfg.layers is None else list(cfg.layers)
-        heads = list(range(layout.heads)) if cfg.heads is None else list(cfg.heads)
-        for what, chosen, count in (("layers", layers, layout.layers), ("heads", heads, layout.heads)):
-            if not chosen or len(set(chosen)) != len(chosen) or not all(0 <= v < count for v in chosen):
-                raise RunnerError(f"method.{what}={chosen}: each of 0 .. {count - 1}, once (at least one).")
-        return layers, heads
+        layers = chosen_once("method.layers", cfg.layers, list(range(layout.layers)), "0")
+        return layers, chosen_once("method.heads", cfg.heads, list(range(layout.heads)), "0")
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         layout = layout_of(session.model)
@@ -81,15 +76,11 @@ class LmAttention(LanguageModelMethod):
         self.hooks = SiteHooks(session.model, self.specs, session)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        prompts = clean_prompts(batch, self.name)
-        ids, mask = prompts.ids, prompts.mask
+        prompts = self.prompts(batch)
+        ids = prompts.clean
         with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                        logits_to_keep=1)  # fmt: skip
-        views, self.hooks.kept = self.hooks.kept, {}
-        missing = [spec.name for spec in self.specs if spec.name not in views]
-        if missing:
-            raise RunnerError(f"method=lm_attention: the forward never reached {', '.join(missing)}.")
+            out = forward_last(model, ids, prompts.mask)
+        views = taken_views(self.hooks, self.specs, self.name)
         strings = self.strings(batch)
         pads = prompts.pads.cpu()
         t = ids.shape[1]

@@ -1,38 +1,26 @@
-"""What the language-model saliency methods share: the clean prompt of each pair and the (pair, position) grid of a
-left-padded batch without its padding."""
+"""What the language-model saliency methods share beyond their base (`LanguageModelMethod`): the sites one forward
+kept, and the (pair, position) grid of a left-padded batch without its padding."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from runner.data.base import Batch
 from runner.errors import RunnerError
+from runner.methods.lm_patching.engine import SiteHooks
+from runner.models.lm_sites import SiteSpec
 
 
-@dataclass
-class CleanPrompts:
-    """A batch's clean prompts (the corrupted ones are not used by these methods)."""
-
-    ids: torch.Tensor  # (B, T) left-padded token ids
-    mask: torch.Tensor  # (B, T) 1 on real tokens
-    answers: torch.Tensor  # (B, A) token sets padded with -1
-    distractors: torch.Tensor  # (B, A)
-
-    @property
-    def pads(self) -> torch.Tensor:
-        """(B,) padding tokens on the left of each row: the table's position p is row index pads + p."""
-        return self.mask.shape[1] - self.mask.sum(1)
-
-
-def clean_prompts(batch: Batch, method: str) -> CleanPrompts:
-    """The clean half of a batch of prompt pairs; RunnerError for another kind of batch."""
-    if batch.x.dim() != 3 or batch.extras is None:
-        raise RunnerError(f"method={method} takes prompt pairs: use data=prompts.")
-    extras = batch.extras
-    return CleanPrompts(batch.x[:, 0], extras["attention_mask"], extras["answers"], extras["distractors"])
+def taken_views(hooks: SiteHooks, specs: Sequence[SiteSpec], method: str) -> dict[str, torch.Tensor]:
+    """The site views the last kept forward left in `hooks` (taken: the hooks hold none after), one per spec; a site
+    the forward never reached is refused (a family whose module layout the adapter misreads), not left out."""
+    views, hooks.kept = hooks.kept, {}
+    missing = [spec.name for spec in specs if spec.name not in views]
+    if missing:
+        raise RunnerError(f"method={method}: the forward never reached {', '.join(missing)}.")
+    return views
 
 
 def real_cells(pads: torch.Tensor, positions: int, heads: int = 0) -> tuple[torch.Tensor, ...]:

@@ -18,12 +18,11 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
-from runner.data.prompts import position_ids
-from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod
+from runner.methods.language_model import LanguageModelMethod, forward_last
 from runner.methods.lm_patching.engine import SiteHooks
-from runner.methods.lm_saliency.common import clean_prompts, real_cells, token_strings
+from runner.methods.lm_patching.metric import score
+from runner.methods.lm_saliency.common import real_cells, taken_views, token_strings
 from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.rows import BatchOutput, Columns, concat_columns
@@ -89,24 +88,18 @@ class LmGradXAct(LanguageModelMethod):
         return output.detach().requires_grad_(True)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        prompts = clean_prompts(batch, self.name)
-        ids, mask = prompts.ids, prompts.mask
+        prompts = self.prompts(batch)
         self.capturing = True
         try:
             with torch.enable_grad(), self.runtime.autocast(), self.hooks.keep(grad=True):
-                out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                            logits_to_keep=1)  # fmt: skip
+                out = forward_last(model, prompts.clean, prompts.mask)
         finally:
             self.capturing = False
-        views, self.hooks.kept = self.hooks.kept, {}
+        views = taken_views(self.hooks, self.specs, self.name)
         logits = out.logits[:, -1].float()  # (B, V)
-        score = self.target.score_tokens(logits, prompts.answers.to(logits.device),
-                                         prompts.distractors.to(logits.device), logits.detach())  # fmt: skip
-        missing = [spec.name for spec in self.specs if spec.name not in views]
-        if missing:
-            raise RunnerError(f"method=lm_grad_x_act: the forward never reached {', '.join(missing)}.")
+        metric = score(self.target, logits, prompts.answers, prompts.distractors, logits.detach())  # (B,)
         # Rows are independent, so d(sum)/d(row's activation) is that row's own gradient.
-        grads = torch.autograd.grad(score.sum(), [views[s.name] for s in self.specs], allow_unused=True)
+        grads = torch.autograd.grad(metric.sum(), [views[s.name] for s in self.specs], allow_unused=True)
         strings = self.strings(batch)
         parts = [self._rows(batch, spec, views[spec.name].detach(), grad, prompts.pads, strings)
                  for spec, grad in zip(self.specs, grads, strict=True)]  # fmt: skip

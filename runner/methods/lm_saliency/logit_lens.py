@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
-from runner.data.prompts import position_ids, tokenizer_of
-from runner.errors import RunnerError
+from runner.data.prompts import tokenizer_of
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod
-from runner.methods.lm_saliency.common import CleanPrompts, clean_prompts, real_cells, token_strings
+from runner.methods.language_model import LanguageModelMethod, PromptPairs, chosen_once, forward_last
+from runner.methods.lm_saliency.common import real_cells, token_strings
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.rows import BatchOutput, Columns, concat_columns
@@ -69,13 +68,7 @@ class LmLogitLens(LanguageModelMethod):
         or given twice."""
         scored = token_target(target, cls.name, per_position=True)
         every = [EMBEDDINGS, *range(layout.layers)]
-        layers = every if cfg.layers is None else list(cfg.layers)
-        bad = [layer for layer in layers if layer not in every]
-        if bad or len(set(layers)) != len(layers) or not layers:
-            raise RunnerError(
-                f"method.layers={layers}: each of -1 (the embeddings) .. {layout.layers - 1}, once (at least one)."
-            )
-        return scored, layers
+        return scored, chosen_once("method.layers", cfg.layers, every, f"{EMBEDDINGS} (the embeddings)")
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
@@ -110,13 +103,12 @@ class LmLogitLens(LanguageModelMethod):
         return self.layout.logits(self.unembed.forward(normed.to(device)).float())
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
-        prompts = clean_prompts(batch, self.name)
-        ids, mask = prompts.ids, prompts.mask
+        prompts = self.prompts(batch)
+        ids = prompts.clean
         self.kept, self.capturing = {}, True
         try:
             with torch.no_grad(), self.runtime.autocast():
-                out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                            logits_to_keep=1)  # fmt: skip
+                out = forward_last(model, ids, prompts.mask)
         finally:
             self.capturing = False
         kept, self.kept = self.kept, {}
@@ -130,7 +122,7 @@ class LmLogitLens(LanguageModelMethod):
             predicted=out.logits[:, -1].float().argmax(dim=1), tables={self.table: concat_columns(parts)}
         )
 
-    def _rows(self, batch: Batch, layer: int, logits: torch.Tensor, final: torch.Tensor, prompts: CleanPrompts,
+    def _rows(self, batch: Batch, layer: int, logits: torch.Tensor, final: torch.Tensor, prompts: PromptPairs,
               rows: torch.Tensor, index: torch.Tensor, strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
         """One row per real (pair, position) of one layer; `logits` and `final` (N, V) at those cells."""
         device = logits.device
