@@ -131,8 +131,11 @@ class Corruption:
                     f" [start, end) in the table's positions; give end <= {len(short.clean)}."
                 )
 
-    def setup(self, session: HookSession, model: nn.Module, layout: LanguageModelLayout) -> None:
-        """Hook the embedding module (embedding corruptions) and compute what they need from the model."""
+    def setup(
+        self, session: HookSession, model: nn.Module, layout: LanguageModelLayout, interpolated: bool = False
+    ) -> None:
+        """Hook the embedding module (embedding corruptions, or any corruption when the runs are `interpolated`
+        between the corrupted and clean embeddings: lm_edges' EAP-IG) and compute what they need from the model."""
         self.bos = getattr(model.config, "bos_token_id", None)
         if self.kind in (LmCorruption.resample, LmCorruption.mean) and not self.pairs:
             raise RunnerError(
@@ -144,10 +147,12 @@ class Corruption:
                 "method.patching.corruption.span=subject reads each pair's subject from the data: run it with"
                 " data=prompts (or lm_activation_patching), not on bare token ids."
             )
-        if self.kind not in EMBEDDING_KINDS:
+        if self.kind not in EMBEDDING_KINDS and not interpolated:
             return
         embed = dict(model.named_modules())[layout.arch.embed]
         session.add_hook(embed, self._edit, pre=False)
+        if self.kind not in EMBEDDING_KINDS:
+            return
         self.embed_std = float(embed.weight.detach().float().std()) * _output_scale(embed)
         self.dim = int(embed.weight.shape[1])
         if self.kind is LmCorruption.mean:

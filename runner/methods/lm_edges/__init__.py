@@ -1,0 +1,39 @@
+"""Edge attribution patching for causal language models: which upstream component's write, read by which downstream
+head's query, key or value input, MLP or the logits, carries the behaviour.
+
+graph.py   the edge graph of a model, from its site layout (per key-value head for keys and values)
+scores.py  each edge's first-order effect: writes x readers' gradients (EAP; EAP-IG averages the gradients)
+method.py  `method=lm_edges` and its `lm_edges` table
+
+`lm_edge_attribution` runs it on a model and a list of pairs from a notebook, with no run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from torch import nn
+
+from runner.data.prompts import pairs_batch
+from runner.methods.base import as_frame, library_config, library_token_runtime, run_prepared
+from runner.methods.lm_edges.method import LmEdges
+from runner.models.check import check_positions
+from runner.options.method.lm_edges import LmEdgesMethodConfig
+
+
+def lm_edge_attribution(
+    model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], target: str = "token_logit_diff",
+    bos: bool = True, **settings: Any,
+) -> pd.DataFrame:  # fmt: skip
+    """The `lm_edges` table of `model` (a Hugging Face causal LM in eval mode) on `pairs` ([{clean, corrupted, answer,
+    distractor}]), all pairs in one batch; `settings`: LmEdgesConfig's fields (mode, steps, corruption, per_pair,
+    min_span). The model's hooks are removed before it returns."""
+    dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    check_positions(model, dataset)
+    cfg = library_config(LmEdgesMethodConfig, edges=settings)
+    method = LmEdges(cfg, [], library_token_runtime(batch.x.device, target))
+    return as_frame(run_prepared(method, model, batch, dataset).tables["lm_edges"])
+
+
+__all__ = ["lm_edge_attribution"]

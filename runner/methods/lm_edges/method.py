@@ -1,0 +1,208 @@
+"""`method=lm_edges`: every edge of a causal LM's graph scored per pair (EAP or EAP-IG, scores.py), into the `lm_edges`
+table: one row per (edge, batch) with the mean over the batch's pairs and its spread, or per (edge, pair)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from runner.data.base import Batch
+from runner.errors import RunnerError
+from runner.hooks import HookSession
+from runner.layers import Layer
+from runner.methods.language_model import LanguageModelMethod, forward_last
+from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.scores import edge_scores, integrated, site_names, writes
+from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
+from runner.methods.lm_patching.engine import SiteHooks
+from runner.methods.lm_patching.metric import pair_metrics, score
+from runner.models.lm_sites import LanguageModelLayout, layout_of
+from runner.options.method.lm_edges import EdgeMode, LmEdgesMethodConfig
+from runner.rows import BatchOutput, Columns
+from runner.runtime import Runtime
+from runner.tables import Presentation, declare
+from runner.targets.tokens import TokenTarget, target_name, token_target
+
+log = logging.getLogger(__name__)
+
+LM_EDGES_SCHEMA = declare(
+    "lm_edges",
+    [
+        pa.field("edge", pa.string()),  # upstream->downstream, e.g. a3.h1->a7.h2<q>, m2->logits, input->a0.g1<k>
+        pa.field("upstream", pa.string()),  # input | a{layer}.h{head} | m{layer}
+        pa.field("downstream", pa.string()),  # a{layer}.h{head}<q> | a{layer}.g{kv head}<k|v> | m{layer} | logits
+        pa.field("input", pa.string()),  # what the downstream node reads with: q | k | v | mlp | logits
+        pa.field("upstream_layer", pa.int64()),  # null for input
+        pa.field("upstream_head", pa.int64()),  # null for input and MLPs
+        pa.field("downstream_layer", pa.int64()),  # null for logits
+        pa.field("downstream_head", pa.int64()),  # the head (q), the key-value head (k, v); null otherwise
+        pa.field("mode", pa.string()),  # eap | eap_ig
+        pa.field("steps", pa.int64()),  # the gradient's runs (eap: 1)
+        pa.field("metric", pa.string()),  # the run's target
+        pa.field("score", pa.float32()),  # the edge's first-order effect on the metric (the batch's mean over pairs)
+        pa.field("score_std", pa.float32()),  # the spread over the batch's pairs (NaN for a per-pair row or one pair)
+        pa.field("pairs", pa.int64()),  # pairs behind the row (0: every pair of the batch flagged)
+        pa.field("clean", pa.float32()),  # the clean and corrupted runs' metrics (means for a batch's row)
+        pa.field("corrupted", pa.float32()),
+        pa.field("degenerate", pa.bool_()),  # per-pair rows: as in lm_patching; a batch's row: no pair behind it
+        pa.field("small_span", pa.bool_()),
+    ],
+    Presentation(keys=("mode", "input", "metric"), values=("score",), shown=("metric",)),
+)
+
+
+class LmEdges(LanguageModelMethod):
+    name = "lm_edges"
+    table = "lm_edges"
+    summary_values = ("score",)
+    cfg: LmEdgesMethodConfig
+
+    def __init__(self, cfg: LmEdgesMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
+        super().__init__(cfg, layers, runtime)
+        self.p = cfg.edges
+        self.warned: set[str] = set()
+        self.corruption = Corruption(self.p.corruption)
+
+    def prepare(self, dataset: Dataset) -> None:
+        super().prepare(dataset)
+        self.corruption.prepare(dataset)
+
+    @classmethod
+    def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
+        """The run's token target; refused: a target that scores no tokens, a family whose heads' writes are not
+        linear in their outputs (a norm after the attention's output projection)."""
+        scored = token_target(target, cls.name, per_position=True)
+        if layout.arch.attn_branch:
+            raise RunnerError(
+                f"method=lm_edges scores each head's write into the residual stream, which {layout.arch.family}"
+                f" passes through a norm ({layout.arch.attn_branch}) after the heads are summed: a head's write is not"
+                " its own. Use method=lm_patching (sites head, q, k, v) for this family."
+            )
+        return scored
+
+    def setup(self, session: HookSession, num_samples: int) -> None:
+        model = session.model
+        self.layout = layout_of(model)
+        self.target = self.planned(self.cfg, self.layout, self.runtime.target)
+        self.graph = EdgeGraph.of(self.layout)
+        specs = [self.layout.site(kind, layer) for kind, layer in site_names(self.graph)]
+        self.hooks = SiteHooks(model, specs, session)
+        self.corruption.setup(session, model, self.layout, interpolated=True)
+        self.embed = dict(model.named_modules())[self.layout.arch.embed]
+        self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader
+        self.columns = _edge_columns(self.graph, self.edge_index)
+        log.info("lm_edges: %d edges (%d writers, %d readers)", len(self.edge_index), len(self.graph.writers),
+                 len(self.graph.readers))  # fmt: skip
+
+    def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        prompts = self.prompts(batch)
+        clean_ids, mask = prompts.clean, prompts.mask
+        corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
+        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
+            clean_logits = forward_last(model, clean_ids, mask).logits[:, -1].float()
+        clean_sites = self.hooks.kept
+        with torch.no_grad():
+            # the embedding outputs the interpolation runs between (the edit hook sits on this module)
+            clean_embedding = self.embed(clean_ids)
+        kept: dict[str, torch.Tensor] = {}
+        corrupted_logits: list[torch.Tensor] = []
+
+        def run(alpha: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+            """The corrupted prompt, its embeddings moved alpha of the way to the clean ones, traced."""
+            self.corruption.active = _toward(corrupted.edit, clean_embedding, alpha, corrupted.ids.shape)
+            try:
+                with torch.enable_grad(), self.runtime.autocast(), self.hooks.keep(grad=True):
+                    logits = forward_last(model, corrupted.ids, mask).logits[:, -1].float()
+            finally:
+                self.corruption.active = None
+            views = self.hooks.kept
+            self.hooks.kept = {}
+            if alpha == 0:  # the corrupted run itself: its writes and its metric
+                kept.update({name: view.detach() for name, view in views.items()})
+                corrupted_logits.append(logits.detach())
+            return views, score(self.target, logits, prompts.answers, prompts.distractors, clean_logits)
+
+        steps = self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
+        gradients = integrated(steps, run, self.graph)  # (readers, B, T, D)
+        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
+                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned)  # fmt: skip
+        deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)
+        scores = edge_scores(deltas, gradients, self.graph.edges)  # (writers, readers, B)
+        del deltas, gradients
+        kept.clear()
+        self.hooks.clear()
+        per_edge = scores[self.edge_index[:, 0], self.edge_index[:, 1]].cpu()  # (E, B)
+        flagged = [r is not None or s for r, s in zip(metrics.reasons, metrics.small, strict=True)]
+        rows = self._rows(per_edge, metrics.clean.float().cpu(), metrics.corrupted.float().cpu(), flagged,
+                          metrics.reasons, metrics.small, steps)  # fmt: skip
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: rows})
+
+    def _rows(
+        self, per_edge: torch.Tensor, clean: torch.Tensor, corrupted: torch.Tensor, flagged: list[bool],
+        reasons: list[str | None], small: list[bool], steps: int,
+    ) -> Columns:  # fmt: skip
+        """Per (edge, pair) rows, or per edge the mean over the pairs not flagged (degenerate or small span)."""
+        e, b = per_edge.shape
+        common = {"mode": [self.p.mode.value], "steps": [steps], "metric": [target_name(self.target)]}
+        if self.p.per_pair:
+            pair = np.tile(np.arange(b), e)
+            edge = np.repeat(np.arange(e), b)
+            out: dict[str, Any] = {"sample_index": pair.tolist()}
+            out.update({k: [v[i] for i in edge] for k, v in self.columns.items()})
+            out.update({k: v * (e * b) for k, v in common.items()})
+            out.update({
+                "score": per_edge.reshape(-1), "score_std": torch.full((e * b,), float("nan")),
+                "pairs": [1] * (e * b), "clean": clean[pair], "corrupted": corrupted[pair],
+                "degenerate": [reasons[i] is not None for i in pair], "small_span": [small[i] for i in pair],
+            })  # fmt: skip
+            return out
+        keep = torch.tensor([not f for f in flagged])
+        n = int(keep.sum())
+        kept = per_edge[:, keep]
+        out = {"sample_index": [-1] * e, **self.columns}
+        out.update({k: v * e for k, v in common.items()})
+        out.update({
+            "score": kept.mean(1) if n else torch.full((e,), float("nan")),
+            "score_std": kept.std(1) if n > 1 else torch.full((e,), float("nan")),
+            "pairs": [n] * e,
+            "clean": clean[keep].mean().expand(e) if n else torch.full((e,), float("nan")),
+            "corrupted": corrupted[keep].mean().expand(e) if n else torch.full((e,), float("nan")),
+            "degenerate": [n == 0] * e, "small_span": [False] * e,
+        })  # fmt: skip
+        return out
+
+
+def _toward(
+    edit: EmbeddingEdit | None, clean: torch.Tensor, alpha: float, shape: torch.Size
+) -> EmbeddingEdit | None:  # fmt: skip
+    """The edit that makes the corrupted run's embedding output E_c (edited by `edit`: E_c * s + t) into
+    (1 - alpha) (E_c * s + t) + alpha * clean; `edit` itself at alpha = 0."""
+    if alpha == 0:
+        return edit
+    b, t = shape
+    scale = torch.ones(b, t, 1, device=clean.device) if edit is None else edit.scale.to(clean.device)
+    shift = torch.zeros_like(clean) if edit is None else edit.shift.to(clean.device, clean.dtype)
+    return EmbeddingEdit(scale * (1 - alpha), shift * (1 - alpha) + clean * alpha)
+
+
+def _edge_columns(graph: EdgeGraph, index: torch.Tensor) -> dict[str, list[Any]]:
+    """The identifier columns of the edges `index` (E, 2) (writer, reader), in that order."""
+    out: dict[str, list[Any]] = {k: [] for k in ("edge", "upstream", "downstream", "input", "upstream_layer",
+                                                  "upstream_head", "downstream_layer", "downstream_head")}  # fmt: skip
+    for w, r in index.tolist():
+        up, down = graph.writers[w], graph.readers[r]
+        out["edge"].append(f"{up.name}->{down.name}")
+        out["upstream"].append(up.name)
+        out["downstream"].append(down.name)
+        out["input"].append(down.kind)
+        out["upstream_layer"].append(None if up.kind == "input" else up.layer)
+        out["upstream_head"].append(up.head)
+        out["downstream_layer"].append(None if down.kind == "logits" else down.layer)
+        out["downstream_head"].append(down.head)
+    return out

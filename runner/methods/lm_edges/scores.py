@@ -1,0 +1,109 @@
+"""Edge attribution scores: every edge's first-order effect on the metric, from the writers' clean - corrupted writes
+and the readers' gradients.
+
+    score(w -> r) = sum over positions of (write_w(clean) - write_w(corrupted)) . dM/d(input of r)
+
+with the gradient taken on the corrupted run (EAP, Syed et al. 2023; TransformerLens's `attribution_patch` at edge
+granularity), or averaged over the runs whose input embeddings are corrupted + k/steps (clean - corrupted),
+k = 0 .. steps-1 (EAP-IG, Hanna et al. 2024: their `get_scores_eap_ig`). A positive score: moving the edge toward its
+clean value raises the metric. With steps=1 the two are the same.
+
+A reader's gradient is the gradient along its own path only: head h's query input is the residual stream as head h's
+query projection reads it (through the block's norm), so dM/d(input of a{l}.h{h}<q>) is the vector-Jacobian product
+of the stream -> q map with dM/dq restricted to head h; likewise per key-value head for k and v, and through the MLP
+for its input. They come from the one backward of the metric plus one batched vector-Jacobian product per site and
+layer (`is_grads_batched`), in the autograd graph of the traced run (SiteHooks.keep(grad=True)). A head's write is its
+output through the attention's output projection alone (that projection is linear: o_proj(z_h) - o_proj(0)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from runner.methods.lm_edges.graph import EdgeGraph
+from runner.models.lm_sites import LanguageModelLayout
+
+
+def site_names(graph: EdgeGraph) -> list[tuple[str, int]]:
+    """The (site, layer) pairs the scores read: writers' outputs and readers' inputs and the sites between them."""
+    last = graph.layers - 1
+    kinds = ["resid_pre", "head", "q", "k", "v", "mlp_out"] + ([] if graph.parallel else ["resid_mid"])
+    return [(kind, layer) for layer in range(graph.layers) for kind in kinds] + [("resid_post", last)]
+
+
+def writes(
+    graph: EdgeGraph, layout: LanguageModelLayout, model: nn.Module, clean: dict[str, torch.Tensor],
+    corrupted: dict[str, torch.Tensor], mask: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """(writers, B, T, D) float32: each writer's clean - corrupted write into the residual stream (0 at padding)."""
+    modules = dict(model.named_modules())
+    parts = [(clean["resid_pre.0"] - corrupted["resid_pre.0"]).float()[None]]
+    for layer in range(graph.layers):
+        delta = clean[f"head.{layer}"] - corrupted[f"head.{layer}"]  # (B, T, H, d)
+        out_proj = modules[layout.site("head", layer).module]
+        heads = delta.shape[2]
+        one_head = torch.eye(heads, dtype=delta.dtype, device=delta.device)[:, None, None, :, None]
+        alone = (delta[None] * one_head).flatten(-2)  # (H, B, T, H x d): head h's difference alone
+        # the projection's own forward (not its hooks): linear, so o(z_h) - o(0) is head h's write
+        parts.append((out_proj.forward(alone) - out_proj.forward(torch.zeros_like(alone[:1, :1, :1]))).float())
+        parts.append((clean[f"mlp_out.{layer}"] - corrupted[f"mlp_out.{layer}"]).float()[None])
+    return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
+
+
+def reader_gradients(graph: EdgeGraph, views: dict[str, torch.Tensor], metric: torch.Tensor) -> torch.Tensor:
+    """(readers, B, T, D) float32: dM/d(each reader's input), from the traced run's `views` (site name -> the tensor
+    the forward read, in the autograd graph) and its metric (B,) (pairs are independent: one backward of the sum)."""
+    last = graph.layers - 1
+    outputs = [f"{kind}.{layer}" for layer in range(graph.layers) for kind in ("q", "k", "v", "mlp_out")]
+    outputs.append(f"resid_post.{last}")
+    found = torch.autograd.grad(metric.sum(), [views[n] for n in outputs], retain_graph=True, allow_unused=True)
+    grads = {n: torch.zeros_like(views[n]) if g is None else g for n, g in zip(outputs, found, strict=True)}
+    parts: list[torch.Tensor] = []
+    for layer in range(graph.layers):
+        stream = views[f"resid_pre.{layer}"]
+        for kind in ("q", "k", "v"):
+            site, grad = views[f"{kind}.{layer}"], grads[f"{kind}.{layer}"]  # (B, T, H, d)
+            heads = grad.shape[2]
+            one_head = torch.eye(heads, dtype=grad.dtype, device=grad.device)[:, None, None, :, None]
+            parts.append(_vjp(site, stream, grad[None] * one_head, batched=True))  # (H, B, T, D)
+        mlp_in = stream if graph.parallel else views[f"resid_mid.{layer}"]
+        parts.append(_vjp(views[f"mlp_out.{layer}"], mlp_in, grads[f"mlp_out.{layer}"], batched=False)[None])
+    parts.append(grads[f"resid_post.{last}"].float()[None])
+    return torch.cat(parts)
+
+
+def _vjp(output: torch.Tensor, stream: torch.Tensor, cotangent: torch.Tensor, batched: bool) -> torch.Tensor:
+    """The vector-Jacobian product of stream -> output with `cotangent` (a batch of them when `batched`), float32;
+    zeros where the output does not depend on the stream."""
+    found = torch.autograd.grad(
+        output, stream, cotangent, retain_graph=True, allow_unused=True, is_grads_batched=batched
+    )[0]
+    if found is None:
+        shape = (cotangent.shape[0], *stream.shape) if batched else stream.shape
+        return torch.zeros(shape, device=stream.device)
+    return found.float()
+
+
+def edge_scores(writes: torch.Tensor, gradients: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """(writers, readers, B) float32: each edge's score per pair (0 where (w, r) is not an edge)."""
+    scores = torch.einsum("wbtd,rbtd->wrb", writes, gradients)
+    return scores * edges[:, :, None].to(scores.device, scores.dtype)
+
+
+def integrated(
+    steps: int, run: Callable[[float], tuple[dict[str, torch.Tensor], torch.Tensor]], graph: EdgeGraph
+) -> torch.Tensor:
+    """(readers, B, T, D) the readers' gradients averaged over `steps` runs: `run(alpha)` runs the model traced with
+    its input embeddings corrupted + alpha (clean - corrupted) and gives its views and metric (B,); alpha = k/steps,
+    k = 0 .. steps-1. One run's graph at a time: memory does not grow with `steps`."""
+    total: torch.Tensor | None = None
+    for k in range(steps):
+        views, metric = run(k / steps)
+        g = reader_gradients(graph, views, metric)
+        del views, metric
+        total = g if total is None else total + g
+    assert total is not None
+    return total / steps

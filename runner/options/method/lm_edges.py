@@ -1,0 +1,58 @@
+"""`method=lm_edges`'s schema: edge attribution patching of a causal language model (EAP, EAP-IG): every edge of its
+graph (runner/methods/lm_edges/graph.py) scored for the run's token target between each pair's clean and corrupted
+prompt."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from runner.errors import RunnerError
+from runner.options.method.lm_patching import SUBJECT_SPAN, LmCorruptionConfig, _is_span
+from runner.options.registry import LM_FAMILY, METHODS
+from runner.schema import MethodConfig
+
+
+class EdgeMode(str, Enum):
+    eap = "eap"  # the gradient at the corrupted run: two forwards and one backward a batch
+    eap_ig = "eap_ig"  # the gradient averaged over `steps` runs from the corrupted toward the clean embeddings
+
+
+@dataclass
+class LmEdgesConfig:
+    mode: EdgeMode = EdgeMode.eap_ig
+    steps: int = 5  # eap_ig's interpolation steps (read by eap_ig only: eap is one step, the corrupted run)
+    corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
+    per_pair: bool = False  # one row per (edge, pair); false: per (edge, batch), the mean over its pairs and spread
+    # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span (as in
+    # lm_patching); flagged pairs are left out of a batch's mean.
+    min_span: float = 0.05
+
+
+@METHODS.option("runner.methods.lm_edges.method:LmEdges", tables=("lm_edges",), family=LM_FAMILY)
+@dataclass
+class LmEdgesMethodConfig(MethodConfig):
+    """`method=lm_edges`: the mode and corruption sit under `method.edges`; the metric is the run's `target`
+    (target=token_logit_diff, token_prob_diff, answer_logprob or kl_to_clean)."""
+
+    name: str = "lm_edges"
+    edges: LmEdgesConfig = field(default_factory=LmEdgesConfig)
+
+    def check(self) -> list[str]:
+        bad = super().check()
+        e = self.edges
+        if e.steps < 1:
+            bad.append(f"method.edges.steps={e.steps}")
+        c = e.corruption
+        if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(e.min_span) or e.min_span < 0:
+            raise RunnerError(
+                f"Out of range: method.edges.corruption.std={c.std} (finite, >= 0), method.edges.min_span="
+                f"{e.min_span} (finite, >= 0)."
+            )
+        if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
+            raise RunnerError(
+                f"method.edges.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each pair's"
+                " own subject tokens)."
+            )
+        return bad

@@ -1,0 +1,194 @@
+"""method=lm_edges: the edge graph, EAP and EAP-IG scores against a plain autograd reference written here (a grouped-query
+Llama: each edge's score is d metric / d eps with eps x the writer's clean - corrupted write added to the reader's
+input alone), and the identity every edge graph must keep: a writer's edges sum to its node's attribution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.errors import RunnerError
+from runner.methods.lm_edges import lm_edge_attribution
+from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_patching import lm_activation_patching
+from runner.models.lm_sites import layout_of, layout_of_config
+from tests.lm_references import build_tiny_lm, tiny_config
+from tests.test_lm_patching import PAIRS, _ids
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    model, tokenizer, _ = build_tiny_lm("llama", seed=0, folder=tmp_path_factory.mktemp("llama"))
+    return model, tokenizer
+
+
+def test_the_graph_of_a_grouped_query_model() -> None:
+    """SmolLM2-135M's shape (30 layers, 9 query heads, 3 key-value heads): readers per layer 9 q + 3 k + 3 v + 1 MLP,
+    writers per layer 9 heads + 1 MLP; a sequential block's MLP reads its own layer's heads, a parallel one's not."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                                      num_key_value_heads=3, intermediate_size=64, vocab_size=10)  # fmt: skip
+    graph = EdgeGraph.of(layout_of_config(config))
+    assert (len(graph.writers), len(graph.readers)) == (1 + 30 * 10, 30 * 16 + 1)
+    # a reader of layer l reads 1 + 10 l writers; an MLP also its layer's 9 heads; the logits read all 301
+    expected = sum(15 * (1 + 10 * i) + (1 + 10 * i + 9) for i in range(30)) + 301
+    assert graph.count == expected
+    assert "a3.g2<k>" in {r.name for r in graph.readers} and "a3.g3<k>" not in {r.name for r in graph.readers}
+    parallel = EdgeGraph.of(layout_of_config(tiny_config("gptj", 40)))
+    assert (
+        parallel.parallel and parallel.count == EdgeGraph.of(layout_of_config(tiny_config("gpt2", 40))).count - 2 * 4
+    )  # 2 layers x 4 heads
+
+
+def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: float = 0.0) -> dict[str, float]:
+    """Every edge's score of one pair on a Llama, by plain autograd: the run on the corrupted prompt (its embeddings
+    moved `alpha` of the way to the clean ones), with eps x (the writer's clean - corrupted write) added to the
+    reader's input alone (head h's query: q_proj(norm(stream + eps w)) for h's columns only), d metric / d eps."""
+    inner = model.model
+    layers, heads = len(inner.layers), model.config.num_attention_heads
+    kv = model.config.num_key_value_heads
+    d = model.config.hidden_size // heads
+    clean = torch.tensor([_ids(tokenizer, pair["clean"])])
+    corrupted = torch.tensor([_ids(tokenizer, pair["corrupted"])])
+    answer, distractor = (tokenizer.convert_tokens_to_ids(pair[k]) for k in ("answer", "distractor"))
+    a, b = _captured(model, clean), _captured(model, corrupted)
+    writes = {"input": a["input"] - b["input"]}
+    for i in range(layers):
+        o = inner.layers[i].self_attn.o_proj.weight  # (D, H d)
+        dz = (a[f"z{i}"] - b[f"z{i}"]).unflatten(-1, (heads, d))
+        for h in range(heads):
+            writes[f"a{i}.h{h}"] = F.linear(dz[..., h, :], o[:, h * d : (h + 1) * d])
+        writes[f"m{i}"] = a[f"m{i}"] - b[f"m{i}"]
+    embedding = b["input"] + alpha * (a["input"] - b["input"])
+    readers = [(f"a{i}.h{h}<q>", i, "q", h) for i in range(layers) for h in range(heads)]
+    readers += [(f"a{i}.g{g}<{k}>", i, k, g) for i in range(layers) for k in "kv" for g in range(kv)]
+    readers += [(f"m{i}", i, "mlp", None) for i in range(layers)] + [("logits", layers, "logits", None)]
+    scores: dict[str, float] = {}
+    for reader, layer, kind, index in readers:
+        for writer, write in writes.items():
+            source = -1 if writer == "input" else int(writer[1:].split(".")[0])
+            if source < layer or (kind == "mlp" and writer.startswith("a") and source == layer):
+                eps = torch.zeros((), requires_grad=True)
+                logits = _perturbed_logits(model, corrupted, embedding, layer, kind, index, eps * write, d)
+                metric = logits[answer] - logits[distractor]
+                scores[f"{writer}->{reader}"] = float(torch.autograd.grad(metric, eps)[0])
+    return scores
+
+
+def _captured(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A Llama's embedding output, each layer's o_proj input (z) and MLP output on `ids`."""
+    inner, kept = model.model, {}
+    handles = [inner.embed_tokens.register_forward_hook(lambda m, a, o: kept.__setitem__("input", o))]
+    for i, layer in enumerate(inner.layers):
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
+            lambda m, a, i=i: kept.__setitem__(f"z{i}", a[0])))  # fmt: skip
+        handles.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: kept.__setitem__(f"m{i}", o)))
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    return kept
+
+
+def _perturbed_logits(
+    model: nn.Module, ids: torch.Tensor, embedding: torch.Tensor, layer: int, kind: str, index: int | None,
+    added: torch.Tensor, d: int,
+) -> torch.Tensor:  # fmt: skip
+    """The last position's logits of the run of `ids` with the embedding output `embedding` and `added` put into one
+    reader's input: head `index`'s q (or key-value head's k, v) input of `layer`, its MLP's, or the final norm's."""
+    inner, stream = model.model, {}
+    handles = [inner.embed_tokens.register_forward_hook(lambda m, args, o: embedding)]
+    if kind in ("q", "k", "v"):
+        block = inner.layers[layer]
+        proj = getattr(block.self_attn, f"{kind}_proj")
+
+        def keep(m, args, kwargs):  # type: ignore[no-untyped-def]
+            stream["x"] = args[0] if args else kwargs["hidden_states"]
+
+        def swap(m, args, out):  # type: ignore[no-untyped-def]
+            # the module's own arithmetic, not its call (which would run this hook again)
+            new = F.linear(block.input_layernorm(stream["x"] + added), proj.weight, proj.bias)
+            cols = slice(index * d, (index + 1) * d)
+            out = out.clone()
+            out[..., cols] = new[..., cols]
+            return out
+
+        handles += [block.register_forward_pre_hook(keep, with_kwargs=True), proj.register_forward_hook(swap)]
+    elif kind == "mlp":
+        norm = inner.layers[layer].post_attention_layernorm
+        handles.append(norm.register_forward_pre_hook(lambda m, args: stream.__setitem__("x", args[0])))
+        handles.append(inner.layers[layer].mlp.register_forward_pre_hook(
+            lambda m, args: (norm.forward(stream["x"] + added),)))  # fmt: skip
+    else:
+        handles.append(inner.norm.register_forward_pre_hook(lambda m, args: (args[0] + added,)))
+    try:
+        return model(ids).logits[0, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("mode,steps", [("eap", 1), ("eap_ig", 3)])
+def test_every_edge_equals_the_autograd_reference_on_a_grouped_query_llama(llama, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = llama
+    pair = PAIRS[0]
+    table = lm_edge_attribution(model, tokenizer, [pair], mode=mode, steps=steps, per_pair=True)
+    reference: dict[str, float] = {}
+    for k in range(steps):
+        for edge, value in _reference(model, tokenizer, pair, alpha=k / steps).items():
+            reference[edge] = reference.get(edge, 0.0) + value / steps
+    ours = dict(zip(table.edge, table.score.astype(float), strict=True))
+    assert set(ours) == set(reference)  # the same edges: k and v per key-value head, the same-layer MLP edges
+    scale = max(abs(v) for v in reference.values())
+    worst = max(abs(ours[e] - reference[e]) for e in reference)
+    print(f"{mode}: {len(ours)} edges, worst |runner - autograd| = {worst:.2e} (largest score {scale:.2e})")
+    assert worst <= 1e-5 * max(1.0, scale)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "falcon"])
+def test_a_writers_edges_sum_to_its_node_attribution(arch: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Sum over a writer's out-edges = the writer's attribution-patching estimate (lm_patching mode=attribution at
+    its own site, all positions): the readers' gradients split the stream's gradient without loss or overlap
+    (sequential and parallel blocks, fused and grouped-query projections)."""
+    model, tokenizer, _ = build_tiny_lm(arch, seed=1, folder=tmp_path)
+    edges = lm_edge_attribution(model, tokenizer, PAIRS, mode="eap", per_pair=True)
+    nodes = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre", "head", "mlp_out"], layers=None,
+                                   mode="attribution")  # fmt: skip
+    nodes = nodes[(nodes.site != "resid_pre") | (nodes.layer == 0)]
+    name = {
+        "resid_pre": lambda r: "input",
+        "head": lambda r: f"a{int(r['layer'])}.h{int(r['head'])}",
+        "mlp_out": lambda r: f"m{int(r['layer'])}",
+    }
+    effect = nodes.patched - nodes.corrupted
+    writer = nodes.apply(lambda r: name[r.site](r), axis=1).rename("writer")
+    node_sum = effect.groupby([writer, nodes.sample_index]).sum()
+    edge_sum = edges.score.astype(float).groupby([edges.upstream.rename("writer"), edges.sample_index]).sum()
+    joined = node_sum.to_frame("node").join(edge_sum.to_frame("edges"), how="inner")
+    assert len(joined) == len(node_sum) == len(edge_sum)
+    gap = float((joined.node - joined.edges).abs().max())
+    print(f"{arch}: worst |sum of edges - node attribution| = {gap:.2e} over {len(joined)} writers x pairs")
+    assert gap <= 1e-5 * max(1.0, float(joined.node.abs().max()))
+
+
+def test_a_family_whose_heads_are_normalised_after_the_sum_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, _ = build_tiny_lm("gemma2", seed=0, folder=tmp_path)
+    with pytest.raises(RunnerError, match="post_attention_layernorm"):
+        lm_edge_attribution(model, tokenizer, PAIRS[:1])
+    assert layout_of(model).arch.attn_branch
+
+
+def test_batch_rows_are_the_mean_and_spread_of_the_pair_rows(llama) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = llama
+    pairs = lm_edge_attribution(model, tokenizer, PAIRS, mode="eap", per_pair=True)
+    batch = lm_edge_attribution(model, tokenizer, PAIRS, mode="eap")
+    assert len(pairs) == 3 * len(batch) and (batch.pairs == 3).all() and (batch.sample_index == -1).all()
+    grouped = pairs.groupby("edge").score
+    mean, std = grouped.mean(), grouped.std()
+    assert (batch.set_index("edge").score - mean).abs().max() <= 1e-6
+    assert (batch.set_index("edge").score_std - std).abs().max() <= 1e-6
