@@ -45,17 +45,15 @@ def test_the_graph_of_a_grouped_query_model() -> None:
     )  # 2 layers x 4 heads
 
 
-def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: float = 0.0) -> dict[str, float]:
-    """Every edge's score of one pair on a Llama, by plain autograd: the run on the corrupted prompt (its embeddings
-    moved `alpha` of the way to the clean ones), with eps x (the writer's clean - corrupted write) added to the
-    reader's input alone (head h's query: q_proj(norm(stream + eps w)) for h's columns only), d metric / d eps."""
+def _edge_setup(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[str, Any]:
+    """What the references read of one pair on a Llama: the prompts' ids, the embedding outputs, every writer's
+    clean - corrupted write, the readers (name, layer, kind, head) and the edges' (writer, reader) names."""
     inner = model.model
     layers, heads = len(inner.layers), model.config.num_attention_heads
     kv = model.config.num_key_value_heads
     d = model.config.hidden_size // heads
     clean = torch.tensor([_ids(tokenizer, pair["clean"])])
     corrupted = torch.tensor([_ids(tokenizer, pair["corrupted"])])
-    answer, distractor = (tokenizer.convert_tokens_to_ids(pair[k]) for k in ("answer", "distractor"))
     a, b = _captured(model, clean), _captured(model, corrupted)
     writes = {"input": a["input"] - b["input"]}
     for i in range(layers):
@@ -64,20 +62,55 @@ def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: fl
         for h in range(heads):
             writes[f"a{i}.h{h}"] = F.linear(dz[..., h, :], o[:, h * d : (h + 1) * d])
         writes[f"m{i}"] = a[f"m{i}"] - b[f"m{i}"]
-    embedding = b["input"] + alpha * (a["input"] - b["input"])
     readers = [(f"a{i}.h{h}<q>", i, "q", h) for i in range(layers) for h in range(heads)]
     readers += [(f"a{i}.g{g}<{k}>", i, k, g) for i in range(layers) for k in "kv" for g in range(kv)]
     readers += [(f"m{i}", i, "mlp", None) for i in range(layers)] + [("logits", layers, "logits", None)]
-    scores: dict[str, float] = {}
-    for reader, layer, kind, index in readers:
-        for writer, write in writes.items():
+    edges = []
+    for reader in readers:
+        for writer in writes:
             source = -1 if writer == "input" else int(writer[1:].split(".")[0])
-            if source < layer or (kind == "mlp" and writer.startswith("a") and source == layer):
-                eps = torch.zeros((), requires_grad=True)
-                logits = _perturbed_logits(model, corrupted, embedding, layer, kind, index, eps * write, d)
-                metric = logits[answer] - logits[distractor]
-                scores[f"{writer}->{reader}"] = float(torch.autograd.grad(metric, eps)[0])
+            if source < reader[1] or (reader[2] == "mlp" and writer.startswith("a") and source == reader[1]):
+                edges.append((writer, reader))
+    answer, distractor = (tokenizer.convert_tokens_to_ids(pair[k]) for k in ("answer", "distractor"))
+    return {"clean": clean, "corrupted": corrupted, "clean_embedding": a["input"], "embedding": b["input"],
+            "writes": writes, "edges": edges, "d": d, "answer": answer, "distractor": distractor}  # fmt: skip
+
+
+def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: float = 0.0) -> dict[str, float]:
+    """Every edge's score of one pair on a Llama, by plain autograd: the run on the corrupted prompt (its embeddings
+    moved `alpha` of the way to the clean ones), with eps x (the writer's clean - corrupted write) added to the
+    reader's input alone (head h's query: q_proj(norm(stream + eps w)) for h's columns only), d metric / d eps."""
+    e = _edge_setup(model, tokenizer, pair)
+    embedding = e["embedding"] + alpha * (e["clean_embedding"] - e["embedding"])
+    scores: dict[str, float] = {}
+    for writer, (reader, layer, kind, index) in e["edges"]:
+        eps = torch.zeros((), requires_grad=True)
+        added = eps * e["writes"][writer]
+        logits = _perturbed_logits(model, e["corrupted"], embedding, layer, kind, index, added, e["d"])
+        metric = logits[e["answer"]] - logits[e["distractor"]]
+        scores[f"{writer}->{reader}"] = float(torch.autograd.grad(metric, eps)[0])
     return scores
+
+
+def _loop(model: nn.Module, tokenizer: Any, pair: dict[str, str], noising: bool = False) -> dict[str, float]:
+    """Every edge patched alone, one forward each: the corrupted run with the edge's reader reading + (clean -
+    corrupted) write, minus the corrupted run's metric; `noising`: the clean run with the reader reading - that write
+    (the edge alone corrupted), minus the clean run's metric."""
+    e = _edge_setup(model, tokenizer, pair)
+    ids, embedding = (e["clean"], e["clean_embedding"]) if noising else (e["corrupted"], e["embedding"])
+    sign = -1.0 if noising else 1.0
+
+    def metric(logits: torch.Tensor) -> float:
+        return float(logits[e["answer"]] - logits[e["distractor"]])
+
+    with torch.no_grad():
+        base = metric(model(ids).logits[0, -1])
+        return {
+            f"{writer}->{reader}": metric(
+                _perturbed_logits(model, ids, embedding, layer, kind, index, sign * e["writes"][writer], e["d"])
+            ) - base
+            for writer, (reader, layer, kind, index) in e["edges"]
+        }  # fmt: skip
 
 
 def _captured(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -174,6 +207,51 @@ def test_a_writers_edges_sum_to_its_node_attribution(arch: str, tmp_path) -> Non
     gap = float((joined.node - joined.edges).abs().max())
     print(f"{arch}: worst |sum of edges - node attribution| = {gap:.2e} over {len(joined)} writers x pairs")
     assert gap <= 1e-5 * max(1.0, float(joined.node.abs().max()))
+
+
+def test_exact_edges_equal_the_plain_loop_and_top_k_patches_the_best_scored(llama) -> None:  # type: ignore[no-untyped-def]
+    """mode=exact: every edge of the grouped-query Llama equals one forward with that edge alone patched (the loop
+    above), 1e-5; top_k: the same exact effects on the eap run's top_k edges by |score|, NaN elsewhere."""
+    model, tokenizer = llama
+    pair = PAIRS[0]
+    loop = _loop(model, tokenizer, pair)
+    exact = lm_edge_attribution(model, tokenizer, [pair], mode="exact", per_pair=True)
+    ours = dict(zip(exact.edge, exact.score.astype(float), strict=True))
+    assert set(ours) == set(loop) and (exact.score == exact.exact).all()
+    worst = max(abs(ours[k] - loop[k]) for k in loop)
+    print(f"exact: {len(loop)} edges, worst |runner - loop| = {worst:.2e}")
+    assert worst <= 1e-5
+    top = lm_edge_attribution(model, tokenizer, [pair], mode="eap", per_pair=True, top_k=7)
+    patched = top[top.exact.notna()]
+    assert len(patched) == 7
+    assert set(patched.edge) == set(top.assign(size=top.score.abs()).nlargest(7, "size").edge)
+    assert max(abs(float(r.exact) - loop[r.edge]) for r in patched.itertuples()) <= 1e-5
+
+
+def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is_that_edge_corrupted(llama) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = llama
+    pair = PAIRS[0]
+    edges = lm_edge_attribution(model, tokenizer, [pair], mode="eap", per_pair=True)
+    total = len(edges)
+    method_cfg = {"mode": "eap", "circuit": [0, total - 1, total]}
+    from runner.data.prompts import pairs_batch
+    from runner.methods.base import library_config, library_token_runtime, run_prepared
+    from runner.methods.lm_edges.method import LmEdges
+    from runner.options.method.lm_edges import LmEdgesMethodConfig
+
+    dataset, batch = pairs_batch([pair], tokenizer, True, torch.device("cpu"))
+    method = LmEdges(library_config(LmEdgesMethodConfig, edges=method_cfg), [],
+                     library_token_runtime(torch.device("cpu"), "token_logit_diff"))  # fmt: skip
+    circuit = run_prepared(method, model, batch, dataset).tables["lm_circuit"]
+    faithful = dict(zip(circuit["edges"], circuit["faithfulness"].tolist(), strict=True))
+    assert abs(faithful[total] - 1) <= 1e-5 and abs(faithful[0]) <= 1e-5
+    # the edge left out of the largest circuit but one: the one of smallest |score|; the clean run with it alone
+    # corrupted (the loop's noising patch)
+    dropped = edges.assign(size=edges.score.abs()).nsmallest(1, "size").edge.item()
+    noised = _loop(model, tokenizer, pair, noising=True)[dropped]
+    metric = dict(zip(circuit["edges"], circuit["circuit_metric"].tolist(), strict=True))[total - 1]
+    clean = float(circuit["clean"][0])
+    assert abs((metric - clean) - noised) <= 1e-5, (metric - clean, noised)
 
 
 def test_a_family_whose_heads_are_normalised_after_the_sum_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -78,6 +78,7 @@ RUNS = {
     ],
     "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
     "lm_attention": ["model=hf_lm", "data=prompts", "method=lm_attention", "target=token_logit_diff"],
+    "lm_edges": ["model=hf_lm", "data=prompts", "method=lm_edges", "target=token_logit_diff", "method.edges.steps=2"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -121,7 +122,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         set(written)
         == set(declared())
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
-        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention"}
+        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges"}
     )
     for table, files in written.items():
         seen: set[str] = set()

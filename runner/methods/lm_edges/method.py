@@ -4,6 +4,7 @@ table: one row per (edge, batch) with the mean over the batch's pairs and its sp
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,9 +19,9 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.language_model import LanguageModelMethod, forward_last
 from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.intervene import Circuit, Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.scores import edge_scores, integrated, site_names, writes
 from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
-from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_patching.metric import pair_metrics, score
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeMode, LmEdgesMethodConfig
@@ -30,6 +31,8 @@ from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenTarget, target_name, token_target
 
 log = logging.getLogger(__name__)
+# Rows (variants x copies x pairs) an intervention forward aims for (exact edges, circuits)
+ROWS_PER_FORWARD = 256
 
 LM_EDGES_SCHEMA = declare(
     "lm_edges",
@@ -47,6 +50,9 @@ LM_EDGES_SCHEMA = declare(
         pa.field("metric", pa.string()),  # the run's target
         pa.field("score", pa.float32()),  # the edge's first-order effect on the metric (the batch's mean over pairs)
         pa.field("score_std", pa.float32()),  # the spread over the batch's pairs (NaN for a per-pair row or one pair)
+        # the exact effect: the corrupted run with the edge's reader reading the writer's clean write, minus the
+        # corrupted run's metric (mode=exact: = score; eap, eap_ig: the top_k edges', NaN for the others)
+        pa.field("exact", pa.float32()),
         pa.field("pairs", pa.int64()),  # pairs behind the row (0: every pair of the batch flagged)
         pa.field("clean", pa.float32()),  # the clean and corrupted runs' metrics (means for a batch's row)
         pa.field("corrupted", pa.float32()),
@@ -54,6 +60,22 @@ LM_EDGES_SCHEMA = declare(
         pa.field("small_span", pa.bool_()),
     ],
     Presentation(keys=("mode", "input", "metric"), values=("score",), shown=("metric",)),
+)
+LM_CIRCUIT_SCHEMA = declare(
+    "lm_circuit",
+    [
+        pa.field("edges", pa.int64()),  # the circuit's size: the batch's edges of largest |mean score| kept
+        pa.field("total_edges", pa.int64()),
+        pa.field("scored_by", pa.string()),  # the mode that ranked the edges: eap | eap_ig | exact
+        pa.field("metric", pa.string()),
+        pa.field("circuit_metric", pa.float32()),  # the clean run with every other edge given its corrupted value
+        pa.field("clean", pa.float32()),
+        pa.field("corrupted", pa.float32()),
+        pa.field("faithfulness", pa.float32()),  # (circuit_metric - corrupted) / (clean - corrupted); NaN if flagged
+        pa.field("degenerate", pa.bool_()),
+        pa.field("small_span", pa.bool_()),
+    ],
+    Presentation(keys=("scored_by", "edges", "metric"), values=("faithfulness",), shown=("metric",)),
 )
 
 
@@ -92,7 +114,7 @@ class LmEdges(LanguageModelMethod):
         self.target = self.planned(self.cfg, self.layout, self.runtime.target)
         self.graph = EdgeGraph.of(self.layout)
         specs = [self.layout.site(kind, layer) for kind, layer in site_names(self.graph)]
-        self.hooks = SiteHooks(model, specs, session)
+        self.hooks = EdgeRuns(model, self.layout, self.graph, session, specs)
         self.corruption.setup(session, model, self.layout, interpolated=True)
         self.embed = dict(model.named_modules())[self.layout.arch.embed]
         self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader
@@ -107,18 +129,61 @@ class LmEdges(LanguageModelMethod):
         with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
             clean_logits = forward_last(model, clean_ids, mask).logits[:, -1].float()
         clean_sites = self.hooks.kept
+        kept: dict[str, torch.Tensor] = {}  # the corrupted run's views
+        corrupted_logits: list[torch.Tensor] = []
+        if self.p.mode is EdgeMode.exact:
+            self.corruption.active = corrupted.edit
+            try:
+                with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
+                    corrupted_logits.append(forward_last(model, corrupted.ids, mask).logits[:, -1].float())
+            finally:
+                self.corruption.active = None
+            kept.update(self.hooks.kept)
+            gradients = None
+        else:
+            gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
+        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
+                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned)  # fmt: skip
+        deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
+        run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
+        exact_mode = gradients is None
+        if gradients is None:
+            per_edge = self._exact(model, run, self.edge_index.tolist(), deltas)
+        else:
+            per_edge = edge_scores(deltas, gradients, self.graph.edges)[self.edge_index[:, 0], self.edge_index[:, 1]]
+            del gradients
+        per_edge = per_edge.float().cpu()  # (E, B)
+        flagged = torch.tensor([r is not None or s for r, s in zip(metrics.reasons, metrics.small, strict=True)])
+        mean = per_edge[:, ~flagged].mean(1) if bool((~flagged).any()) else per_edge.mean(1)  # the batch's ranking
+        exact = torch.full_like(per_edge, float("nan"))
+        if exact_mode:
+            exact = per_edge
+        elif self.p.top_k:
+            top = mean.abs().argsort(descending=True)[: self.p.top_k]
+            exact[top] = self._exact(model, run, self.edge_index[top].tolist(), deltas).float().cpu()
+        tables = {self.table: self._rows(per_edge, exact, metrics, flagged)}
+        if self.p.circuit:
+            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, kept, metrics, mean, flagged)
+        kept.clear()
+        self.hooks.clear()
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
+
+    def _gradients(
+        self, model: nn.Module, prompts: Any, corrupted: Any, clean_ids: torch.Tensor, clean_logits: torch.Tensor,
+        kept: dict[str, torch.Tensor], corrupted_logits: list[torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """(readers, B, T, D) the readers' gradients (eap: at the corrupted run; eap_ig: averaged over `steps` runs);
+        the corrupted run's views and logits go to `kept` and `corrupted_logits`."""
         with torch.no_grad():
             # the embedding outputs the interpolation runs between (the edit hook sits on this module)
             clean_embedding = self.embed(clean_ids)
-        kept: dict[str, torch.Tensor] = {}
-        corrupted_logits: list[torch.Tensor] = []
 
         def run(alpha: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
             """The corrupted prompt, its embeddings moved alpha of the way to the clean ones, traced."""
             self.corruption.active = _toward(corrupted.edit, clean_embedding, alpha, corrupted.ids.shape)
             try:
                 with torch.enable_grad(), self.runtime.autocast(), self.hooks.keep(grad=True):
-                    logits = forward_last(model, corrupted.ids, mask).logits[:, -1].float()
+                    logits = forward_last(model, corrupted.ids, prompts.mask).logits[:, -1].float()
             finally:
                 self.corruption.active = None
             views = self.hooks.kept
@@ -128,28 +193,87 @@ class LmEdges(LanguageModelMethod):
                 corrupted_logits.append(logits.detach())
             return views, score(self.target, logits, prompts.answers, prompts.distractors, clean_logits)
 
-        steps = self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
-        gradients = integrated(steps, run, self.graph)  # (readers, B, T, D)
-        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
-                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned)  # fmt: skip
-        deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)
-        scores = edge_scores(deltas, gradients, self.graph.edges)  # (writers, readers, B)
-        del deltas, gradients
-        kept.clear()
-        self.hooks.clear()
-        per_edge = scores[self.edge_index[:, 0], self.edge_index[:, 1]].cpu()  # (E, B)
-        flagged = [r is not None or s for r, s in zip(metrics.reasons, metrics.small, strict=True)]
-        rows = self._rows(per_edge, metrics.clean.float().cpu(), metrics.corrupted.float().cpu(), flagged,
-                          metrics.reasons, metrics.small, steps)  # fmt: skip
-        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: rows})
+        return integrated(self.steps, run, self.graph)
 
-    def _rows(
-        self, per_edge: torch.Tensor, clean: torch.Tensor, corrupted: torch.Tensor, flagged: list[bool],
-        reasons: list[str | None], small: list[bool], steps: int,
+    @property
+    def steps(self) -> int:
+        """The runs a score reads: eap_ig's steps, 1 for eap and exact."""
+        return self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
+
+    def _variants(self, pairs: int) -> int:
+        """Variants per intervention forward: rows (variants x copies x pairs) near ROWS_PER_FORWARD, at least one."""
+        return max(1, ROWS_PER_FORWARD // (self.hooks.copies * pairs))
+
+    def _intervened(self, model: nn.Module, deltas: Deltas, ids: torch.Tensor, edit: EmbeddingEdit | None,
+                    mask: torch.Tensor, run: _Receiving) -> torch.Tensor:  # fmt: skip
+        """(variants, B) the metric of copy 0 of each variant of an intervention forward on `ids` (with `edit`)."""
+        b = ids.shape[0]
+        rows = deltas.variants * self.hooks.copies
+        self.corruption.active = None if edit is None else edit.repeat(rows)
+        try:
+            with torch.no_grad(), self.runtime.autocast(), self.hooks.run(deltas, b, run.kept):
+                logits = forward_last(model, ids.repeat(rows, 1), mask.repeat(rows, 1)).logits[:, -1].float()
+        finally:
+            self.corruption.active = None
+        measured = logits.view(deltas.variants, self.hooks.copies, b, -1)[:, 0].flatten(0, 1)  # (V x B, vocab)
+        m = run.metrics
+        v = deltas.variants
+        return score(self.target, measured, m.answers.repeat(v, 1), m.distractors.repeat(v, 1),
+                     m.clean_logits.repeat(v, 1)).view(v, b)  # fmt: skip
+
+    def _exact(self, model: nn.Module, run: _Receiving, edges: list[list[int]], deltas: torch.Tensor) -> torch.Tensor:
+        """(len(edges), B) each edge's exact effect: the corrupted run with the edge's reader reading + the writer's
+        clean - corrupted write, minus the corrupted run's metric."""
+        step = self._variants(run.ids.shape[0])
+        out = [
+            self._intervened(model, Patched([tuple(e) for e in edges[i : i + step]], deltas), run.ids, run.edit,
+                             run.mask, run) - run.metrics.corrupted[None].to(deltas.device)
+            for i in range(0, len(edges), step)
+        ]  # fmt: skip
+        return torch.cat(out)
+
+    def _circuit(
+        self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, kept: dict[str, torch.Tensor],
+        metrics: Any, mean: torch.Tensor, flagged: torch.Tensor,
     ) -> Columns:  # fmt: skip
+        """Per (size, pair): the clean run with every edge but the batch's `n` of largest |mean score| given its
+        corrupted value, its metric and the faithfulness (metric - corrupted) / (clean - corrupted)."""
+        sizes = [min(n, len(mean)) for n in self.p.circuit]
+        order = mean.abs().argsort(descending=True)
+        masks = torch.zeros(len(sizes), *self.graph.edges.shape, dtype=torch.bool)
+        for i, n in enumerate(sizes):
+            chosen = self.edge_index[order[:n]]
+            masks[i, chosen[:, 0], chosen[:, 1]] = True
+        run = _Receiving(clean_ids, None, mask, kept, metrics)
+        step = self._variants(clean_ids.shape[0])
+        device = clean_ids.device
+        measured = torch.cat([
+            self._intervened(model, Circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run)
+            for i in range(0, len(sizes), step)
+        ]).float().cpu()  # fmt: skip
+        b = clean_ids.shape[0]
+        clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
+        faithful = ((measured - corrupted) / (clean - corrupted)).masked_fill(flagged, float("nan"))
+        n = len(sizes)
+        return {
+            "sample_index": list(range(b)) * n,
+            "edges": [size for size in sizes for _ in range(b)],
+            "total_edges": [len(mean)] * (n * b),
+            "scored_by": [self.p.mode.value] * (n * b),
+            "metric": [target_name(self.target)] * (n * b),
+            "circuit_metric": measured.reshape(-1),
+            "clean": clean.repeat(n),
+            "corrupted": corrupted.repeat(n),
+            "faithfulness": faithful.reshape(-1),
+            "degenerate": [metrics.reasons[i] is not None for i in range(b)] * n,
+            "small_span": [metrics.small[i] for i in range(b)] * n,
+        }
+
+    def _rows(self, per_edge: torch.Tensor, exact: torch.Tensor, metrics: Any, flagged: torch.Tensor) -> Columns:
         """Per (edge, pair) rows, or per edge the mean over the pairs not flagged (degenerate or small span)."""
         e, b = per_edge.shape
-        common = {"mode": [self.p.mode.value], "steps": [steps], "metric": [target_name(self.target)]}
+        clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
+        common = {"mode": [self.p.mode.value], "steps": [self.steps], "metric": [target_name(self.target)]}
         if self.p.per_pair:
             pair = np.tile(np.arange(b), e)
             edge = np.repeat(np.arange(e), b)
@@ -158,24 +282,38 @@ class LmEdges(LanguageModelMethod):
             out.update({k: v * (e * b) for k, v in common.items()})
             out.update({
                 "score": per_edge.reshape(-1), "score_std": torch.full((e * b,), float("nan")),
-                "pairs": [1] * (e * b), "clean": clean[pair], "corrupted": corrupted[pair],
-                "degenerate": [reasons[i] is not None for i in pair], "small_span": [small[i] for i in pair],
+                "exact": exact.reshape(-1), "pairs": [1] * (e * b), "clean": clean[pair], "corrupted": corrupted[pair],
+                "degenerate": [metrics.reasons[i] is not None for i in pair],
+                "small_span": [metrics.small[i] for i in pair],
             })  # fmt: skip
             return out
-        keep = torch.tensor([not f for f in flagged])
+        keep = ~flagged
         n = int(keep.sum())
-        kept = per_edge[:, keep]
+        nan = torch.full((e,), float("nan"))
         out = {"sample_index": [-1] * e, **self.columns}
         out.update({k: v * e for k, v in common.items()})
         out.update({
-            "score": kept.mean(1) if n else torch.full((e,), float("nan")),
-            "score_std": kept.std(1) if n > 1 else torch.full((e,), float("nan")),
+            "score": per_edge[:, keep].mean(1) if n else nan,
+            "score_std": per_edge[:, keep].std(1) if n > 1 else nan,
+            "exact": exact[:, keep].mean(1) if n else nan,
             "pairs": [n] * e,
-            "clean": clean[keep].mean().expand(e) if n else torch.full((e,), float("nan")),
-            "corrupted": corrupted[keep].mean().expand(e) if n else torch.full((e,), float("nan")),
+            "clean": clean[keep].mean().expand(e) if n else nan,
+            "corrupted": corrupted[keep].mean().expand(e) if n else nan,
             "degenerate": [n == 0] * e, "small_span": [False] * e,
         })  # fmt: skip
         return out
+
+
+@dataclass
+class _Receiving:
+    """The run an intervention forward measures from: its prompts, edit, mask, the corrupted run's views, the pairs'
+    metrics."""
+
+    ids: torch.Tensor
+    edit: EmbeddingEdit | None
+    mask: torch.Tensor
+    kept: dict[str, torch.Tensor]
+    metrics: Any
 
 
 def _toward(

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.intervene import head_writes
 from runner.models.lm_sites import LanguageModelLayout
 
 
@@ -43,12 +44,7 @@ def writes(
     parts = [(clean["resid_pre.0"] - corrupted["resid_pre.0"]).float()[None]]
     for layer in range(graph.layers):
         delta = clean[f"head.{layer}"] - corrupted[f"head.{layer}"]  # (B, T, H, d)
-        out_proj = modules[layout.site("head", layer).module]
-        heads = delta.shape[2]
-        one_head = torch.eye(heads, dtype=delta.dtype, device=delta.device)[:, None, None, :, None]
-        alone = (delta[None] * one_head).flatten(-2)  # (H, B, T, H x d): head h's difference alone
-        # the projection's own forward (not its hooks): linear, so o(z_h) - o(0) is head h's write
-        parts.append((out_proj.forward(alone) - out_proj.forward(torch.zeros_like(alone[:1, :1, :1]))).float())
+        parts.append(head_writes(modules[layout.site("head", layer).module], delta).float())  # (H, B, T, D)
         parts.append((clean[f"mlp_out.{layer}"] - corrupted[f"mlp_out.{layer}"]).float()[None])
     return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
 

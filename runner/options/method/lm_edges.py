@@ -17,6 +17,7 @@ from runner.schema import MethodConfig
 class EdgeMode(str, Enum):
     eap = "eap"  # the gradient at the corrupted run: two forwards and one backward a batch
     eap_ig = "eap_ig"  # the gradient averaged over `steps` runs from the corrupted toward the clean embeddings
+    exact = "exact"  # every edge patched: the corrupted run with the edge's reader given the writer's clean write
 
 
 @dataclass
@@ -24,13 +25,19 @@ class LmEdgesConfig:
     mode: EdgeMode = EdgeMode.eap_ig
     steps: int = 5  # eap_ig's interpolation steps (read by eap_ig only: eap is one step, the corrupted run)
     corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
+    # eap, eap_ig: per batch, the top_k edges (by |mean score|) also patched exactly (column `exact`), with the rank
+    # correlation of estimate and exact effect over them (column rank_correlation); 0: none
+    top_k: int = 0
+    # Circuit evaluation (table lm_circuit): for each n, the batch's n edges of largest |mean score| kept, every other
+    # edge given its corrupted value; [] for none
+    circuit: list[int] = field(default_factory=list)
     per_pair: bool = False  # one row per (edge, pair); false: per (edge, batch), the mean over its pairs and spread
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span (as in
     # lm_patching); flagged pairs are left out of a batch's mean.
     min_span: float = 0.05
 
 
-@METHODS.option("runner.methods.lm_edges.method:LmEdges", tables=("lm_edges",), family=LM_FAMILY)
+@METHODS.option("runner.methods.lm_edges.method:LmEdges", tables=("lm_edges", "lm_circuit"), family=LM_FAMILY)
 @dataclass
 class LmEdgesMethodConfig(MethodConfig):
     """`method=lm_edges`: the mode and corruption sit under `method.edges`; the metric is the run's `target`
@@ -44,6 +51,10 @@ class LmEdgesMethodConfig(MethodConfig):
         e = self.edges
         if e.steps < 1:
             bad.append(f"method.edges.steps={e.steps}")
+        if e.top_k < 0:
+            bad.append(f"method.edges.top_k={e.top_k}")
+        if any(n < 0 for n in e.circuit):
+            bad.append(f"method.edges.circuit={list(e.circuit)}")
         c = e.corruption
         if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(e.min_span) or e.min_span < 0:
             raise RunnerError(
