@@ -35,6 +35,8 @@ TABLES = {
     "ioi_smollm2": {"lm_patching"},
     "factual_recall_smollm2": {"lm_patching"},
     "ioi_attention_smollm2": {"lm_attention"},
+    "edges_lm_induction": {"lm_edges", "lm_circuit"},
+    "ioi_edges_smollm2": {"lm_edges", "lm_circuit"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},

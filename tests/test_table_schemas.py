@@ -78,7 +78,8 @@ RUNS = {
     ],
     "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
     "lm_attention": ["model=hf_lm", "data=prompts", "method=lm_attention", "target=token_logit_diff"],
-    "lm_edges": ["model=hf_lm", "data=prompts", "method=lm_edges", "target=token_logit_diff", "method.edges.steps=2"],
+    "lm_edges": ["model=hf_lm", "data=prompts", "method=lm_edges", "target=token_logit_diff", "method.edges.steps=2",
+                 "method.edges.top_k=3", "method.edges.circuit=[0,5]"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -122,7 +123,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         set(written)
         == set(declared())
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
-        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges"}
+        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_circuit"}
     )
     for table, files in written.items():
         seen: set[str] = set()

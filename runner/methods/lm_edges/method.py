@@ -25,6 +25,7 @@ from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
 from runner.methods.lm_patching.metric import pair_metrics, score
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeMode, LmEdgesMethodConfig
+from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns
 from runner.runtime import Runtime
 from runner.tables import Presentation, declare
@@ -59,7 +60,12 @@ LM_EDGES_SCHEMA = declare(
         pa.field("degenerate", pa.bool_()),  # per-pair rows: as in lm_patching; a batch's row: no pair behind it
         pa.field("small_span", pa.bool_()),
     ],
-    Presentation(keys=("mode", "input", "metric"), values=("score",), shown=("metric",)),
+    Presentation(
+        keys=("mode", "input", "metric"),
+        values=("score",),
+        shown=("metric",),
+        figures="runner.viz.circuit_plots:lm_edges_figures",
+    ),
 )
 LM_CIRCUIT_SCHEMA = declare(
     "lm_circuit",
@@ -75,7 +81,12 @@ LM_CIRCUIT_SCHEMA = declare(
         pa.field("degenerate", pa.bool_()),
         pa.field("small_span", pa.bool_()),
     ],
-    Presentation(keys=("scored_by", "edges", "metric"), values=("faithfulness",), shown=("metric",)),
+    Presentation(
+        keys=("scored_by", "edges", "metric"),
+        values=("faithfulness",),
+        shown=("metric",),
+        figures="runner.viz.circuit_plots:lm_circuit_figures",
+    ),
 )
 
 
@@ -188,6 +199,7 @@ class LmEdges(LanguageModelMethod):
                 self.corruption.active = None
             views = self.hooks.kept
             self.hooks.kept = {}
+            within_batch(0.5 * alpha, f"lm_edges: gradient run {round(alpha * self.steps) + 1}/{self.steps}")
             if alpha == 0:  # the corrupted run itself: its writes and its metric
                 kept.update({name: view.detach() for name, view in views.items()})
                 corrupted_logits.append(logits.detach())
@@ -225,11 +237,12 @@ class LmEdges(LanguageModelMethod):
         """(len(edges), B) each edge's exact effect: the corrupted run with the edge's reader reading + the writer's
         clean - corrupted write, minus the corrupted run's metric."""
         step = self._variants(run.ids.shape[0])
-        out = [
-            self._intervened(model, Patched([tuple(e) for e in edges[i : i + step]], deltas), run.ids, run.edit,
-                             run.mask, run) - run.metrics.corrupted[None].to(deltas.device)
-            for i in range(0, len(edges), step)
-        ]  # fmt: skip
+        out = []
+        for i in range(0, len(edges), step):
+            within_batch(0.5 + 0.3 * i / len(edges), f"lm_edges: exact edges {i}/{len(edges)}")
+            patched = Patched([tuple(e) for e in edges[i : i + step]], deltas)
+            out.append(self._intervened(model, patched, run.ids, run.edit, run.mask, run)
+                       - run.metrics.corrupted[None].to(deltas.device))  # fmt: skip
         return torch.cat(out)
 
     def _circuit(
@@ -247,10 +260,11 @@ class LmEdges(LanguageModelMethod):
         run = _Receiving(clean_ids, None, mask, kept, metrics)
         step = self._variants(clean_ids.shape[0])
         device = clean_ids.device
-        measured = torch.cat([
-            self._intervened(model, Circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run)
-            for i in range(0, len(sizes), step)
-        ]).float().cpu()  # fmt: skip
+        parts = []
+        for i in range(0, len(sizes), step):
+            within_batch(0.8 + 0.2 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
+            parts.append(self._intervened(model, Circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run))
+        measured = torch.cat(parts).float().cpu()
         b = clean_ids.shape[0]
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
         faithful = ((measured - corrupted) / (clean - corrupted)).masked_fill(flagged, float("nan"))
