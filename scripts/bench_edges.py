@@ -27,6 +27,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 from benchtools import Contender, close_all, interleaved, pick_device, report  # noqa: E402
 
+from runner.hooks import count_hooks  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references live beside the tests
 from lm_references import build_tokenizer, tl_bridge  # noqa: E402
 
@@ -112,23 +114,25 @@ def main() -> None:
     distractors = [tokenizer.convert_tokens_to_ids(p["distractor"]) for p in pairs]
 
     def run_tl() -> dict[str, float]:
-        # TransformerLens calls the metric per pair, in order: the pair's answer and distractor
-        seen = {"i": 0}
-
-        def metric(logits: torch.Tensor) -> torch.Tensor:
-            i = seen["i"] % len(pairs)
-            seen["i"] += 1
-            return logits[0, -1, answers[i]] - logits[0, -1, distractors[i]]
-
-        result = attribution_patch(bridge, clean, corrupted, metric, EdgeAttributionConfig(granularity="edge"))
+        # one call per pair (TransformerLens runs its pairs one by one anyway), each with its own metric; the mean
         out: dict[str, float] = {}
-        for (writer, reader), value in result.edge_scores.items():
-            key = f"{tl_name(writer)}->{tl_name(reader)}"
-            out[key] = out.get(key, 0.0) + float(value)
+        for i in range(len(pairs)):
+            answer, distractor = answers[i], distractors[i]
+            result = attribution_patch(
+                bridge, clean[i : i + 1], corrupted[i : i + 1],
+                lambda logits, a=answer, d=distractor: logits[0, -1, a] - logits[0, -1, d],
+                EdgeAttributionConfig(granularity="edge"),
+            )  # fmt: skip
+            for (writer, reader), value in result.edge_scores.items():
+                key = f"{tl_name(writer)}->{tl_name(reader)}"
+                out[key] = out.get(key, 0.0) + float(value) / len(pairs)
         return out
 
-    contenders = [Contender("runner eap", run_runner, model), Contender("transformerlens eap", run_tl, bridge)]
     ours, theirs = run_runner(), run_tl()
+    # the bridge keeps module hooks of its own after its first edge sweep: resident, its own, counted from there
+    resident = count_hooks(bridge)
+    contenders = [Contender("runner eap", run_runner, model),
+                  Contender("transformerlens eap", run_tl, bridge, hooks=resident)]  # fmt: skip
     if set(ours) != set(theirs):
         raise SystemExit(f"different edges: {len(set(ours) ^ set(theirs))} differ")
     worst = max(abs(ours[k] - theirs[k]) for k in ours)

@@ -78,8 +78,15 @@ RUNS = {
     ],
     "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
     "lm_attention": ["model=hf_lm", "data=prompts", "method=lm_attention", "target=token_logit_diff"],
-    "lm_edges": ["model=hf_lm", "data=prompts", "method=lm_edges", "target=token_logit_diff", "method.edges.steps=2",
-                 "method.edges.top_k=3", "method.edges.circuit=[0,5]"],
+    "lm_edges": [
+        "model=hf_lm",
+        "data=prompts",
+        "method=lm_edges",
+        "target=token_logit_diff",
+        "method.edges.steps=2",
+        "method.edges.top_k=3",
+        "method.edges.circuit=[0,5]",
+    ],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]

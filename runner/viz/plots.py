@@ -98,7 +98,7 @@ def table_figures(
 
     reference = builder or presentation(table).figures
     builder = resolve(reference) if reference else None
-    if builder is None or frame is None or frame.empty or "layer" not in frame.columns:
+    if builder is None or frame is None or frame.empty:
         return []
     if by is not None and by not in frame.columns:
         by = None  # a column the table lacks compares nothing; draw the pooled figure
@@ -305,6 +305,8 @@ def _step_ticks(ax: Any, fig: Any, raw: pd.DataFrame, cols: int) -> None:
 
 def cam_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """deletion/insertion AUC per layer (those present with values), else the share of the map at zero."""
+    if "layer" not in frame.columns:  # per-layer figures
+        return []
     values = [v for v in ("deletion_auc", "insertion_auc") if v in frame.columns and frame[v].notna().any()]
     values = values or ([CAM_HEADLINE] if CAM_HEADLINE in frame.columns else [])
     out = []
@@ -320,6 +322,8 @@ def cam_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> 
 
 def evaluation_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One figure per (metric, variant): the metric's value per layer beside its random-map value."""
+    if "layer" not in frame.columns:  # per-layer figures
+        return []
     if "value" not in frame.columns:
         return []
     out = []
@@ -335,6 +339,8 @@ def evaluation_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConf
 
 def mprt_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One MPRT figure per similarity present."""
+    if "layer" not in frame.columns:  # per-layer figures
+        return []
     if not {"step", "value"} <= set(frame.columns):
         return []
     names = frame["similarity"].dropna().unique().tolist() if "similarity" in frame.columns else ["value"]
@@ -376,6 +382,8 @@ def effect_words(direction: str | None, unit: str | None) -> str:
 
 def patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Per (direction, unit): `patching_effects` per layer, restoration where denoising, the drop where noising."""
+    if "layer" not in frame.columns:  # per-layer figures
+        return []
     if "restoration" not in frame.columns:
         return []
     effects = patching_effects(frame, [by] if by else [])
@@ -394,6 +402,8 @@ def patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
 
 def cam_vs_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Spearman's rho between each CAM method's map and the patching effects, per layer, by cam_method."""
+    if "layer" not in frame.columns:  # per-layer figures
+        return []
     if "spearman" not in frame.columns:
         return []
     out = []
