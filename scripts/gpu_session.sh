@@ -73,6 +73,7 @@ BENCH_STEPS=(
     "bench_vgg_fp32|40|python bench_gradcam.py --model vgg16 --batch 128 --size 224 --precision fp32 --rounds 5 --skip captum pytorch-grad-cam"
     "bench_effnet_bf16_all|45|python bench_gradcam.py --batch 64 --size 224 --precision bf16 --rounds 3 --warmup 1"
     "bench_lm_12|60|python bench_lm_patching.py --layers 12 --seq 24 --pairs 4 --device cuda --threads 0 --rounds 2 --warmup 0"
+    "bench_edges_12|40|python bench_edges.py --layers 12 --heads 12 --width 768 --tokens 24 --pairs 4 --device cuda --threads 0 --rounds 2"
 )
 # One Grad-CAM batch (VGG16, bf16, batch 128, 224 px) and one exact patching call under torch.profiler.
 PROFILE_STEP="profile|30|python profile_gpu.py --batch 128 --size 224 --precision bf16"
