@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 import time
-import typing
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -30,23 +29,9 @@ from benchtools import Contender, close_all, interleaved, pick_device, report  #
 from runner.hooks import count_hooks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references live beside the tests
-from lm_references import build_tokenizer, tl_bridge  # noqa: E402
+from lm_references import build_tokenizer, tl_bridge, tl_edge_name  # noqa: E402
 
 TOLERANCE = 5e-5  # of the largest |score|
-
-
-def tl_name(node: typing.Any) -> str:
-    """A TransformerLens edge node as the runner's table names it."""
-    kind = node.kind
-    if kind == "embed":
-        return "input"
-    if kind == "attn_head_out":
-        return f"a{node.layer}.h{node.head}"
-    if kind in ("mlp_out", "mlp_in"):
-        return f"m{node.layer}"
-    if kind == "logits":
-        return "logits"
-    return f"a{node.layer}.{'h' if kind[0] == 'q' else 'g'}{node.head}<{kind[0]}>"
 
 
 def main() -> None:
@@ -124,7 +109,7 @@ def main() -> None:
                 EdgeAttributionConfig(granularity="edge"),
             )  # fmt: skip
             for (writer, reader), value in result.edge_scores.items():
-                key = f"{tl_name(writer)}->{tl_name(reader)}"
+                key = f"{tl_edge_name(writer)}->{tl_edge_name(reader)}"
                 out[key] = out.get(key, 0.0) + float(value) / len(pairs)
         return out
 

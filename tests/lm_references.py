@@ -705,3 +705,17 @@ def rank_correlations(exact: Any, estimated: Any) -> Any:
         lambda g: spearmanr(g.patched - g.corrupted, g.patched_est - g.corrupted_est).statistic, include_groups=False
     )
     return rho.unstack("sample_index").assign(mean=lambda d: d.mean(axis=1))
+
+
+def tl_edge_name(node: Any) -> str:
+    """A node of TransformerLens 4.3's edge attribution (`attribution_patching.Node`) as the lm_edges table names it."""
+    kind = node.kind
+    if kind == "embed":
+        return "input"
+    if kind == "attn_head_out":
+        return f"a{node.layer}.h{node.head}"
+    if kind in ("mlp_out", "mlp_in"):
+        return f"m{node.layer}"
+    if kind == "logits":
+        return "logits"
+    return f"a{node.layer}.{'h' if kind[0] == 'q' else 'g'}{node.head}<{kind[0]}>"

@@ -279,7 +279,7 @@ def test_eap_equals_transformer_lens_edge_attribution_on_gpt2(tmp_path) -> None:
     pytest.importorskip("transformer_lens")
     from transformer_lens.tools.analysis.attribution_patching import EdgeAttributionConfig, attribution_patch
 
-    from tests.lm_references import tl_bridge
+    from tests.lm_references import tl_bridge, tl_edge_name
 
     model, tokenizer, folder = build_tiny_lm("gpt2", seed=2, folder=tmp_path)
     pair = PAIRS[1]
@@ -291,22 +291,9 @@ def test_eap_equals_transformer_lens_edge_attribution_on_gpt2(tmp_path) -> None:
     result = attribution_patch(bridge, clean, corrupted, lambda logits: logits[0, -1, answer] - logits[0, -1, distractor],
                                EdgeAttributionConfig(granularity="edge"))  # fmt: skip
 
-    def name(node: Any) -> str:
-        kind = node.kind
-        if kind == "embed":
-            return "input"
-        if kind == "attn_head_out":
-            return f"a{node.layer}.h{node.head}"
-        if kind in ("mlp_out", "mlp_in"):
-            return f"m{node.layer}"
-        if kind == "logits":
-            return "logits"
-        part = kind[0]
-        return f"a{node.layer}.{'h' if part == 'q' else 'g'}{node.head}<{part}>"
-
     theirs: dict[str, float] = {}
     for (writer, reader), value in result.edge_scores.items():
-        key = f"{name(writer)}->{name(reader)}"
+        key = f"{tl_edge_name(writer)}->{tl_edge_name(reader)}"
         theirs[key] = theirs.get(key, 0.0) + float(value)
     mine = dict(zip(ours.edge, ours.score.astype(float), strict=True))
     assert set(mine) == set(theirs)

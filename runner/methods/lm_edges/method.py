@@ -11,18 +11,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.language_model import LanguageModelMethod, forward_last
+from runner.methods.language_model import forward_last
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Circuit, Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.scores import edge_scores, integrated, site_names, writes
-from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
+from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.metric import pair_metrics, score
+from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeMode, LmEdgesMethodConfig
 from runner.progress import within_batch
@@ -90,21 +90,14 @@ LM_CIRCUIT_SCHEMA = declare(
 )
 
 
-class LmEdges(LanguageModelMethod):
+class LmEdges(CorruptedPairsMethod):
     name = "lm_edges"
     table = "lm_edges"
     summary_values = ("score",)
     cfg: LmEdgesMethodConfig
 
     def __init__(self, cfg: LmEdgesMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
-        super().__init__(cfg, layers, runtime)
-        self.p = cfg.edges
-        self.warned: set[str] = set()
-        self.corruption = Corruption(self.p.corruption)
-
-    def prepare(self, dataset: Dataset) -> None:
-        super().prepare(dataset)
-        self.corruption.prepare(dataset)
+        super().__init__(cfg, layers, runtime, cfg.edges)
 
     @classmethod
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:

@@ -8,17 +8,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.language_model import LanguageModelMethod, forward_last
+from runner.methods.language_model import forward_last
 from runner.methods.lm_patching.attribution import attribution_rows
-from runner.methods.lm_patching.corruptions import Corruption
 from runner.methods.lm_patching.engine import cells_of
 from runner.methods.lm_patching.exact import ExactPatcher, first_difference
 from runner.methods.lm_patching.metric import Receiver, pair_metrics
+from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.methods.lm_patching.rows import cell_rows
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
@@ -28,21 +27,14 @@ from runner.runtime import Runtime
 from runner.targets.tokens import TokenTarget, token_target
 
 
-class LmPatching(LanguageModelMethod):
+class LmPatching(CorruptedPairsMethod):
     name = "lm_patching"
     table = "lm_patching"
     summary_values = ("restoration", "rank_correlation")
     cfg: LmPatchingMethodConfig
 
     def __init__(self, cfg: LmPatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
-        super().__init__(cfg, layers, runtime)
-        self.p = cfg.patching
-        self.warned: set[str] = set()
-        self.corruption = Corruption(self.p.corruption)
-
-    def prepare(self, dataset: Dataset) -> None:
-        super().prepare(dataset)
-        self.corruption.prepare(dataset)
+        super().__init__(cfg, layers, runtime, cfg.patching)
 
     @classmethod
     def planned(

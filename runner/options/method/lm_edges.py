@@ -4,12 +4,10 @@ prompt."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from runner.errors import RunnerError
-from runner.options.method.lm_patching import SUBJECT_SPAN, LmCorruptionConfig, _is_span
+from runner.options.method.lm_patching import LmCorruptionConfig, check_corruption
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
 
@@ -55,15 +53,5 @@ class LmEdgesMethodConfig(MethodConfig):
             bad.append(f"method.edges.top_k={e.top_k}")
         if any(n < 0 for n in e.circuit):
             bad.append(f"method.edges.circuit={list(e.circuit)}")
-        c = e.corruption
-        if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(e.min_span) or e.min_span < 0:
-            raise RunnerError(
-                f"Out of range: method.edges.corruption.std={c.std} (finite, >= 0), method.edges.min_span="
-                f"{e.min_span} (finite, >= 0)."
-            )
-        if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
-            raise RunnerError(
-                f"method.edges.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each pair's"
-                " own subject tokens)."
-            )
+        check_corruption(e.corruption, e.min_span, "method.edges")
         return bad

@@ -98,15 +98,18 @@ class LmPatchingMethodConfig(MethodConfig):
             bad.append(f"method.patching.top_k={p.top_k}")
         if not p.directions or len(set(p.directions)) != len(p.directions):
             raise RunnerError("method.patching.directions: each of denoising, noising at most once, at least one.")
-        c = p.corruption
-        if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(p.min_span) or p.min_span < 0:
-            raise RunnerError(
-                f"Out of range: method.patching.corruption.std={c.std} (finite, >= 0), method.patching.min_span="
-                f"{p.min_span} (finite, >= 0)."
-            )
-        if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
-            raise RunnerError(
-                f"method.patching.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each"
-                " pair's own subject tokens)."
-            )
+        check_corruption(p.corruption, p.min_span, "method.patching")
         return bad
+
+
+def check_corruption(c: LmCorruptionConfig, min_span: float, key: str) -> None:
+    """RunnerError for a corruption (under `key`.corruption) or a min_span out of range."""
+    if not math.isfinite(c.std) or c.std < 0 or not math.isfinite(min_span) or min_span < 0:
+        raise RunnerError(
+            f"Out of range: {key}.corruption.std={c.std} (finite, >= 0), {key}.min_span={min_span} (finite, >= 0)."
+        )
+    if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
+        raise RunnerError(
+            f"{key}.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each pair's own"
+            " subject tokens)."
+        )
