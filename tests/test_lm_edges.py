@@ -257,6 +257,27 @@ def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is
     assert abs((metric - clean) - noised) <= 1e-5, (metric - clean, noised)
 
 
+def test_a_mean_ablated_circuit_of_every_edge_restores_1_and_of_none_differs_from_the_corrupted_run(llama) -> None:  # type: ignore[no-untyped-def]
+    from runner.data.prompts import pairs_batch
+    from runner.methods.base import library_config, library_token_runtime, run_prepared
+    from runner.methods.lm_edges.method import LmEdges
+    from runner.options.method.lm_edges import LmEdgesMethodConfig
+
+    model, tokenizer = llama
+    total = EdgeGraph.of(layout_of(model)).count
+    settings = {"mode": "eap", "circuit": [0, total], "ablation": "mean"}
+    dataset, batch = pairs_batch(PAIRS, tokenizer, True, torch.device("cpu"))
+    method = LmEdges(library_config(LmEdgesMethodConfig, edges=settings), [],
+                     library_token_runtime(torch.device("cpu"), "token_logit_diff"))  # fmt: skip
+    circuit = run_prepared(method, model, batch, dataset).tables["lm_circuit"]
+    edges = torch.tensor(circuit["edges"])
+    faithful = circuit["faithfulness"]
+    assert set(circuit["ablation"]) == {"mean"}
+    assert (faithful[edges == total] - 1).abs().max() <= 1e-5
+    # every edge carrying the batch's mean write is not the corrupted run
+    assert (circuit["circuit_metric"][edges == 0] - circuit["corrupted"][edges == 0]).abs().min() > 1e-3
+
+
 def test_a_family_whose_heads_are_normalised_after_the_sum_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer, _ = build_tiny_lm("gemma2", seed=0, folder=tmp_path)
     with pytest.raises(RunnerError, match="post_attention_layernorm"):

@@ -24,7 +24,7 @@ from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.metric import pair_metrics, score
 from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
-from runner.options.method.lm_edges import EdgeMode, LmEdgesMethodConfig
+from runner.options.method.lm_edges import EdgeAblation, EdgeMode, LmEdgesMethodConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns
 from runner.runtime import Runtime
@@ -73,6 +73,7 @@ LM_CIRCUIT_SCHEMA = declare(
         pa.field("edges", pa.int64()),  # the circuit's size: the batch's edges of largest |mean score| kept
         pa.field("total_edges", pa.int64()),
         pa.field("scored_by", pa.string()),  # the mode that ranked the edges: eap | eap_ig | exact
+        pa.field("ablation", pa.string()),  # what the left-out edges carry: corrupted | mean
         pa.field("metric", pa.string()),
         pa.field("circuit_metric", pa.float32()),  # the clean run with every other edge given its corrupted value
         pa.field("clean", pa.float32()),
@@ -167,7 +168,8 @@ class LmEdges(CorruptedPairsMethod):
             exact[top] = self._exact(model, run, self.edge_index[top].tolist(), deltas).float().cpu()
         tables = {self.table: self._rows(per_edge, exact, metrics, flagged)}
         if self.p.circuit:
-            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, kept, metrics, mean, flagged)
+            ablated = kept if self.p.ablation is EdgeAblation.corrupted else _means(clean_sites, mask)
+            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, mean, flagged)
         kept.clear()
         self.hooks.clear()
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
@@ -239,18 +241,19 @@ class LmEdges(CorruptedPairsMethod):
         return torch.cat(out)
 
     def _circuit(
-        self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, kept: dict[str, torch.Tensor],
+        self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
         metrics: Any, mean: torch.Tensor, flagged: torch.Tensor,
     ) -> Columns:  # fmt: skip
-        """Per (size, pair): the clean run with every edge but the batch's `n` of largest |mean score| given its
-        corrupted value, its metric and the faithfulness (metric - corrupted) / (clean - corrupted)."""
+        """Per (size, pair): the clean run with every edge but the batch's `n` of largest |mean score| given the value
+        of its writer in `ablated` (the corrupted run's views, or their means), its metric and the faithfulness
+        (metric - corrupted) / (clean - corrupted)."""
         sizes = [min(n, len(mean)) for n in self.p.circuit]
         order = mean.abs().argsort(descending=True)
         masks = torch.zeros(len(sizes), *self.graph.edges.shape, dtype=torch.bool)
         for i, n in enumerate(sizes):
             chosen = self.edge_index[order[:n]]
             masks[i, chosen[:, 0], chosen[:, 1]] = True
-        run = _Receiving(clean_ids, None, mask, kept, metrics)
+        run = _Receiving(clean_ids, None, mask, ablated, metrics)
         step = self._variants(clean_ids.shape[0])
         device = clean_ids.device
         parts = []
@@ -267,6 +270,7 @@ class LmEdges(CorruptedPairsMethod):
             "edges": [size for size in sizes for _ in range(b)],
             "total_edges": [len(mean)] * (n * b),
             "scored_by": [self.p.mode.value] * (n * b),
+            "ablation": [self.p.ablation.value] * (n * b),
             "metric": [target_name(self.target)] * (n * b),
             "circuit_metric": measured.reshape(-1),
             "clean": clean.repeat(n),
@@ -321,6 +325,16 @@ class _Receiving:
     mask: torch.Tensor
     kept: dict[str, torch.Tensor]
     metrics: Any
+
+
+def _means(views: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each writer's view (B, T, ...) replaced by its mean over the batch's real positions, broadcast back."""
+    real = mask.bool()
+    out = {}
+    for name, view in views.items():
+        mean = view[real].float().mean(0).to(view.dtype)  # (...) over every (pair, real position)
+        out[name] = mean.expand_as(view)
+    return out
 
 
 def _toward(

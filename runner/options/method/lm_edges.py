@@ -18,6 +18,11 @@ class EdgeMode(str, Enum):
     exact = "exact"  # every edge patched: the corrupted run with the edge's reader given the writer's clean write
 
 
+class EdgeAblation(str, Enum):
+    corrupted = "corrupted"  # an edge outside the circuit carries its writer's output in the corrupted run
+    mean = "mean"  # ... its writer's output averaged over the batch's clean prompts and real positions
+
+
 @dataclass
 class LmEdgesConfig:
     mode: EdgeMode = EdgeMode.eap_ig
@@ -29,6 +34,7 @@ class LmEdgesConfig:
     # Circuit evaluation (table lm_circuit): for each n, the batch's n edges of largest |mean score| kept, every other
     # edge given its corrupted value; [] for none
     circuit: list[int] = field(default_factory=list)
+    ablation: EdgeAblation = EdgeAblation.corrupted  # what the circuit's left-out edges carry
     per_pair: bool = False  # one row per (edge, pair); false: per (edge, batch), the mean over its pairs and spread
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span (as in
     # lm_patching); flagged pairs are left out of a batch's mean.
