@@ -41,43 +41,61 @@ def head_writes(out_proj: nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 
 class Deltas:
-    """What each reader's input gets added in a run of `variants` variants."""
+    """What each reader's input gets added in a run of `variants` variants, and which copy holds which reader.
+
+    `slots(layer)` (V, copies - 1): the reader (graph index) copy c + 1 of variant v plays at `layer`, -1 for a copy
+    that plays none there (it follows copy 0)."""
 
     variants: int
+    copies: int  # copy 0 and the readers' copies
 
-    def of(self, readers: Sequence[int], current: torch.Tensor) -> torch.Tensor:
-        """(variants, len(readers), B, T, D) the deltas of `readers` (graph indices), given copy 0's writes so far minus
-        the corrupted run's, `current` (variants, writers so far, B, T, D)."""
+    def slots(self, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """(V, n, B, T, D) the deltas of the readers `slots` (V, n) (-1: none, a zero delta), given copy 0's writes so
+        far minus the reference run's, `current` (V, writers so far, B, T, D)."""
         raise NotImplementedError
 
 
 class Patched(Deltas):
-    """Exact edge patching: variant v adds `write[w_v]` (B, T, D) to reader r_v's input alone."""
+    """Exact edge patching: variant v adds `writes[w_v]` (B, T, D) to reader r_v's input alone; two copies a variant
+    (copy 1 plays r_v in its layer)."""
 
-    def __init__(self, edges: Sequence[tuple[int, int]], writes: torch.Tensor) -> None:
-        self.edges, self.writes, self.variants = list(edges), writes, len(edges)
+    def __init__(self, edges: Sequence[tuple[int, int]], writes: torch.Tensor, graph: EdgeGraph) -> None:
+        self.edges, self.writes, self.variants, self.copies = list(edges), writes, len(edges), 2
+        self.layer = torch.tensor([graph.readers[r].layer for _, r in edges])
+        self.reader = torch.tensor([r for _, r in edges])
+        self.writer = torch.tensor([w for w, _ in edges], device=writes.device)
 
-    def of(self, readers: Sequence[int], current: torch.Tensor) -> torch.Tensor:
-        b, t, d = self.writes.shape[1:]
-        out = self.writes.new_zeros(self.variants, len(readers), b, t, d)
-        slot = {r: i for i, r in enumerate(readers)}
-        for v, (w, r) in enumerate(self.edges):
-            if r in slot:
-                out[v, slot[r]] = self.writes[w]
-        return out
+    def slots(self, layer: int) -> torch.Tensor:
+        return torch.where(self.layer == layer, self.reader, -1)[:, None]  # (V, 1)
+
+    def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        mine = (slots == self.reader[:, None].to(slots.device)).to(self.writes.dtype)  # (V, n): the variant's reader
+        return mine[:, :, None, None, None] * self.writes[self.writer][:, None]
 
 
 class Circuit(Deltas):
     """Circuit evaluation: variant v keeps the edges `kept[v]` (writers, readers) bool; every other edge's reader reads
-    minus (this run's write - the corrupted run's)."""
+    minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order."""
 
-    def __init__(self, kept: torch.Tensor) -> None:
+    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]]) -> None:
         self.kept, self.variants = kept, kept.shape[0]
+        self.copies = 1 + max(len(r) for r in by_layer)
+        self.by_layer = [torch.tensor(r + [-1] * (self.copies - 1 - len(r))) for r in by_layer]
 
-    def of(self, readers: Sequence[int], current: torch.Tensor) -> torch.Tensor:
+    def slots(self, layer: int) -> torch.Tensor:
+        return self.by_layer[layer][None].expand(self.variants, -1) if layer < len(self.by_layer) else (
+            torch.full((self.variants, self.copies - 1), -1)
+        )  # fmt: skip
+
+    def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         w = current.shape[1]
-        dropped = (~self.kept[:, :w, list(readers)]).to(current.dtype)  # (V, W, R)
-        return -torch.einsum("vwr,vwbtd->vrbtd", dropped, current)
+        slots = slots.to(self.kept.device)
+        index = slots.clamp(min=0)[:, None, :].expand(-1, w, -1)  # (V, W, n)
+        dropped = (~self.kept[:, :w].gather(2, index)) & (slots >= 0)[:, None, :]  # (V, W, n)
+        return -torch.einsum("vwn,vwbtd->vnbtd", dropped.to(current.dtype), current)
 
 
 class EdgeRuns(SiteHooks):
@@ -89,71 +107,96 @@ class EdgeRuns(SiteHooks):
         self.graph, self.layout = graph, layout
         modules = dict(model.named_modules())
         self.out_proj = [modules[layout.site("head", layer).module] for layer in range(graph.layers)]
-        # per layer: the readers' graph indices in copy order (q heads, k, v key-value heads, MLP); copies = 1 + that
+        # per layer: the readers' graph indices in copy order (q heads, k, v key-value heads, MLP)
         self.by_layer = [
             [i for kind in ("q", "k", "v", "mlp") for i in graph.readers_of(layer, kind)] for layer in range(graph.layers)
         ]  # fmt: skip
-        self.copies = 1 + max(len(r) for r in self.by_layer)
+        kinds = ["q", "k", "v", "mlp", "logits"]
+        self.kind_of = torch.tensor([kinds.index(r.kind) for r in graph.readers] + [-1])  # [-1]: no reader
+        self.head_of = torch.tensor([-1 if r.head is None else r.head for r in graph.readers] + [-1])
         self.logits_reader = len(graph.readers) - 1
         self.running: _Run | None = None
 
     def _active(self, spec: SiteSpec) -> bool:
         return self.keeping or self.running is not None or spec.name in self.patches
 
-    def run(self, deltas: Deltas, pairs: int, corrupted: dict[str, torch.Tensor]) -> _Running:
-        """`with hooks.run(deltas, B, kept):` the forward inside (of variants x copies x pairs rows, row (v, c, b) at
-        (v * copies + c) * B + b) is an edge intervention; `corrupted`: the corrupted run's kept views."""
-        return _Running(self, _Run(deltas, pairs, corrupted))
+    def circuit(self, kept: torch.Tensor) -> Circuit:
+        return Circuit(kept, self.by_layer)
+
+    def run(self, deltas: Deltas, pairs: int, reference: dict[str, torch.Tensor]) -> _Running:
+        """`with hooks.run(deltas, B, views):` the forward inside (of variants x deltas.copies x pairs rows, row
+        (v, c, b) at (v * copies + c) * B + b) is an edge intervention; `reference`: the views a left-out edge's
+        write is measured against (the corrupted run's kept views)."""
+        return _Running(self, _Run(deltas, pairs, reference))
 
     def visit(self, spec: SiteSpec, raw: torch.Tensor) -> torch.Tensor | None:
         run = self.running
         if run is None:
             return super().visit(spec, raw)
         view = spec.get(raw)
-        v, c, b = run.deltas.variants, self.copies, run.pairs
-        rows = view.view(v, c, b, *view.shape[1:])
+        d = run.deltas
+        rows = view.view(d.variants, d.copies, run.pairs, *view.shape[1:])
         layer = spec.layer
         new: torch.Tensor | None = None
         if spec.kind == "resid_pre":
-            if layer == 0:  # the embeddings' write: copy 0's input minus the corrupted run's
-                run.add(rows[:, 0] - run.corrupted["resid_pre.0"][None].to(rows.dtype))
-            readers = [r for r in self.by_layer[layer] if self.graph.readers[r].kind != "mlp" or self.graph.parallel]
-            new = self._set_copies(rows, layer, readers, run)
+            if layer == 0:  # the embeddings' write: copy 0's input minus the reference run's
+                run.add(rows[:, 0] - run.reference["resid_pre.0"][None].to(rows.dtype))
+            new = self._set_copies(rows, layer, ("q", "k", "v", "mlp") if self.graph.parallel else ("q", "k", "v"), run)
         elif spec.kind == "resid_mid":
-            new = self._set_copies(rows, layer, self.graph.readers_of(layer, "mlp"), run)
+            new = self._set_copies(rows, layer, ("mlp",), run)
         elif spec.kind in ("q", "k", "v"):
-            copies = torch.tensor([1 + self.by_layer[layer].index(r) for r in self.graph.readers_of(layer, spec.kind)])
+            # copy 0's head h from the copy that plays reader (kind, h) in its variant (copy 0 where none does)
+            slots = run.slots(layer).to(rows.device)  # (V, copies - 1)
+            kind = ["q", "k", "v"].index(spec.kind)
+            heads = rows.shape[-2]
+            plays = (self.kind_of.to(rows.device)[slots] == kind)[:, :, None] & (
+                self.head_of.to(rows.device)[slots][:, :, None] == torch.arange(heads, device=rows.device)
+            )  # (V, copies - 1, heads)
+            source = (plays * torch.arange(1, d.copies, device=rows.device)[None, :, None]).amax(1)  # (V, heads)
+            index = source.view(d.variants, 1, 1, 1, heads, 1).expand(-1, 1, *rows.shape[2:])
             new = rows.clone()
-            # copy c's head c: (V, heads, B, T, heads, d) -> its diagonal (V, B, T, d, heads) -> (V, B, T, heads, d)
-            new[:, 0] = rows[:, copies.to(rows.device)].diagonal(dim1=1, dim2=4).movedim(-1, -2)
+            new[:, 0] = rows.gather(1, index)[:, 0]
         elif spec.kind == "head":
-            z = rows[:, 0] - run.corrupted[f"head.{layer}"][None].to(rows.dtype)  # (V, B, T, H, d)
+            z = rows[:, 0] - run.reference[f"head.{layer}"][None].to(rows.dtype)  # (V, B, T, H, d)
             run.add(head_writes(self.out_proj[layer], z).movedim(0, 1))  # (V, H, B, T, D)
         elif spec.kind == "mlp_out":
-            copy = 1 + self.by_layer[layer].index(self.graph.readers_of(layer, "mlp")[0])
+            slots = run.slots(layer).to(rows.device)
+            plays = self.kind_of.to(rows.device)[slots] == 3  # (V, copies - 1): the copy playing this MLP
+            source = (plays * torch.arange(1, d.copies, device=rows.device)[None]).amax(1)  # (V,)
             new = rows.clone()
-            new[:, 0] = rows[:, copy]
-            run.add((new[:, 0] - run.corrupted[f"mlp_out.{layer}"][None].to(rows.dtype))[:, None])
+            new[:, 0] = rows[torch.arange(d.variants, device=rows.device), source]
+            run.add((new[:, 0] - run.reference[f"mlp_out.{layer}"][None].to(rows.dtype))[:, None])
         elif spec.kind == "resid_post" and layer == self.graph.layers - 1:
             new = rows.clone()
-            new[:, 0] = rows[:, 0] + run.deltas.of([self.logits_reader], run.current())[:, 0].to(rows.dtype)
+            logits = torch.full((d.variants, 1), self.logits_reader)
+            new[:, 0] = rows[:, 0] + d.of(logits, run.current())[:, 0].to(rows.dtype)
         return None if new is None else spec.put(raw, new.view(view.shape))
 
-    def _set_copies(self, rows: torch.Tensor, layer: int, readers: list[int], run: _Run) -> torch.Tensor:
-        """`rows` (V, C, B, T, D) with every copy set to copy 0's stream, plus `readers`' deltas in theirs."""
+    def _set_copies(self, rows: torch.Tensor, layer: int, kinds: tuple[str, ...], run: _Run) -> torch.Tensor:
+        """`rows` (V, C, B, T, D) with every copy set to copy 0's stream, plus its reader's delta where that reader is
+        of `kinds` (the readers that read this stream)."""
         new = rows[:, :1].expand_as(rows).clone()
-        if readers:
-            copies = torch.tensor([1 + self.by_layer[layer].index(r) for r in readers], device=rows.device)
-            new[:, copies] += run.deltas.of(readers, run.current()).to(rows.dtype)
+        slots = run.slots(layer)
+        wanted = torch.tensor([["q", "k", "v", "mlp", "logits"].index(k) for k in kinds])
+        reads = torch.isin(self.kind_of[slots], wanted) & (slots >= 0)
+        if bool(reads.any()):
+            new[:, 1:] += run.deltas.of(torch.where(reads, slots, -1), run.current()).to(rows.dtype)
         return new
 
 
 class _Run:
-    """One intervention forward's state: its deltas, copy 0's writes so far (minus the corrupted run's)."""
+    """One intervention forward's state: its deltas, copy 0's writes so far (minus the reference run's)."""
 
-    def __init__(self, deltas: Deltas, pairs: int, corrupted: dict[str, torch.Tensor]) -> None:
-        self.deltas, self.pairs, self.corrupted = deltas, pairs, corrupted
+    def __init__(self, deltas: Deltas, pairs: int, reference: dict[str, torch.Tensor]) -> None:
+        self.deltas, self.pairs, self.reference = deltas, pairs, reference
         self.writes: list[torch.Tensor] = []  # each (V, n, B, T, D)
+        self._slots: dict[int, torch.Tensor] = {}
+
+    def slots(self, layer: int) -> torch.Tensor:
+        """(V, copies - 1) the readers the copies play at `layer` (made once per layer and forward)."""
+        if layer not in self._slots:
+            self._slots[layer] = self.deltas.slots(layer)
+        return self._slots[layer]
 
     def add(self, writes: torch.Tensor) -> None:
         self.writes.append(writes.float() if writes.dim() == 5 else writes[:, None].float())

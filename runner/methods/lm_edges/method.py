@@ -18,7 +18,7 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.language_model import forward_last
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.intervene import Circuit, Deltas, EdgeRuns, Patched
+from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.scores import edge_scores, integrated, site_names, writes
 from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.metric import pair_metrics, score
@@ -207,22 +207,23 @@ class LmEdges(CorruptedPairsMethod):
         """The runs a score reads: eap_ig's steps, 1 for eap and exact."""
         return self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
 
-    def _variants(self, pairs: int) -> int:
+    @staticmethod
+    def _variants(pairs: int, copies: int) -> int:
         """Variants per intervention forward: rows (variants x copies x pairs) near ROWS_PER_FORWARD, at least one."""
-        return max(1, ROWS_PER_FORWARD // (self.hooks.copies * pairs))
+        return max(1, ROWS_PER_FORWARD // (copies * pairs))
 
     def _intervened(self, model: nn.Module, deltas: Deltas, ids: torch.Tensor, edit: EmbeddingEdit | None,
                     mask: torch.Tensor, run: _Receiving) -> torch.Tensor:  # fmt: skip
         """(variants, B) the metric of copy 0 of each variant of an intervention forward on `ids` (with `edit`)."""
         b = ids.shape[0]
-        rows = deltas.variants * self.hooks.copies
+        rows = deltas.variants * deltas.copies
         self.corruption.active = None if edit is None else edit.repeat(rows)
         try:
             with torch.no_grad(), self.runtime.autocast(), self.hooks.run(deltas, b, run.kept):
                 logits = forward_last(model, ids.repeat(rows, 1), mask.repeat(rows, 1)).logits[:, -1].float()
         finally:
             self.corruption.active = None
-        measured = logits.view(deltas.variants, self.hooks.copies, b, -1)[:, 0].flatten(0, 1)  # (V x B, vocab)
+        measured = logits.view(deltas.variants, deltas.copies, b, -1)[:, 0].flatten(0, 1)  # (V x B, vocab)
         m = run.metrics
         v = deltas.variants
         return score(self.target, measured, m.answers.repeat(v, 1), m.distractors.repeat(v, 1),
@@ -231,11 +232,11 @@ class LmEdges(CorruptedPairsMethod):
     def _exact(self, model: nn.Module, run: _Receiving, edges: list[list[int]], deltas: torch.Tensor) -> torch.Tensor:
         """(len(edges), B) each edge's exact effect: the corrupted run with the edge's reader reading + the writer's
         clean - corrupted write, minus the corrupted run's metric."""
-        step = self._variants(run.ids.shape[0])
+        step = self._variants(run.ids.shape[0], 2)  # exact: copy 0 and the edge's reader
         out = []
         for i in range(0, len(edges), step):
             within_batch(0.5 + 0.3 * i / len(edges), f"lm_edges: exact edges {i}/{len(edges)}")
-            patched = Patched([tuple(e) for e in edges[i : i + step]], deltas)
+            patched = Patched([tuple(e) for e in edges[i : i + step]], deltas, self.graph)
             out.append(self._intervened(model, patched, run.ids, run.edit, run.mask, run)
                        - run.metrics.corrupted[None].to(deltas.device))  # fmt: skip
         return torch.cat(out)
@@ -254,12 +255,12 @@ class LmEdges(CorruptedPairsMethod):
             chosen = self.edge_index[order[:n]]
             masks[i, chosen[:, 0], chosen[:, 1]] = True
         run = _Receiving(clean_ids, None, mask, ablated, metrics)
-        step = self._variants(clean_ids.shape[0])
+        step = self._variants(clean_ids.shape[0], 1 + max(len(r) for r in self.hooks.by_layer))  # every reader
         device = clean_ids.device
         parts = []
         for i in range(0, len(sizes), step):
             within_batch(0.8 + 0.2 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
-            parts.append(self._intervened(model, Circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run))
+            parts.append(self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run))
         measured = torch.cat(parts).float().cpu()
         b = clean_ids.shape[0]
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
