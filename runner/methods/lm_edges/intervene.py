@@ -48,6 +48,7 @@ class Deltas:
 
     variants: int
     copies: int  # copy 0 and the readers' copies
+    reads_writes: bool = True  # whether `of` reads copy 0's writes (kept per writer through the forward)
 
     def slots(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
@@ -64,6 +65,7 @@ class Patched(Deltas):
 
     def __init__(self, edges: Sequence[tuple[int, int]], writes: torch.Tensor, graph: EdgeGraph) -> None:
         self.edges, self.writes, self.variants, self.copies = list(edges), writes, len(edges), 2
+        self.reads_writes = False  # fixed deltas: no (V, writers, B, T, D) of copy 0's writes kept
         self.layer = torch.tensor([graph.readers[r].layer for _, r in edges])
         self.reader = torch.tensor([r for _, r in edges])
         self.writer = torch.tensor([w for w, _ in edges], device=writes.device)
@@ -156,7 +158,7 @@ class EdgeRuns(SiteHooks):
             index = source.view(d.variants, 1, 1, 1, heads, 1).expand(-1, 1, *rows.shape[2:])
             new = rows.clone()
             new[:, 0] = rows.gather(1, index)[:, 0]
-        elif spec.kind == "head":
+        elif spec.kind == "head" and d.reads_writes:
             z = rows[:, 0] - run.reference[f"head.{layer}"][None].to(rows.dtype)  # (V, B, T, H, d)
             run.add(head_writes(self.out_proj[layer], z).movedim(0, 1))  # (V, H, B, T, D)
         elif spec.kind == "mlp_out":
@@ -199,10 +201,11 @@ class _Run:
         return self._slots[layer]
 
     def add(self, writes: torch.Tensor) -> None:
-        self.writes.append(writes.float() if writes.dim() == 5 else writes[:, None].float())
+        if self.deltas.reads_writes:
+            self.writes.append(writes.float() if writes.dim() == 5 else writes[:, None].float())
 
     def current(self) -> torch.Tensor:
-        return torch.cat(self.writes, dim=1)
+        return torch.cat(self.writes, dim=1) if self.writes else torch.empty(0)
 
 
 class _Running:
