@@ -74,7 +74,7 @@ class Patched(Deltas):
         return torch.where(self.layer == layer, self.reader, -1)[:, None]  # (V, 1)
 
     def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        mine = (slots == self.reader[:, None].to(slots.device)).to(self.writes.dtype)  # (V, n): the variant's reader
+        mine = (slots == self.reader[:, None].to(slots.device)).to(self.writes.device, self.writes.dtype)  # (V, n)
         return mine[:, :, None, None, None] * self.writes[self.writer][:, None]
 
 

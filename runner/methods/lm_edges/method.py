@@ -148,7 +148,8 @@ class LmEdges(CorruptedPairsMethod):
         else:
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
         metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
-                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned)  # fmt: skip
+                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned, self.name,
+                               "method.edges", "the pair is left out of its batch's mean")  # fmt: skip
         deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
         run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
         exact_mode = gradients is None
@@ -260,7 +261,9 @@ class LmEdges(CorruptedPairsMethod):
         parts = []
         for i in range(0, len(sizes), step):
             within_batch(0.8 + 0.2 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
-            parts.append(self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run))
+            parts.append(
+                self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run)
+            )
         measured = torch.cat(parts).float().cpu()
         b = clean_ids.shape[0]
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()

@@ -75,12 +75,14 @@ class PairMetrics:
 def pair_metrics(
     target: TokenTarget, prompts: PromptPairs, corrupted_ids: torch.Tensor, edit: EmbeddingEdit | None,
     clean_logits: torch.Tensor, corrupted_logits: torch.Tensor, sample_ids: Sequence[str], min_span: float,
-    warned: set[str],
+    warned: set[str], method: str = "lm_patching", settings: str = "method.patching",
+    consequence: str = "restoration is NaN",
 ) -> PairMetrics:  # fmt: skip
     """The pairs' metrics from the two runs' logits (B, V), and their flags: identical prompts (`prompts.clean` and
     `corrupted_ids`, no embedding `edit`) or an equal metric leave restoration NaN (degenerate), and so does a span
     below `min_span` of the metrics' size (small_span). Warns once per flag per run (`warned` holds the flags
-    already warned about, and gains the new ones)."""
+    already warned about, and gains the new ones), naming `method`, its `settings` key and the flag's `consequence`
+    for that method."""
     answers, distractors = prompts.answers, prompts.distractors
     m_clean = score(target, clean_logits, answers, distractors, clean_logits)
     m_corrupted = score(target, corrupted_logits, answers, distractors, clean_logits)
@@ -93,14 +95,14 @@ def pair_metrics(
     small = [bool(f) and r is None for f, r in zip(spans, reasons, strict=True)]
     for key, flags, text in (
         ("degenerate", [r is not None for r in reasons],
-         "the clean and corrupted prompts (or metrics) are identical: restoration is NaN"),
-        ("small_span", small, f"|clean - corrupted| is below method.patching.min_span={min_span} of"
-         " their size: restoration is NaN (small_span=True)"),
+         f"the clean and corrupted prompts (or metrics) are identical: {consequence}"),
+        ("small_span", small, f"|clean - corrupted| is below {settings}.min_span={min_span} of"
+         f" their size: {consequence} (small_span=True)"),
     ):  # fmt: skip
         if any(flags) and key not in warned:
             warned.add(key)
             ids = [s for s, f in zip(sample_ids, flags, strict=True) if f]
-            log.warning("lm_patching: %s (first: %s)", text, ", ".join(ids[:5]))
+            log.warning("%s: %s (first: %s)", method, text, ", ".join(ids[:5]))
     return PairMetrics(target, answers, distractors, clean_logits, m_clean, m_corrupted, reasons, small)
 
 
