@@ -390,3 +390,13 @@ def test_exact_edges_equal_two_plain_site_patches_in_every_family(arch: str, tmp
     worst = max(abs(ours[k] - v) for k, v in reference.items())
     print(f"{arch}: {len(reference)} edges, worst |runner - two plain patches| = {worst:.2e}")
     assert worst <= 1e-5 * max(1.0, max(abs(v) for v in reference.values()))
+
+
+def test_settings_out_of_range_are_refused_with_their_key() -> None:
+    from runner.options.method.lm_edges import LmEdgesConfig, LmEdgesMethodConfig
+
+    assert LmEdgesMethodConfig(edges=LmEdgesConfig(steps=0)).check() == ["method.edges.steps=0"]
+    for bad, words in (({"circuit": [10, -1]}, "circuit sizes are edge counts"), ({"top_k": -2}, "top_k=-2"),
+                       ({"min_span": -1.0}, "method.edges.min_span=-1.0")):  # fmt: skip
+        with pytest.raises(RunnerError, match=words):
+            LmEdgesMethodConfig(edges=LmEdgesConfig(**bad)).check()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from runner.errors import RunnerError
 from runner.options.method.lm_patching import LmCorruptionConfig, check_corruption
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
@@ -56,8 +57,8 @@ class LmEdgesMethodConfig(MethodConfig):
         if e.steps < 1:
             bad.append(f"method.edges.steps={e.steps}")
         if e.top_k < 0:
-            bad.append(f"method.edges.top_k={e.top_k}")
+            raise RunnerError(f"method.edges.top_k={e.top_k}: edges re-patched exactly, >= 0 (0: none).")
         if any(n < 0 for n in e.circuit):
-            bad.append(f"method.edges.circuit={list(e.circuit)}")
+            raise RunnerError(f"method.edges.circuit={list(e.circuit)}: circuit sizes are edge counts, each >= 0.")
         check_corruption(e.corruption, e.min_span, "method.edges")
         return bad
