@@ -40,14 +40,15 @@ CPU = Runtime(torch.device("cpu"), Precision.fp32)
 
 
 def patch(
-    model: nn.Module, x: torch.Tensor, layers: list[str], method: PatchingMethodConfig | None = None, **p
-) -> dict:
-    """The patching table's columns for one batch `x` (sample ids s0, s1, ...)."""
+    model: nn.Module, x: torch.Tensor, layers: list[str], method: PatchingMethodConfig | None = None,
+    hooks: list | None = None, **p,
+) -> dict:  # fmt: skip
+    """The patching table's columns for one batch `x` (sample ids s0, s1, ...); `hooks`: the session's user hooks."""
     cfg = method or PatchingMethodConfig()
     cfg.patching = PatchingConfig(**p)
     runner_method = build_method(cfg, resolve_layers(model, layers), CPU)
     batch = Batch(x, torch.full((x.shape[0],), -1), [f"s{i}" for i in range(x.shape[0])], 0)
-    with HookSession(model, []) as session:
+    with HookSession(model, hooks or []) as session:
         runner_method.setup(session, x.shape[0])
         session.begin_batch(x.shape[0], 0)
         return runner_method.run_batch(model, batch, session).tables["patching"]
@@ -279,6 +280,25 @@ class BlockNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.stem(x)).mean(dim=(2, 3)))
+
+
+def test_a_user_hook_that_changes_a_module_of_the_chain_turns_the_cone_off() -> None:
+    """The cone computes the chain with its modules' arithmetic, not their calls: a hook halving block.2's output
+    (after the patched block.0) would be skipped. With it, the cone is not used: local_recompute on = off."""
+    from runner.hooks.spec_hooks import BoundHook
+    from runner.schema import HookAction, HookKind, HookSpec
+
+    torch.manual_seed(0)
+    model = frozen(BlockNet(nn.Sequential))
+    x = torch.randn(1, 3, 12, 12)
+    spec = HookSpec(kind=HookKind.forward, action=HookAction.scale, factor=0.5)
+    hooks = [BoundHook(spec, resolve_layers(model, ["block.2"]))]
+    settings = {"units": PatchUnit.cell, "grid": [4, 4], "chunk": 5}
+    on = patch(model, x, ["block.0"], hooks=hooks, local_recompute=True, **settings)
+    off = patch(model, x, ["block.0"], hooks=hooks, local_recompute=False, **settings)
+    unhooked = patch(model, x, ["block.0"], local_recompute=True, **settings)
+    torch.testing.assert_close(on["patched"], off["patched"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(on["patched"], unhooked["patched"], atol=1e-4)  # the hook changes the metric
 
 
 @pytest.mark.parametrize("block", [Residual, nn.Sequential])

@@ -24,7 +24,7 @@ from runner.hooks.inplace import InplaceOff
 from runner.hooks.spec_hooks import GRADIENT_KINDS, BoundHook, SpecHooks, map_tensors
 from runner.hooks.tensors import TensorSaver
 from runner.layers import Layer
-from runner.schema import HookKind
+from runner.schema import HookAction, HookKind
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,12 @@ class HookSession:
             capture.clear()
         self._spec_hooks.clear()
         self._tensors.clear()
+
+    @property
+    def modified_modules(self) -> set[str]:
+        """Names of the modules a user's hook changes values at (any action but record): a method that computes past
+        them by other means than the modules' own calls (patching's cones) must not skip them."""
+        return {name for h in self.hooks if h.spec.action is not HookAction.record for name, _ in h.layers}
 
     @property
     def needs_input_grad(self) -> bool:

@@ -122,6 +122,13 @@ class ExactEngine:
             chain = Cone.find(model, name)
             if chain is not None and self.p.call != 0:
                 chain = None  # a module called several times: its calls are not one chain
+            if chain is not None:
+                inside = {n for n, m in model.named_modules() if any(m is c for c in chain.modules)}
+                hooked = sorted((inside | {chain.parent_name}) & self.session.modified_modules)
+                if hooked:  # the cone computes the chain with its modules' arithmetic, not their calls (and hooks)
+                    log.info("patching at %s: hooks change %s, after it; full forwards, not its cone", name,
+                             ", ".join(hooked))  # fmt: skip
+                    chain = None
             replacement = (
                 self.session.replace([(chain.parent_name, chain.parent)])[chain.parent_name] if chain else None
             )
