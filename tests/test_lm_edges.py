@@ -16,6 +16,7 @@ from runner.methods.lm_edges import lm_edge_attribution
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_patching import lm_activation_patching
 from runner.models.lm_sites import layout_of, layout_of_config
+from tests.devices import DEVICE_PARAMS
 from tests.lm_references import FAMILIES, build_tiny_lm, tiny_config
 from tests.test_lm_patching import PAIRS, _ids
 
@@ -400,3 +401,32 @@ def test_settings_out_of_range_are_refused_with_their_key() -> None:
                        ({"min_span": -1.0}, "method.edges.min_span=-1.0")):  # fmt: skip
         with pytest.raises(RunnerError, match=words):
             LmEdgesMethodConfig(edges=LmEdgesConfig(**bad)).check()
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)  # cuda where there is one, marked gpu (`make test-gpu`)
+@pytest.mark.parametrize("mode", ["eap_ig", "exact"])
+def test_edges_and_circuits_on_the_device_equal_the_cpu(llama, device: str, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Scores, exact effects (top_k) and circuits computed on `device` equal the CPU's (on the CPU: the same code
+    path with the model moved, a copy, run twice)."""
+    import copy
+
+    from runner.data.prompts import pairs_batch
+    from runner.methods.base import library_config, library_token_runtime, run_prepared
+    from runner.methods.lm_edges.method import LmEdges
+    from runner.options.method.lm_edges import LmEdgesMethodConfig
+
+    model, tokenizer = llama
+    settings = {"mode": mode, "steps": 2, "top_k": 4, "circuit": [0, 10, 40], "per_pair": True}
+
+    def run(on: str) -> dict:
+        moved = copy.deepcopy(model).to(on)
+        dataset, batch = pairs_batch(PAIRS, tokenizer, True, torch.device(on))
+        method = LmEdges(library_config(LmEdgesMethodConfig, edges=settings), [],
+                         library_token_runtime(torch.device(on), "token_logit_diff"))  # fmt: skip
+        return run_prepared(method, moved, batch, dataset).tables
+
+    here, cpu = run(device), run("cpu")
+    for table, column in (("lm_edges", "score"), ("lm_edges", "exact"), ("lm_circuit", "circuit_metric")):
+        ours, theirs = here[table][column].cpu().float(), cpu[table][column].cpu().float()
+        assert ours.shape == theirs.shape and not ours.isnan().all(), (table, column)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4, equal_nan=True)
