@@ -20,8 +20,9 @@ Style (sizes, fonts, colour maps, saving) comes from runner/viz/figure_style.py;
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from runner.schema import FiguresConfig
 from runner.viz import figure_style as style
 
 Figure = Any  # matplotlib.figure.Figure; matplotlib is imported on first use (it is slow)
+FigureBuilder = Callable[[pd.DataFrame, "str | None", FiguresConfig], "list[tuple[str, Figure]]"]
 
 BAND_ALPHA = 0.2  # the interval band's opacity: the line stays readable through overlapping bands
 LINE_COLOUR_CMAP = "tab10"  # categorical lines (swept values, methods): distinct hues
@@ -303,10 +305,19 @@ def _step_ticks(ax: Any, fig: Any, raw: pd.DataFrame, cols: int) -> None:
 # --- the standard figures of each table ---------------------------------------------------------------------
 
 
+def _needs_layers(builder: FigureBuilder) -> FigureBuilder:
+    """A table's figures drawn per layer: none for a frame without a `layer` column."""
+
+    @functools.wraps(builder)
+    def drawn(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+        return builder(frame, by, figures) if "layer" in frame.columns else []
+
+    return drawn
+
+
+@_needs_layers
 def cam_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """deletion/insertion AUC per layer (those present with values), else the share of the map at zero."""
-    if "layer" not in frame.columns:  # per-layer figures
-        return []
     values = [v for v in ("deletion_auc", "insertion_auc") if v in frame.columns and frame[v].notna().any()]
     values = values or ([CAM_HEADLINE] if CAM_HEADLINE in frame.columns else [])
     out = []
@@ -320,10 +331,9 @@ def cam_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> 
     return out
 
 
+@_needs_layers
 def evaluation_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One figure per (metric, variant): the metric's value per layer beside its random-map value."""
-    if "layer" not in frame.columns:  # per-layer figures
-        return []
     if "value" not in frame.columns:
         return []
     out = []
@@ -337,10 +347,9 @@ def evaluation_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConf
     return out
 
 
+@_needs_layers
 def mprt_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """One MPRT figure per similarity present."""
-    if "layer" not in frame.columns:  # per-layer figures
-        return []
     if not {"step", "value"} <= set(frame.columns):
         return []
     names = frame["similarity"].dropna().unique().tolist() if "similarity" in frame.columns else ["value"]
@@ -380,10 +389,9 @@ def effect_words(direction: str | None, unit: str | None) -> str:
     return f"{what} restoration (1: the clean activation restores the clean output)"
 
 
+@_needs_layers
 def patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Per (direction, unit): `patching_effects` per layer, restoration where denoising, the drop where noising."""
-    if "layer" not in frame.columns:  # per-layer figures
-        return []
     if "restoration" not in frame.columns:
         return []
     effects = patching_effects(frame, [by] if by else [])
@@ -400,10 +408,9 @@ def patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
     return out
 
 
+@_needs_layers
 def cam_vs_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """Spearman's rho between each CAM method's map and the patching effects, per layer, by cam_method."""
-    if "layer" not in frame.columns:  # per-layer figures
-        return []
     if "spearman" not in frame.columns:
         return []
     out = []
