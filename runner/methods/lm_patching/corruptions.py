@@ -73,8 +73,8 @@ class Corruption:
     """Makes the corrupted run of each batch, as `corruption.kind` says; `active` is the edit the embedding hook
     applies to the forward running now (the method sets it around the runs that take it)."""
 
-    def __init__(self, cfg: LmCorruptionConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: LmCorruptionConfig, key: str = "method.patching.corruption") -> None:
+        self.cfg, self.key = cfg, key  # key: where the config sits, as messages name it
         self.kind = LmCorruption(cfg.kind)
         self.active: EmbeddingEdit | None = None
         self.pairs: list[Any] = []  # the data source's PromptPair list (resample, mean); empty: no data set
@@ -96,7 +96,7 @@ class Corruption:
             if alone:
                 shown = ", ".join(f"{p.sample_id} ({len(p.clean)} tokens)" for p in alone[:5])
                 raise RunnerError(
-                    f"method.patching.corruption.kind=resample takes another pair's clean prompt of the same token"
+                    f"{self.key}.kind=resample takes another pair's clean prompt of the same token"
                     f" length, and no other pair has the length of {shown}: add pairs of that length, or use"
                     " corruption.kind=pair."
                 )
@@ -108,7 +108,7 @@ class Corruption:
             lacking = [p.sample_id for p in self.pairs if not getattr(p, "corrupted_given", True)]
             if lacking:
                 raise RunnerError(
-                    f"method.patching.corruption.kind=pair runs each pair's own corrupted prompt, and pair(s)"
+                    f"{self.key}.kind=pair runs each pair's own corrupted prompt, and pair(s)"
                     f" {', '.join(lacking[:5])} have none: give them `corrupted`, or use corruption.kind=noise, zero,"
                     " mean or resample (which edit or replace the clean prompt)."
                 )
@@ -116,7 +116,7 @@ class Corruption:
             lacking = [p.sample_id for p in self.pairs if getattr(p, "subject_span", None) is None]
             if lacking or not self.pairs:
                 raise RunnerError(
-                    "method.patching.corruption.span=subject edits each pair's subject tokens, and"
+                    f"{self.key}.span=subject edits each pair's subject tokens, and"
                     f" {'pair(s) ' + ', '.join(lacking[:5]) + ' have' if lacking else 'these prompts have'} no"
                     " `subject`: give each pair its subject (text of its clean prompt) in the data, or a span"
                     " [start, end)."
@@ -126,7 +126,7 @@ class Corruption:
             short = min(self.pairs, key=lambda p: len(p.clean))
             if len(short.clean) < end:
                 raise RunnerError(
-                    f"method.patching.corruption.span=[{start}, {end}] reaches past pair {short.sample_id}, which has"
+                    f"{self.key}.span=[{start}, {end}] reaches past pair {short.sample_id}, which has"
                     f" {len(short.clean)} tokens (positions 0-{len(short.clean) - 1}, BOS included): the span is"
                     f" [start, end) in the table's positions; give end <= {len(short.clean)}."
                 )
@@ -139,12 +139,12 @@ class Corruption:
         self.bos = getattr(model.config, "bos_token_id", None)
         if self.kind in (LmCorruption.resample, LmCorruption.mean) and not self.pairs:
             raise RunnerError(
-                f"method.patching.corruption.kind={self.kind.value} draws on the data set's prompts: run it with"
+                f"{self.key}.kind={self.kind.value} draws on the data set's prompts: run it with"
                 " data=prompts (or lm_activation_patching), not on bare token ids."
             )
         if self.kind in EMBEDDING_KINDS and self.cfg.span == SUBJECT_SPAN and not self.pairs:
             raise RunnerError(
-                "method.patching.corruption.span=subject reads each pair's subject from the data: run it with"
+                f"{self.key}.span=subject reads each pair's subject from the data: run it with"
                 " data=prompts (or lm_activation_patching), not on bare token ids."
             )
         if self.kind not in EMBEDDING_KINDS and not interpolated:
@@ -166,7 +166,7 @@ class Corruption:
         left out (as the default span leaves it out); the pairs are unpadded, so no padding counts."""
         ids = [t for p in self.pairs for t in p.clean[1 if p.clean[:1] == [self.bos] else 0 :]]
         if not ids:
-            raise RunnerError("method.patching.corruption.kind=mean: the prompts have no token besides BOS to average.")
+            raise RunnerError(f"{self.key}.kind=mean: the prompts have no token besides BOS to average.")
         weight = embed.weight
         with torch.no_grad():
             out = embed(torch.tensor(ids, dtype=torch.long, device=weight.device))  # no edit is active here

@@ -34,7 +34,7 @@ class LmPatching(CorruptedPairsMethod):
     cfg: LmPatchingMethodConfig
 
     def __init__(self, cfg: LmPatchingMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
-        super().__init__(cfg, layers, runtime, cfg.patching)
+        super().__init__(cfg, layers, runtime, cfg.patching, "method.patching")
 
     @classmethod
     def planned(

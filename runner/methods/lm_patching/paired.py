@@ -15,12 +15,13 @@ from runner.runtime import Runtime
 
 
 class CorruptedPairsMethod(LanguageModelMethod):
-    def __init__(self, cfg: Any, layers: list[Layer], runtime: Runtime, settings: Any) -> None:
-        """`settings`: the method's own block of the config (method.patching, method.edges), with its `corruption`."""
+    def __init__(self, cfg: Any, layers: list[Layer], runtime: Runtime, settings: Any, key: str) -> None:
+        """`settings`: the method's own block of the config, with its `corruption`; `key`: where that block sits
+        (method.patching, method.edges), as messages name it."""
         super().__init__(cfg, layers, runtime)
-        self.p = settings
+        self.p, self.key = settings, key
         self.warned: set[str] = set()  # flags (degenerate, small_span) already warned about in this run
-        self.corruption = Corruption(settings.corruption)
+        self.corruption = Corruption(settings.corruption, f"{key}.corruption")
 
     def prepare(self, dataset: Dataset) -> None:
         super().prepare(dataset)
