@@ -73,5 +73,9 @@ class EdgeGraph:
         """The indices of layer `layer`'s readers of `kind` (q, k, v: one per head; mlp: one)."""
         return [i for i, r in enumerate(self.readers) if r.layer == layer and r.kind == kind]
 
-    def writers_of(self, layer: int, kind: str) -> list[int]:
-        return [i for i, w in enumerate(self.writers) if w.layer == layer and w.kind == kind]
+    def sites(self) -> list[tuple[str, int]]:
+        """The (site, layer) pairs its writers and readers live at: writers' outputs (resid_pre.0 for the
+        embeddings, head, mlp_out), readers' inputs and outputs (resid_pre, resid_mid, q, k, v, mlp_out), and the
+        final stream (resid_post of the last layer)."""
+        kinds = ["resid_pre", "head", "q", "k", "v", "mlp_out"] + ([] if self.parallel else ["resid_mid"])
+        return [(kind, layer) for layer in range(self.layers) for kind in kinds] + [("resid_post", self.layers - 1)]

@@ -1,10 +1,11 @@
 """Edge interventions: every reader of the graph reads its own input, in one forward.
 
 A model reads one residual stream per block; an edge intervention changes what one reader (head h's query, a key-value
-head's key or value, an MLP) reads and nothing else. Each pair is run as C copies stacked in the batch: copy 0 is the
-run measured, copy c >= 1 is reader c of the current block (its q heads, then its k and v key-value heads, then its MLP).
-At each block the copies' streams are set to copy 0's plus their reader's delta, and copy 0 takes from each copy only
-what its reader computes (head h's query columns from the q copy of h, ...), so copy 0's forward is the model's with
+head's key or value, an MLP) reads and nothing else. Each pair is run as copies stacked in the batch: copy 0 is the
+run measured, the others play readers of the current block (`Deltas.slots`: in a circuit every reader has its copy, in
+the block's order of q heads, k and v key-value heads, MLP; in exact patching copy 1 plays the edge's reader). At each
+block the copies' streams are set to copy 0's plus their reader's delta, and copy 0 takes from each copy only what
+its reader computes (head h's query columns from the copy playing h's query, ...), so copy 0's forward is the model's with
 every reader's input changed by its own delta, exactly (the same modules on the same inputs). The logits reader's
 delta is added to copy 0's final stream.
 
@@ -26,17 +27,22 @@ import torch
 from torch import nn
 
 from runner.hooks import HookSession
-from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.graph import INPUT_KINDS, EdgeGraph
 from runner.methods.lm_patching.engine import SiteHooks
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec
 
 
+def each_head_alone(x: torch.Tensor) -> torch.Tensor:
+    """(H, ..., H, d): copy h of a per-head tensor `x` (..., H, d) with every head but h zeroed."""
+    heads = x.shape[-2]
+    one_head = torch.eye(heads, dtype=x.dtype, device=x.device).view(heads, *(1,) * (x.dim() - 2), heads, 1)
+    return x[None] * one_head
+
+
 def head_writes(out_proj: nn.Module, z: torch.Tensor) -> torch.Tensor:
-    """(..., H, T?, D): each head's write of `z` (..., T, H, d) through the output projection alone, as (H, ...) first:
-    o(z with only head h) - o(0), the projection's own forward (not its hooks)."""
-    heads = z.shape[-2]
-    one_head = torch.eye(heads, dtype=z.dtype, device=z.device).view(heads, *(1,) * (z.dim() - 2), heads, 1)
-    alone = (z[None] * one_head).flatten(-2)  # (H, ..., T, H x d)
+    """(H, ..., D): each head's write of `z` (..., H, d) through the output projection alone: o(z with only head h)
+    - o(0), the projection's own forward (not its hooks)."""
+    alone = each_head_alone(z).flatten(-2)  # (H, ..., H x d)
     return out_proj.forward(alone) - out_proj.forward(torch.zeros_like(alone.flatten(0, -2)[:1]))
 
 
@@ -63,8 +69,10 @@ class Patched(Deltas):
     """Exact edge patching: variant v adds `writes[w_v]` (B, T, D) to reader r_v's input alone; two copies a variant
     (copy 1 plays r_v in its layer)."""
 
+    COPIES = 2
+
     def __init__(self, edges: Sequence[tuple[int, int]], writes: torch.Tensor, graph: EdgeGraph) -> None:
-        self.edges, self.writes, self.variants, self.copies = list(edges), writes, len(edges), 2
+        self.edges, self.writes, self.variants, self.copies = list(edges), writes, len(edges), self.COPIES
         self.reads_writes = False  # fixed deltas: no (V, writers, B, T, D) of copy 0's writes kept
         self.layer = torch.tensor([graph.readers[r].layer for _, r in edges])
         self.reader = torch.tensor([r for _, r in edges])
@@ -82,9 +90,8 @@ class Circuit(Deltas):
     """Circuit evaluation: variant v keeps the edges `kept[v]` (writers, readers) bool; every other edge's reader reads
     minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order."""
 
-    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]]) -> None:
-        self.kept, self.variants = kept, kept.shape[0]
-        self.copies = 1 + max(len(r) for r in by_layer)
+    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]], copies: int) -> None:
+        self.kept, self.variants, self.copies = kept, kept.shape[0], copies
         self.by_layer = [torch.tensor(r + [-1] * (self.copies - 1 - len(r))) for r in by_layer]
 
     def slots(self, layer: int) -> torch.Tensor:
@@ -103,9 +110,8 @@ class Circuit(Deltas):
 class EdgeRuns(SiteHooks):
     """The hooks of edge interventions (module docstring), on the sites the graph reads."""
 
-    def __init__(self, model: nn.Module, layout: LanguageModelLayout, graph: EdgeGraph, session: HookSession,
-                 specs: Sequence[SiteSpec]) -> None:  # fmt: skip
-        super().__init__(model, specs, session)
+    def __init__(self, model: nn.Module, layout: LanguageModelLayout, graph: EdgeGraph, session: HookSession) -> None:
+        super().__init__(model, [layout.site(kind, layer) for kind, layer in graph.sites()], session)
         self.graph, self.layout = graph, layout
         modules = dict(model.named_modules())
         self.out_proj = [modules[layout.site("head", layer).module] for layer in range(graph.layers)]
@@ -113,8 +119,8 @@ class EdgeRuns(SiteHooks):
         self.by_layer = [
             [i for kind in ("q", "k", "v", "mlp") for i in graph.readers_of(layer, kind)] for layer in range(graph.layers)
         ]  # fmt: skip
-        kinds = ["q", "k", "v", "mlp", "logits"]
-        self.kind_of = torch.tensor([kinds.index(r.kind) for r in graph.readers] + [-1])  # [-1]: no reader
+        self.circuit_copies = 1 + max(len(r) for r in self.by_layer)  # copy 0 and one per reader of a block
+        self.kind_of = torch.tensor([INPUT_KINDS.index(r.kind) for r in graph.readers] + [-1])  # [-1]: no reader
         self.head_of = torch.tensor([-1 if r.head is None else r.head for r in graph.readers] + [-1])
         self.logits_reader = len(graph.readers) - 1
         self.running: _Run | None = None
@@ -123,7 +129,7 @@ class EdgeRuns(SiteHooks):
         return self.keeping or self.running is not None or spec.name in self.patches
 
     def circuit(self, kept: torch.Tensor) -> Circuit:
-        return Circuit(kept, self.by_layer)
+        return Circuit(kept, self.by_layer, self.circuit_copies)
 
     def run(self, deltas: Deltas, pairs: int, reference: dict[str, torch.Tensor]) -> _Running:
         """`with hooks.run(deltas, B, views):` the forward inside (of variants x deltas.copies x pairs rows, row
@@ -141,20 +147,19 @@ class EdgeRuns(SiteHooks):
         layer = spec.layer
         new: torch.Tensor | None = None
         if spec.kind == "resid_pre":
-            if layer == 0:  # the embeddings' write: copy 0's input minus the reference run's
-                run.add(rows[:, 0] - run.reference["resid_pre.0"][None].to(rows.dtype))
+            if layer == 0 and d.reads_writes:  # the embeddings' write: copy 0's input minus the reference run's
+                run.add((rows[:, 0] - run.reference["resid_pre.0"][None].to(rows.dtype))[:, None])
             new = self._set_copies(rows, layer, ("q", "k", "v", "mlp") if self.graph.parallel else ("q", "k", "v"), run)
         elif spec.kind == "resid_mid":
             new = self._set_copies(rows, layer, ("mlp",), run)
         elif spec.kind in ("q", "k", "v"):
             # copy 0's head h from the copy that plays reader (kind, h) in its variant (copy 0 where none does)
             slots = run.slots(layer).to(rows.device)  # (V, copies - 1)
-            kind = ["q", "k", "v"].index(spec.kind)
             heads = rows.shape[-2]
-            plays = (self.kind_of.to(rows.device)[slots] == kind)[:, :, None] & (
+            plays = (self.kind_of.to(rows.device)[slots] == INPUT_KINDS.index(spec.kind))[:, :, None] & (
                 self.head_of.to(rows.device)[slots][:, :, None] == torch.arange(heads, device=rows.device)
             )  # (V, copies - 1, heads)
-            source = (plays * torch.arange(1, d.copies, device=rows.device)[None, :, None]).amax(1)  # (V, heads)
+            source = _playing_copy(plays)  # (V, heads)
             index = source.view(d.variants, 1, 1, 1, heads, 1).expand(-1, 1, *rows.shape[2:])
             new = rows.clone()
             new[:, 0] = rows.gather(1, index)[:, 0]
@@ -163,11 +168,11 @@ class EdgeRuns(SiteHooks):
             run.add(head_writes(self.out_proj[layer], z).movedim(0, 1))  # (V, H, B, T, D)
         elif spec.kind == "mlp_out":
             slots = run.slots(layer).to(rows.device)
-            plays = self.kind_of.to(rows.device)[slots] == 3  # (V, copies - 1): the copy playing this MLP
-            source = (plays * torch.arange(1, d.copies, device=rows.device)[None]).amax(1)  # (V,)
+            source = _playing_copy(self.kind_of.to(rows.device)[slots] == INPUT_KINDS.index("mlp"))  # (V,)
             new = rows.clone()
             new[:, 0] = rows[torch.arange(d.variants, device=rows.device), source]
-            run.add((new[:, 0] - run.reference[f"mlp_out.{layer}"][None].to(rows.dtype))[:, None])
+            if d.reads_writes:
+                run.add((new[:, 0] - run.reference[f"mlp_out.{layer}"][None].to(rows.dtype))[:, None])
         elif spec.kind == "resid_post" and layer == self.graph.layers - 1:
             new = rows.clone()
             logits = torch.full((d.variants, 1), self.logits_reader)
@@ -179,11 +184,18 @@ class EdgeRuns(SiteHooks):
         of `kinds` (the readers that read this stream)."""
         new = rows[:, :1].expand_as(rows).clone()
         slots = run.slots(layer)
-        wanted = torch.tensor([["q", "k", "v", "mlp", "logits"].index(k) for k in kinds])
+        wanted = torch.tensor([INPUT_KINDS.index(k) for k in kinds])
         reads = torch.isin(self.kind_of[slots], wanted) & (slots >= 0)
         if bool(reads.any()):
             new[:, 1:] += run.deltas.of(torch.where(reads, slots, -1), run.current()).to(rows.dtype)
         return new
+
+
+def _playing_copy(plays: torch.Tensor) -> torch.Tensor:
+    """From `plays` (V, copies - 1, ...) bool, whether copy c + 1 plays a reader: the copy that does, 0 (copy 0 itself)
+    where none does; (V, ...)."""
+    copies = torch.arange(1, plays.shape[1] + 1, device=plays.device).view(1, -1, *(1,) * (plays.dim() - 2))
+    return (plays * copies).amax(1)
 
 
 class _Run:
@@ -201,8 +213,8 @@ class _Run:
         return self._slots[layer]
 
     def add(self, writes: torch.Tensor) -> None:
-        if self.deltas.reads_writes:
-            self.writes.append(writes.float() if writes.dim() == 5 else writes[:, None].float())
+        """Copy 0's next writers' writes (V, n, B, T, D) minus the reference run's (kept where the deltas read them)."""
+        self.writes.append(writes.float())
 
     def current(self) -> torch.Tensor:
         return torch.cat(self.writes, dim=1) if self.writes else torch.empty(0)

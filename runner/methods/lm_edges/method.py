@@ -19,9 +19,9 @@ from runner.layers import Layer
 from runner.methods.language_model import forward_last
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
-from runner.methods.lm_edges.scores import edge_scores, integrated, site_names, writes
+from runner.methods.lm_edges.scores import edge_scores, integrated, writes
 from runner.methods.lm_patching.corruptions import EmbeddingEdit
-from runner.methods.lm_patching.metric import pair_metrics, score
+from runner.methods.lm_patching.metric import PairMetrics, pair_metrics, score
 from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeAblation, EdgeMode, LmEdgesMethodConfig
@@ -46,7 +46,7 @@ LM_EDGES_SCHEMA = declare(
         pa.field("upstream_head", pa.int64()),  # null for input and MLPs
         pa.field("downstream_layer", pa.int64()),  # null for logits
         pa.field("downstream_head", pa.int64()),  # the head (q), the key-value head (k, v); null otherwise
-        pa.field("mode", pa.string()),  # eap | eap_ig
+        pa.field("mode", pa.string()),  # eap | eap_ig | exact
         pa.field("steps", pa.int64()),  # the gradient's runs (eap: 1)
         pa.field("metric", pa.string()),  # the run's target
         pa.field("score", pa.float32()),  # the edge's first-order effect on the metric (the batch's mean over pairs)
@@ -75,7 +75,8 @@ LM_CIRCUIT_SCHEMA = declare(
         pa.field("scored_by", pa.string()),  # the mode that ranked the edges: eap | eap_ig | exact
         pa.field("ablation", pa.string()),  # what the left-out edges carry: corrupted | mean
         pa.field("metric", pa.string()),
-        pa.field("circuit_metric", pa.float32()),  # the clean run with every other edge given its corrupted value
+        # the clean run with every other edge given its ablated value (its corrupted one, or its writer's mean)
+        pa.field("circuit_metric", pa.float32()),
         pa.field("clean", pa.float32()),
         pa.field("corrupted", pa.float32()),
         pa.field("faithfulness", pa.float32()),  # (circuit_metric - corrupted) / (clean - corrupted); NaN if flagged
@@ -98,7 +99,7 @@ class LmEdges(CorruptedPairsMethod):
     cfg: LmEdgesMethodConfig
 
     def __init__(self, cfg: LmEdgesMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
-        super().__init__(cfg, layers, runtime, cfg.edges)
+        super().__init__(cfg, layers, runtime, cfg.edges, "method.edges")
 
     @classmethod
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
@@ -118,8 +119,7 @@ class LmEdges(CorruptedPairsMethod):
         self.layout = layout_of(model)
         self.target = self.planned(self.cfg, self.layout, self.runtime.target)
         self.graph = EdgeGraph.of(self.layout)
-        specs = [self.layout.site(kind, layer) for kind, layer in site_names(self.graph)]
-        self.hooks = EdgeRuns(model, self.layout, self.graph, session, specs)
+        self.hooks = EdgeRuns(model, self.layout, self.graph, session)
         self.corruption.setup(session, model, self.layout, interpolated=True)
         self.embed = dict(model.named_modules())[self.layout.arch.embed]
         self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader
@@ -149,28 +149,28 @@ class LmEdges(CorruptedPairsMethod):
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
         metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
                                corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned, self.name,
-                               "method.edges", "the pair is left out of its batch's mean")  # fmt: skip
+                               self.key, "the pair is left out of its batch's mean")  # fmt: skip
         deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
         run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
         exact_mode = gradients is None
-        if gradients is None:
+        if exact_mode:
             per_edge = self._exact(model, run, self.edge_index.tolist(), deltas)
         else:
             per_edge = edge_scores(deltas, gradients, self.graph.edges)[self.edge_index[:, 0], self.edge_index[:, 1]]
             del gradients
         per_edge = per_edge.float().cpu()  # (E, B)
-        flagged = torch.tensor([r is not None or s for r, s in zip(metrics.reasons, metrics.small, strict=True)])
-        mean = per_edge[:, ~flagged].mean(1) if bool((~flagged).any()) else per_edge.mean(1)  # the batch's ranking
+        kept_pairs = ~metrics.undefined  # (B,) the pairs a batch's mean is over
+        mean = per_edge[:, kept_pairs].mean(1) if bool(kept_pairs.any()) else per_edge.mean(1)  # the batch's ranking
         exact = torch.full_like(per_edge, float("nan"))
         if exact_mode:
             exact = per_edge
         elif self.p.top_k:
             top = mean.abs().argsort(descending=True)[: self.p.top_k]
             exact[top] = self._exact(model, run, self.edge_index[top].tolist(), deltas).float().cpu()
-        tables = {self.table: self._rows(per_edge, exact, metrics, flagged)}
+        tables = {self.table: self._rows(per_edge, exact, metrics)}
         if self.p.circuit:
             ablated = kept if self.p.ablation is EdgeAblation.corrupted else _means(clean_sites, mask)
-            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, mean, flagged)
+            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, mean)
         kept.clear()
         self.hooks.clear()
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
@@ -213,15 +213,14 @@ class LmEdges(CorruptedPairsMethod):
         """Variants per intervention forward: rows (variants x copies x pairs) near ROWS_PER_FORWARD, at least one."""
         return max(1, ROWS_PER_FORWARD // (copies * pairs))
 
-    def _intervened(self, model: nn.Module, deltas: Deltas, ids: torch.Tensor, edit: EmbeddingEdit | None,
-                    mask: torch.Tensor, run: _Receiving) -> torch.Tensor:  # fmt: skip
-        """(variants, B) the metric of copy 0 of each variant of an intervention forward on `ids` (with `edit`)."""
-        b = ids.shape[0]
+    def _intervened(self, model: nn.Module, deltas: Deltas, run: _Receiving) -> torch.Tensor:
+        """(variants, B) the metric of copy 0 of each variant of an intervention forward on `run`'s prompts."""
+        b = run.ids.shape[0]
         rows = deltas.variants * deltas.copies
-        self.corruption.active = None if edit is None else edit.repeat(rows)
+        self.corruption.active = None if run.edit is None else run.edit.repeat(rows)
         try:
             with torch.no_grad(), self.runtime.autocast(), self.hooks.run(deltas, b, run.kept):
-                logits = forward_last(model, ids.repeat(rows, 1), mask.repeat(rows, 1)).logits[:, -1].float()
+                logits = forward_last(model, run.ids.repeat(rows, 1), run.mask.repeat(rows, 1)).logits[:, -1].float()
         finally:
             self.corruption.active = None
         measured = logits.view(deltas.variants, deltas.copies, b, -1)[:, 0].flatten(0, 1)  # (V x B, vocab)
@@ -233,18 +232,17 @@ class LmEdges(CorruptedPairsMethod):
     def _exact(self, model: nn.Module, run: _Receiving, edges: list[list[int]], deltas: torch.Tensor) -> torch.Tensor:
         """(len(edges), B) each edge's exact effect: the corrupted run with the edge's reader reading + the writer's
         clean - corrupted write, minus the corrupted run's metric."""
-        step = self._variants(run.ids.shape[0], 2)  # exact: copy 0 and the edge's reader
+        step = self._variants(run.ids.shape[0], Patched.COPIES)
         out = []
         for i in range(0, len(edges), step):
             within_batch(0.5 + 0.3 * i / len(edges), f"lm_edges: exact edges {i}/{len(edges)}")
             patched = Patched([tuple(e) for e in edges[i : i + step]], deltas, self.graph)
-            out.append(self._intervened(model, patched, run.ids, run.edit, run.mask, run)
-                       - run.metrics.corrupted[None].to(deltas.device))  # fmt: skip
+            out.append(self._intervened(model, patched, run) - run.metrics.corrupted[None].to(deltas.device))
         return torch.cat(out)
 
     def _circuit(
         self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
-        metrics: Any, mean: torch.Tensor, flagged: torch.Tensor,
+        metrics: PairMetrics, mean: torch.Tensor,
     ) -> Columns:  # fmt: skip
         """Per (size, pair): the clean run with every edge but the batch's `n` of largest |mean score| given the value
         of its writer in `ablated` (the corrupted run's views, or their means), its metric and the faithfulness
@@ -256,18 +254,16 @@ class LmEdges(CorruptedPairsMethod):
             chosen = self.edge_index[order[:n]]
             masks[i, chosen[:, 0], chosen[:, 1]] = True
         run = _Receiving(clean_ids, None, mask, ablated, metrics)
-        step = self._variants(clean_ids.shape[0], 1 + max(len(r) for r in self.hooks.by_layer))  # every reader
+        step = self._variants(clean_ids.shape[0], self.hooks.circuit_copies)
         device = clean_ids.device
         parts = []
         for i in range(0, len(sizes), step):
             within_batch(0.8 + 0.2 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
-            parts.append(
-                self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), clean_ids, None, mask, run)
-            )
+            parts.append(self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), run))
         measured = torch.cat(parts).float().cpu()
         b = clean_ids.shape[0]
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
-        faithful = ((measured - corrupted) / (clean - corrupted)).masked_fill(flagged, float("nan"))
+        faithful = metrics.restoration(measured)  # (sizes, B): NaN for a flagged pair
         n = len(sizes)
         return {
             "sample_index": list(range(b)) * n,
@@ -284,7 +280,7 @@ class LmEdges(CorruptedPairsMethod):
             "small_span": [metrics.small[i] for i in range(b)] * n,
         }
 
-    def _rows(self, per_edge: torch.Tensor, exact: torch.Tensor, metrics: Any, flagged: torch.Tensor) -> Columns:
+    def _rows(self, per_edge: torch.Tensor, exact: torch.Tensor, metrics: PairMetrics) -> Columns:
         """Per (edge, pair) rows, or per edge the mean over the pairs not flagged (degenerate or small span)."""
         e, b = per_edge.shape
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
@@ -302,7 +298,7 @@ class LmEdges(CorruptedPairsMethod):
                 "small_span": [metrics.small[i] for i in pair],
             })  # fmt: skip
             return out
-        keep = ~flagged
+        keep = ~metrics.undefined
         n = int(keep.sum())
         nan = torch.full((e,), float("nan"))
         out = {"sample_index": [-1] * e, **self.columns}
@@ -328,7 +324,7 @@ class _Receiving:
     edit: EmbeddingEdit | None
     mask: torch.Tensor
     kept: dict[str, torch.Tensor]
-    metrics: Any
+    metrics: PairMetrics
 
 
 def _means(views: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,15 +24,8 @@ import torch
 from torch import nn
 
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.intervene import head_writes
+from runner.methods.lm_edges.intervene import each_head_alone, head_writes
 from runner.models.lm_sites import LanguageModelLayout
-
-
-def site_names(graph: EdgeGraph) -> list[tuple[str, int]]:
-    """The (site, layer) pairs the scores read: writers' outputs and readers' inputs and the sites between them."""
-    last = graph.layers - 1
-    kinds = ["resid_pre", "head", "q", "k", "v", "mlp_out"] + ([] if graph.parallel else ["resid_mid"])
-    return [(kind, layer) for layer in range(graph.layers) for kind in kinds] + [("resid_post", last)]
 
 
 def writes(
@@ -62,9 +55,7 @@ def reader_gradients(graph: EdgeGraph, views: dict[str, torch.Tensor], metric: t
         stream = views[f"resid_pre.{layer}"]
         for kind in ("q", "k", "v"):
             site, grad = views[f"{kind}.{layer}"], grads[f"{kind}.{layer}"]  # (B, T, H, d)
-            heads = grad.shape[2]
-            one_head = torch.eye(heads, dtype=grad.dtype, device=grad.device)[:, None, None, :, None]
-            parts.append(_vjp(site, stream, grad[None] * one_head, batched=True))  # (H, B, T, D)
+            parts.append(_vjp(site, stream, each_head_alone(grad), batched=True))  # (H, B, T, D)
         mlp_in = stream if graph.parallel else views[f"resid_mid.{layer}"]
         parts.append(_vjp(views[f"mlp_out.{layer}"], mlp_in, grads[f"mlp_out.{layer}"], batched=False)[None])
     parts.append(grads[f"resid_post.{last}"].float()[None])

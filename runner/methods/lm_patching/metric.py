@@ -64,12 +64,16 @@ class PairMetrics:
         """(B,) the metric of the run a direction takes its values from."""
         return self.clean if direction is PatchDirection.denoising else self.corrupted
 
+    @property
+    def undefined(self) -> torch.Tensor:
+        """(B,) bool on the CPU: the pairs whose restoration is NaN (flagged degenerate or small)."""
+        return torch.tensor([r is not None or s for r, s in zip(self.reasons, self.small, strict=True)])
+
     def restoration(self, patched: torch.Tensor) -> torch.Tensor:
         """(C, B) (patched - corrupted) / (clean - corrupted) on the CPU of patched metrics (C, B); NaN for a pair
         flagged degenerate or small."""
         span = (self.clean - self.corrupted).cpu()
-        undefined = torch.tensor([r is not None or s for r, s in zip(self.reasons, self.small, strict=True)])
-        return ((patched.cpu() - self.corrupted.cpu()) / span).masked_fill(undefined, float("nan"))
+        return ((patched.cpu() - self.corrupted.cpu()) / span).masked_fill(self.undefined, float("nan"))
 
 
 def pair_metrics(
