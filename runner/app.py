@@ -34,7 +34,7 @@ from runner.data.images import sized_for_model
 from runner.data.prompts import kept_pairs
 from runner.errors import RunnerError
 from runner.hooks import BoundHook, HookSession
-from runner.ids import ClassNames, run_columns
+from runner.ids import ClassNames, run_columns, run_rows
 from runner.layers import Layer, check_selection, expand_auto, layer_order, probe_input, resolve_layers
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
@@ -43,6 +43,7 @@ from runner.options.registry import lm_method_names
 from runner.progress import run_progress
 from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
+from runner.store.reader import committed
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
 from runner.targets import build_target
 from runner.viz.summary import summarise
@@ -226,14 +227,21 @@ def _run_prepared(
     method.prepare(dataset)
     rank, world = distributed.rank_and_world()
     shard_samples = config.output.shard_batches * config.data.batch_size
-    num_shards = -(-len(dataset) // shard_samples)
+    num_shards = -(-len(dataset) // shard_samples)  # per pass over the data
+    passes = method.passes
+    # A method of several passes: pass p's shards are numbered after the passes' before it, then one shard of the
+    # tables about the whole run (`final_tables`), written by rank 0.
+    final_shard = passes * num_shards if passes > 1 else None
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     id_columns = run_columns(config, run_id)
     key, details = resume_key(config, shard_samples, len(dataset))
     writer = ShardedWriter(out, provenance(config, run_id, skipped_files(dataset)), key, rank, details=details,
-                           layer_order=layer_order(model), main_table=method.table)  # fmt: skip
+                           layer_order=layer_order(model), main_table=method.table,
+                           shards_total=None if final_shard is None else final_shard + 1)  # fmt: skip
     done = writer.resume()  # complete shards whose files are intact; a damaged one runs again
     mine = [s for s in range(num_shards) if s % world == rank and s not in done]
+    later = [[p * num_shards + s for s in range(num_shards) if s % world == rank and p * num_shards + s not in done]
+             for p in range(1, passes)]  # fmt: skip
     if done:
         log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done), num_shards, len(mine))
     log.info(
@@ -243,14 +251,28 @@ def _run_prepared(
     try:
         with HookSession(model, hooks, out / "tensors") as session, stop_on_signals() as stop:
             method.setup(session, len(dataset))
-            total = sum(shard_batches(s, shard_samples, len(dataset), config) for s in mine)
+            total = sum(
+                shard_batches(s % num_shards, shard_samples, len(dataset), config) for s in mine + sum(later, [])
+            )
             with run_progress(total, config.name, config.progress) as progress:  # a step per batch
-                batches = iter(run_loader(dataset, mine, shard_samples, config, device))  # one loader, every shard
-                loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer, id_columns,
-                                 class_names, stop, batches, progress)  # fmt: skip
-                for shard in mine:
-                    writer.begin_shard(shard)
-                    run_shard(shard, loop)
+                for number, shards in enumerate([mine, *later]):
+                    if number:
+                        distributed.barrier()  # every rank's shards of the pass before are written
+                        method.begin_pass(number, lambda table: committed(out, table))
+                    local = [s % num_shards for s in shards]  # the data set's shards this pass runs
+                    batches = iter(run_loader(dataset, local, shard_samples, config, device))  # one loader a pass
+                    loop = ShardLoop(config, device, dataset, shard_samples, model, method, session, writer,
+                                     id_columns, class_names, stop, batches, progress)  # fmt: skip
+                    for shard in shards:
+                        writer.begin_shard(shard)
+                        run_shard(shard % num_shards, loop)
+                        writer.commit_shard()
+            if final_shard is not None:
+                distributed.barrier()
+                tables = method.final_tables(lambda table: committed(out, table))
+                if rank == 0 and final_shard not in done:
+                    writer.begin_shard(final_shard)
+                    writer.submit(run_rows(tables, id_columns))
                     writer.commit_shard()
             writer.finish()
             writer.close()

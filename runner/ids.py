@@ -24,7 +24,7 @@ from runner.rows import BatchOutput, Block, to_host
 from runner.schema import DataConfig, RunConfig
 from runner.stats import STAT_NAMES
 from runner.store.provenance import swept_columns
-from runner.tables import TARGET_NAME
+from runner.tables import SAMPLE_FIELDS, TARGET_NAME
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,17 @@ def rows_for(
             (table, with_ids(id_columns, samples, with_target_names(to_host(with_tensors(columns, host)), names.model)))
             for table, columns in tables
         ]
+
+    return produce
+
+
+def run_rows(tables: dict[str, Any], id_columns: dict[str, Any]) -> Callable[[], list[tuple[str, dict[str, Any]]]]:
+    """The writer thread's job for tables about the whole run (runner/methods/base.py `final_tables`): every row's
+    sample_index is -1, so its sample columns are null."""
+    none = {field.name: np.array([None], dtype=object) for field in SAMPLE_FIELDS}
+
+    def produce() -> list[tuple[str, dict[str, Any]]]:
+        return [(table, with_ids(id_columns, none, to_host(dict(columns)))) for table, columns in tables.items()]
 
     return produce
 

@@ -86,6 +86,8 @@ RUNS = {
         "method.edges.steps=2",
         "method.edges.top_k=3",
         "method.edges.circuit=[0,5]",
+        "method.edges.per_pair=true",
+        "method.edges.ablation=mean",
     ],
 }
 # The command line the first run pretends to have: one swept column of each type.
@@ -130,7 +132,9 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         set(written)
         == set(declared())
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
-        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_circuit"}
+        | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_circuit", "lm_circuit_curve"}
+        | {"lm_circuit_scores", "lm_circuit_stability", "lm_edge_pair_scores", "lm_edge_pairs", "lm_edge_exact"}
+        | {"lm_edge_calibration"}
     )
     for table, files in written.items():
         seen: set[str] = set()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
@@ -40,6 +41,9 @@ class Method:
     summary_values: tuple[str, ...] = ()
     # The method's main table: what `runner.store.reader.load(dir)` returns when no table is named (kept in the manifest).
     table: str
+    # Passes over the data (an lm_edges run scores every pair, then evaluates the run's circuits on every pair): each
+    # pass is a set of shards (resumed as any shard), `begin_pass` between them.
+    passes: int = 1
 
     @classmethod
     def check_layout(cls, cfg: MethodConfig, layout: Any, target: Any) -> None:
@@ -56,6 +60,15 @@ class Method:
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         """The method's rows for one batch."""
         raise NotImplementedError
+
+    def begin_pass(self, number: int, read: Callable[[str], pd.DataFrame | None]) -> None:
+        """Called before pass `number` (1 ...) of a method of several `passes` over the data, once the passes before it
+        are written: `read(table)` gives their rows of a table (every shard's, also those of a run this one resumes)."""
+
+    def final_tables(self, read: Callable[[str], pd.DataFrame | None]) -> dict[str, Columns]:
+        """Called after the last pass: tables about the whole run (rows with sample_index -1), made from the passes'
+        rows (`read` as in `begin_pass`). They are written as one shard of their own after the passes' shards."""
+        return {}
 
     def finish(self, out: Path) -> None:
         """Called after every batch ran and the tables are written: raise RunnerError if the run failed a check."""
@@ -75,16 +88,51 @@ def run_on_batch(
 
 
 def run_prepared(method: Method, model: nn.Module, batch: Batch, dataset: Dataset | None = None) -> BatchOutput:
-    """`run_on_batch` for a batch already made (the language-model methods' pairs, with their extras)."""
+    """`run_on_batch` for a batch already made (the language-model methods' pairs, with their extras); a method of
+    several passes runs each on the batch, and its tables are every pass's and its final ones."""
     b = batch.x.shape[0]
     if dataset is not None:
         method.prepare(dataset)
+    written: dict[str, list[Columns]] = {}
+
+    def read(table: str) -> pd.DataFrame | None:
+        """A table's rows so far, with the sample columns the store would add (sample, sample_id)."""
+        parts = [as_frame(dict(columns)) for columns in written.get(table, [])]
+        if not parts:
+            return None
+        frame = pd.concat(parts, ignore_index=True)
+        local = frame.pop("sample_index").to_numpy() if "sample_index" in frame else np.full(len(frame), -1)
+        frame["sample"] = pd.array([i if i >= 0 else None for i in local], dtype="Int64")
+        frame["sample_id"] = [batch.sample_ids[i] if i >= 0 else None for i in local]
+        return frame
+
     with HookSession(model, []) as session:
         method.setup(session, b)
-        session.begin_batch(b, 0)
-        out = method.run_batch(model, batch, session)
-        session.end_batch()
-    return out
+        for number in range(method.passes):
+            if number:
+                method.begin_pass(number, read)
+            session.begin_batch(b, 0)
+            out = method.run_batch(model, batch, session)
+            session.end_batch()
+            for table, columns in out.tables.items():
+                written.setdefault(table, []).append(columns)
+        final = method.final_tables(read)
+    tables = {table: _joined(parts) for table, parts in written.items()}
+    return BatchOutput(predicted=out.predicted, tables={**tables, **final})
+
+
+def _joined(parts: list[Columns]) -> Columns:
+    """One table's columns from several batches' (host values concatenated column by column)."""
+    if len(parts) == 1:
+        return parts[0]
+    return {name: [v for part in parts for v in _values(part[name])] for name in parts[0]}
+
+
+def _values(column: Any) -> list[Any]:
+    """A column's values as a list (a tensor moved to the host)."""
+    if isinstance(column, torch.Tensor):
+        return column.detach().cpu().tolist()
+    return list(column.tolist() if hasattr(column, "tolist") else column)
 
 
 def target_fields(target: int | Sequence[int] | torch.Tensor | None) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def manifest_problem(manifest: Any) -> str | None:
                 return f"shard {key} names a table {table!r}"
             if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
                 return f"shard {key}'s {table} rows are {json.dumps(rows)[:40]}, not a row count"
-    for name in ("num_samples", "shard_samples"):
+    for name in ("num_samples", "shard_samples", "shards_total"):
         value = manifest.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             return f"'{name}' is {json.dumps(value)[:40]}, not a count"
@@ -68,6 +68,18 @@ def manifest_problem(manifest: Any) -> str | None:
         return f"'main_table' is {json.dumps(main)[:40]}, not a table name"
     if not isinstance(manifest.get("resume_details", {}), dict):
         return "'resume_details' is not an object"
+    return None
+
+
+def expected_shards(manifest: dict[str, Any]) -> int | None:
+    """How many shards the run writes: `shards_total` where the manifest says (a method of several passes over the
+    data, runner/app.py, writes a set of shards per pass and one of its own), else one set over the samples."""
+    total = manifest.get("shards_total")
+    if isinstance(total, int):
+        return total
+    samples, per_shard = manifest.get("num_samples"), manifest.get("shard_samples")
+    if isinstance(samples, int) and isinstance(per_shard, int) and per_shard > 0:
+        return -(-samples // per_shard)
     return None
 
 

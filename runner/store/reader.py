@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from runner.errors import RunnerError
 from runner.frames import with_layer_order
-from runner.store.layout import METADATA_KEY, part_path, read_manifest, shard_problems
+from runner.store.layout import METADATA_KEY, expected_shards, part_path, read_manifest, shard_problems
 from runner.store.runs import RunInfo  # torch-free there, for `runner ls`
 from runner.tables import pandas_integer
 
@@ -75,8 +75,7 @@ def _checked_parts(folder: Path) -> tuple[list[Path], str | None]:
     for path in manifests:
         manifest = read_manifest(path)
         flags.append(bool(manifest.get("complete")))
-        if isinstance(manifest.get("num_samples"), int) and manifest.get("shard_samples"):
-            expected = -(-manifest["num_samples"] // manifest["shard_samples"])
+        expected = expected_shards(manifest) if expected is None else expected
         for key, entry in manifest["shards"].items():
             entries.setdefault(int(key), entry)
     parts, problems = [], []
@@ -98,6 +97,14 @@ def _checked_parts(folder: Path) -> tuple[list[Path], str | None]:
             " to finish it"
         )
     return parts, None
+
+
+def committed(run_dir: Path, table: str) -> pd.DataFrame | None:
+    """The rows of `table` in the shards the run in `run_dir` has committed so far (every rank's), or None when it has
+    none: what a method of several passes reads back between them (runner/app.py)."""
+    folder = run_dir / f"{table}.parquet"
+    parts = _checked_parts(folder)[0] if folder.is_dir() else []
+    return pd.concat([read_part(p) for p in parts], ignore_index=True) if parts else None
 
 
 def main_table(run_dir: Path) -> str | None:

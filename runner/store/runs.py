@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner.errors import RunnerError
-from runner.store.layout import LOCK_NAME, MANIFEST_FIX, read_manifest, read_yaml
+from runner.store.layout import LOCK_NAME, MANIFEST_FIX, expected_shards, read_manifest, read_yaml
 from runner.store.sweeps import _sweep_jobs_total
 
 try:
@@ -136,9 +136,7 @@ def run_info(directory: Path) -> RunInfo:
                 info.experiment = str(details.get("name", "?"))
             if info.method == "?":
                 info.method = str(details.get("method.name", "?"))
-            samples, per_shard = manifest.get("num_samples"), manifest.get("shard_samples")
-            if isinstance(samples, int) and isinstance(per_shard, int) and per_shard > 0:
-                info.shards_total = -(-samples // per_shard)
+            info.shards_total = expected_shards(manifest)
         for shard, tables in manifest["shards"].items():
             done.add(shard)
             for table, rows in tables.items():

@@ -204,6 +204,7 @@ class ShardedWriter:
         details: dict[str, Any] | None = None,
         layer_order: dict[str, int] | None = None,
         main_table: str | None = None,
+        shards_total: int | None = None,
     ) -> None:
         self.directory = directory
         # Module name -> position in model order (runner.layers.layer_order): the `layer_index` of rows with a `layer`.
@@ -220,6 +221,8 @@ class ShardedWriter:
         self._manifest = {**resume_key, "resume_details": self.details, "shards": {}, "complete": False}
         if self.manifest_path.exists():
             self._manifest = self._load(self.manifest_path)
+        if shards_total is not None:  # a method of several passes: more shards than one set over the samples
+            self._manifest["shards_total"] = shards_total
         if main_table is not None:  # the method's main table (`Method.table`): what `load(dir)` returns by default
             self._manifest["main_table"] = main_table
         self._queue: queue.Queue[tuple[int, Callable[[], list[tuple[str, dict[str, Any]]]]] | None] = queue.Queue(

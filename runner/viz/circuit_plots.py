@@ -1,11 +1,11 @@
-"""Figures of the edge tables: the circuit found (lm_edges) and its faithfulness against its size (lm_circuit).
+"""Figures of the edge tables: the circuit found (lm_edges) and its faithfulness curve (lm_circuit_curve).
 
 - `lm_edges_figures`: per (mode, metric), the graph of the TOP_EDGES edges of largest |mean score|: writers and
   readers placed by layer (rows, the embeddings at the bottom, the logits at the top) and head (columns; an MLP to the
   right of the heads), each edge a line from its writer to its reader, its width the |score|, its colour the sign.
-- `lm_circuit_figures`: per metric, the faithfulness (mean over pairs, with its spread) against the circuit's size
-  (edges kept, log scale), one curve per scoring mode.
-Scores are averaged over batches weighted by each row's pairs (a batch's row is already its pairs' mean).
+- `lm_circuit_curve_figures`: per (metric, mode), the faithfulness of the run's circuits against the fraction of
+  edges kept, on the discovery and the held-out pairs, beside the bootstrap Jaccard overlap of the circuits.
+Scores are averaged over rows weighted by each row's pairs (one row per edge in a run's lm_edges).
 """
 
 from __future__ import annotations
@@ -82,30 +82,49 @@ def _graph(top: pd.Series, layers: int, figures: FiguresConfig) -> Figure:
     return fig
 
 
-def lm_circuit_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
-    if not {"edges", "faithfulness", "scored_by", "metric"} <= set(frame.columns):
+def lm_circuit_curve_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+    """Per (metric, scoring mode): the faithfulness curve of each part (discovery, held out) against the fraction of
+    edges kept, and the bootstrap Jaccard overlap of the circuits of each size."""
+    if not {"split", "fraction", "faithfulness", "scored_by", "metric", "jaccard", "edges"} <= set(frame.columns):
         return []
     plt = style.pyplot()
     out = []
-    for metric, part in frame.groupby("metric", observed=True):
-        fig, ax = plt.subplots(figsize=(min(8.0, style.full_width(figures)), 3.6), layout="constrained")
-        for mode, rows in part.groupby("scored_by", observed=True):
-            stats = rows.groupby("edges")["faithfulness"].agg(["mean", "std", "count"])
-            x = np.maximum(stats.index.to_numpy(float), 0.5)  # 0 edges drawn at 0.5 on the log scale
-            ax.plot(x, stats["mean"], marker="o", label=str(mode))
-            ax.fill_between(x, stats["mean"] - stats["std"].fillna(0), stats["mean"] + stats["std"].fillna(0),
-                            alpha=0.2)  # fmt: skip
-        ax.set_xscale("log")
-        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-        ax.axhline(0.0, color="grey", linewidth=0.8)
-        ax.set_xlabel("edges kept", fontsize=style.PANEL_TITLE_SIZE)
-        ax.set_ylabel("faithfulness", fontsize=style.PANEL_TITLE_SIZE)
-        ax.legend(fontsize=style.TICK_SIZE)
-        pairs = part.groupby("edges")["faithfulness"].count().max()
+    for (metric, mode), part in frame.groupby(["metric", "scored_by"], observed=True):
+        part = part[part["edges"] > 0].sort_values("fraction")
+        if part.empty:
+            continue
+        fig, (left, right) = plt.subplots(1, 2, figsize=(style.full_width(figures), 3.4), layout="constrained")
+        for split, rows in part.groupby("split", observed=True, sort=False):
+            left.plot(
+                rows["fraction"], rows["faithfulness"].astype(float), marker="o", label=str(split).replace("_", " ")
+            )
+        left.set_xscale("log")
+        left.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        left.axhline(0.0, color="grey", linewidth=0.8)
+        left.set_xlabel("fraction of edges kept", fontsize=style.PANEL_TITLE_SIZE)
+        left.set_ylabel("faithfulness f", fontsize=style.PANEL_TITLE_SIZE)
+        left.legend(fontsize=style.TICK_SIZE, title="pairs", title_fontsize=style.TICK_SIZE)
+        once = part.drop_duplicates("edges")
+        jaccard = once["jaccard"].astype(float)
+        right.plot(once["fraction"], jaccard, marker="o", color="black")
+        right.fill_between(once["fraction"], once["jaccard_lo"].astype(float), once["jaccard_hi"].astype(float),
+                           color="grey", alpha=0.25)  # fmt: skip
+        right.axhline(0.8, color="grey", linewidth=0.8, linestyle=":")
+        right.set_xscale("log")
+        right.set_ylim(0, 1.05)
+        right.set_xlabel("fraction of edges kept", fontsize=style.PANEL_TITLE_SIZE)
+        right.set_ylabel("Jaccard of resampled circuits", fontsize=style.PANEL_TITLE_SIZE)
+        pairs = ", ".join(
+            f"{s.replace('_', ' ')} {int(r['pairs'].max())}" for s, r in part.groupby("split", sort=False)
+        )
         out.append((
-            f"Faithfulness ({metric}): (circuit - corrupted) / (clean - corrupted) of the clean run with only the n"
-            f" best-scored edges kept and every other edge given its corrupted value; mean over {pairs} pairs, band"
-            " one standard deviation; 1 (dashed): the whole model's behaviour, 0: none of it.",
+            f"The run's circuits ({mode} scores, {metric}), chosen once on the discovery pairs. Left: faithfulness f ="
+            " (m(circuit) - m(empty)) / (m(model) - m(empty)), means over each part's pairs (" + pairs + "), against"
+            " the fraction of the model's edges kept; 1 (dashed) is the model's behaviour. Right: the mean Jaccard"
+            " overlap of the circuits of each size found on bootstrap resamples of the discovery pairs (band: 5-95 %;"
+            " dotted: 0.8).",
             fig,
         ))  # fmt: skip
+        if not np.isfinite(jaccard).any():
+            right.set_visible(False)
     return out

@@ -1,9 +1,16 @@
 """Edge attribution patching for causal language models: which upstream component's write, read by which downstream
 head's query, key or value input, MLP or the logits, carries the behaviour.
 
-graph.py   the edge graph of a model, from its site layout (per key-value head for keys and values)
-scores.py  each edge's first-order effect: writes x readers' gradients (EAP; EAP-IG averages the gradients)
-method.py  `method=lm_edges` and its `lm_edges` table
+graph.py          the edge graph of a model, from its site layout (per key-value head for keys and values)
+scores.py         each edge's first-order effect: writes x readers' gradients (EAP; EAP-IG averages the gradients)
+intervene.py      edge interventions in one forward: exact edge patching, circuits
+split.py          the pairs that find the circuit and those held out to test it
+faithfulness.py   the MIB circuit track's curve sizes, faithfulness, CPR and CMD
+stability.py      bootstrap resamples of the pairs: intervals, inclusion, Jaccard of circuits
+run_scores.py     the run's scores read back, its ranking, and the tables about the whole run
+rows.py           the tables' columns
+export.py         the scores in the graph file the EAP-IG code and the MIB circuit track read
+method.py         `method=lm_edges`: scoring, then evaluation, over the data
 
 `lm_edge_attribution` runs it on a model and a list of pairs from a notebook, with no run directory.
 """
@@ -27,13 +34,17 @@ def lm_edge_attribution(
     bos: bool = True, **settings: Any,
 ) -> pd.DataFrame:  # fmt: skip
     """The `lm_edges` table of `model` (a Hugging Face causal LM in eval mode) on `pairs` ([{clean, corrupted, answer,
-    distractor}]), all pairs in one batch; `settings`: LmEdgesConfig's fields (mode, steps, corruption, per_pair,
-    min_span). The model's hooks are removed before it returns."""
+    distractor}]), all pairs in one batch: one row per edge, the mean over the discovery pairs (with per_pair=True,
+    the `lm_edge_pairs` table instead: one row per (edge, pair)); `settings`: LmEdgesConfig's fields (mode, steps,
+    corruption, per_pair, held_out, ...; circuits only where `fractions` or `circuit` are given). The model's hooks are
+    removed before it returns."""
+    settings.setdefault("fractions", [])
     dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
     check_positions(model, dataset)
     cfg = library_config(LmEdgesMethodConfig, edges=settings)
     method = LmEdges(cfg, [], library_token_runtime(batch.x.device, target))
-    return as_frame(run_prepared(method, model, batch, dataset).tables["lm_edges"])
+    tables = run_prepared(method, model, batch, dataset).tables
+    return as_frame(tables["lm_edge_pairs" if method.p.per_pair else "lm_edges"])
 
 
 __all__ = ["lm_edge_attribution"]

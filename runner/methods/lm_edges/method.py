@@ -1,16 +1,30 @@
-"""`method=lm_edges`: every edge of a causal LM's graph scored per pair (EAP or EAP-IG, scores.py), into the `lm_edges`
-table: one row per (edge, batch) with the mean over the batch's pairs and its spread, or per (edge, pair)."""
+"""`method=lm_edges`: every edge of a causal LM's graph scored on the run's discovery pairs (EAP, EAP-IG, ...:
+scores.py), one ranking for the whole run, and its circuits evaluated on every pair (intervene.py).
+
+Two passes over the data (runner/methods/base.py `passes`), each written shard by shard and resumed as any run:
+  1. scoring: each discovery pair's score of every edge (table lm_edge_pair_scores: the scores are a result, and a
+     resumed run reads them back rather than scoring again);
+  2. evaluation: from the scores of every discovery pair read back (`begin_pass`), the edges are ranked once for the
+     run, and its circuits (the top edges at each size) are evaluated on every pair of both parts (lm_circuit), the
+     top_k edges patched exactly (lm_edge_exact).
+Then the tables about the whole run (run_scores.py): lm_edges, the faithfulness curve with its areas, the bootstrap
+stability of the circuits, the estimate's calibration. The ranking, and with it every circuit and curve, depends on the
+pairs and the seed, not on the batch size or the order of the pairs.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
+import pandas as pd
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
@@ -19,92 +33,43 @@ from runner.layers import Layer
 from runner.methods.language_model import forward_last
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
+from runner.methods.lm_edges.rows import edge_columns, typed
+from runner.methods.lm_edges.run_scores import RunScores, final_tables, writer_sites
 from runner.methods.lm_edges.scores import edge_scores, integrated, writes
+from runner.methods.lm_edges.split import DISCOVERY, split_pairs
 from runner.methods.lm_patching.corruptions import EmbeddingEdit
 from runner.methods.lm_patching.metric import PairMetrics, pair_metrics, score
 from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeAblation, EdgeMode, LmEdgesMethodConfig
 from runner.progress import within_batch
-from runner.rows import BatchOutput, Columns
+from runner.rows import BatchOutput, Columns, Ragged
 from runner.runtime import Runtime
-from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenTarget, target_name, token_target
 
 log = logging.getLogger(__name__)
 # Rows (variants x copies x pairs) an intervention forward aims for (exact edges, circuits)
 ROWS_PER_FORWARD = 256
 
-LM_EDGES_SCHEMA = declare(
-    "lm_edges",
-    [
-        pa.field("edge", pa.string()),  # upstream->downstream, e.g. a3.h1->a7.h2<q>, m2->logits, input->a0.g1<k>
-        pa.field("upstream", pa.string()),  # input | a{layer}.h{head} | m{layer}
-        pa.field("downstream", pa.string()),  # a{layer}.h{head}<q> | a{layer}.g{kv head}<k|v> | m{layer} | logits
-        pa.field("input", pa.string()),  # what the downstream node reads with: q | k | v | mlp | logits
-        pa.field("upstream_layer", pa.int64()),  # null for input
-        pa.field("upstream_head", pa.int64()),  # null for input and MLPs
-        pa.field("downstream_layer", pa.int64()),  # null for logits
-        pa.field("downstream_head", pa.int64()),  # the head (q), the key-value head (k, v); null otherwise
-        pa.field("mode", pa.string()),  # eap | eap_ig | exact
-        pa.field("steps", pa.int64()),  # the gradient's runs (eap: 1)
-        pa.field("metric", pa.string()),  # the run's target
-        pa.field("score", pa.float32()),  # the edge's first-order effect on the metric (the batch's mean over pairs)
-        pa.field("score_std", pa.float32()),  # the spread over the batch's pairs (NaN for a per-pair row or one pair)
-        # the exact effect: the corrupted run with the edge's reader reading the writer's clean write, minus the
-        # corrupted run's metric (mode=exact: = score; eap, eap_ig: the top_k edges', NaN for the others)
-        pa.field("exact", pa.float32()),
-        pa.field("pairs", pa.int64()),  # pairs behind the row (0: every pair of the batch flagged)
-        pa.field("clean", pa.float32()),  # the clean and corrupted runs' metrics (means for a batch's row)
-        pa.field("corrupted", pa.float32()),
-        pa.field("degenerate", pa.bool_()),  # per-pair rows: as in lm_patching; a batch's row: no pair behind it
-        pa.field("small_span", pa.bool_()),
-    ],
-    Presentation(
-        keys=("mode", "input", "metric"),
-        values=("score",),
-        shown=("metric",),
-        figures="runner.viz.circuit_plots:lm_edges_figures",
-    ),
-)
-LM_CIRCUIT_SCHEMA = declare(
-    "lm_circuit",
-    [
-        pa.field("edges", pa.int64()),  # the circuit's size: the batch's edges of largest |mean score| kept
-        pa.field("total_edges", pa.int64()),
-        pa.field("scored_by", pa.string()),  # the mode that ranked the edges: eap | eap_ig | exact
-        pa.field("ablation", pa.string()),  # what the left-out edges carry: corrupted | mean
-        pa.field("metric", pa.string()),
-        # the clean run with every other edge given its ablated value (its corrupted one, or its writer's mean)
-        pa.field("circuit_metric", pa.float32()),
-        pa.field("clean", pa.float32()),
-        pa.field("corrupted", pa.float32()),
-        pa.field("faithfulness", pa.float32()),  # (circuit_metric - corrupted) / (clean - corrupted); NaN if flagged
-        pa.field("degenerate", pa.bool_()),
-        pa.field("small_span", pa.bool_()),
-    ],
-    Presentation(
-        keys=("scored_by", "edges", "metric"),
-        values=("faithfulness",),
-        shown=("metric",),
-        figures="runner.viz.circuit_plots:lm_circuit_figures",
-    ),
-)
-
 
 class LmEdges(CorruptedPairsMethod):
     name = "lm_edges"
     table = "lm_edges"
     summary_values = ("score",)
+    passes = 2  # scoring, then evaluation (module docstring)
     cfg: LmEdgesMethodConfig
 
     def __init__(self, cfg: LmEdgesMethodConfig, layers: list[Layer], runtime: Runtime) -> None:
         super().__init__(cfg, layers, runtime, cfg.edges, "method.edges")
+        self.evaluating = False  # the pass: scoring (False) or evaluation
+        self.run: RunScores | None = None  # the run's scores, read back before the evaluation
+        self.parts: dict[str, str] = {}  # pair id -> discovery | held_out
 
     @classmethod
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
         """The run's token target; refused: a target that scores no tokens, a family whose heads' writes are not
-        linear in their outputs (a norm after the attention's output projection)."""
+        linear in their outputs (a norm after the attention's output projection), a circuit larger than the model's
+        graph."""
         scored = token_target(target, cls.name, per_position=True)
         if layout.arch.attn_branch:
             raise RunnerError(
@@ -112,7 +77,20 @@ class LmEdges(CorruptedPairsMethod):
                 f" passes through a norm ({layout.arch.attn_branch}) after the heads are summed: a head's write is not"
                 " its own. Use method=lm_patching (sites head, q, k, v) for this family."
             )
+        total = EdgeGraph.of(layout).count
+        larger = [n for n in cfg.edges.circuit if n > total]
+        if larger:
+            raise RunnerError(
+                f"method.edges.circuit={list(cfg.edges.circuit)}: this model's graph has {total} edges, so a circuit of"
+                f" {', '.join(map(str, larger))} cannot be chosen. Give sizes up to {total}, or fractions"
+                " (method.edges.fractions)."
+            )
         return scored
+
+    def prepare(self, dataset: Dataset) -> None:
+        super().prepare(dataset)
+        ids = [dataset[i][2] for i in range(len(dataset))]  # type: ignore[arg-type]
+        self.parts = split_pairs(ids, self.p.held_out, self.p.held_out_by, self.p.seed)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
@@ -122,12 +100,44 @@ class LmEdges(CorruptedPairsMethod):
         self.hooks = EdgeRuns(model, self.layout, self.graph, session)
         self.corruption.setup(session, model, self.layout, interpolated=True)
         self.embed = dict(model.named_modules())[self.layout.arch.embed]
-        self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader
-        self.columns = _edge_columns(self.graph, self.edge_index)
+        self.width = getattr(getattr(model, "config", None), "hidden_size", None)  # d_model, for the export
+        self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader: lm_edges' row order
+        self.columns = edge_columns(self.graph, self.edge_index)
         log.info("lm_edges: %d edges (%d writers, %d readers)", len(self.edge_index), len(self.graph.writers),
                  len(self.graph.readers))  # fmt: skip
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
+        return self._evaluate(model, batch) if self.evaluating else self._score(model, batch)
+
+    def begin_pass(self, number: int, read: Callable[[str], pd.DataFrame | None]) -> None:
+        """Before the evaluation: the run's scores read back, ranked once; its circuits and checked edges chosen."""
+        self.evaluating = True
+        self.run = RunScores.read(read, self.p, self.graph, self.edge_index)
+        log.info("lm_edges: the run's ranking from %d discovery pairs; circuits of %s edges evaluated on every pair",
+                 self.run.pairs, ", ".join(map(str, self.run.sizes)) or "no")  # fmt: skip
+
+    def final_tables(self, read: Callable[[str], pd.DataFrame | None]) -> dict[str, Columns]:
+        assert self.run is not None
+        self.tables = final_tables(self.run, read, self.p, self.columns, self.steps, target_name(self.target))
+        return self.tables
+
+    def finish(self, out: Path) -> None:
+        """The run's edge scores and circuit in the layout the EAP-IG code and the MIB circuit track read."""
+        from runner.methods.lm_edges.export import write_eap_ig_graph
+
+        if self.run is not None and "lm_edges" in getattr(self, "tables", {}):
+            self.run.export(
+                out / "lm_edges.eap_ig.json", self.tables["lm_edges"], self.layout, self.width, write_eap_ig_graph
+            )
+
+    # -- pass 1: scoring -------------------------------------------------------------------------------------------
+    def _score(self, model: nn.Module, whole: Batch) -> BatchOutput:
+        """The batch's discovery pairs scored: their rows of lm_edge_pair_scores (and lm_edge_pairs)."""
+        index = [i for i, s in enumerate(whole.sample_ids) if self.parts.get(s, DISCOVERY) == DISCOVERY]
+        predicted = torch.full((whole.x.shape[0],), -1, dtype=torch.long, device=whole.x.device)
+        if not index:
+            return BatchOutput(predicted=predicted, tables={})
+        batch = _pairs_of(whole, index)
         prompts = self.prompts(batch)
         clean_ids, mask = prompts.clean, prompts.mask
         corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
@@ -137,43 +147,78 @@ class LmEdges(CorruptedPairsMethod):
         kept: dict[str, torch.Tensor] = {}  # the corrupted run's views
         corrupted_logits: list[torch.Tensor] = []
         if self.p.mode is EdgeMode.exact:
-            self.corruption.active = corrupted.edit
-            try:
-                with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
-                    corrupted_logits.append(forward_last(model, corrupted.ids, mask).logits[:, -1].float())
-            finally:
-                self.corruption.active = None
-            kept.update(self.hooks.kept)
+            kept, logits = self._corrupted_run(model, corrupted, mask)
+            corrupted_logits.append(logits)
             gradients = None
         else:
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
         metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
                                corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned, self.name,
-                               self.key, "the pair is left out of its batch's mean")  # fmt: skip
+                               self.key, "the pair is left out of the run's means")  # fmt: skip
         deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
-        run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
-        exact_mode = gradients is None
-        if exact_mode:
+        if gradients is None:
+            run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
             per_edge = self._exact(model, run, self.edge_index.tolist(), deltas)
         else:
             per_edge = edge_scores(deltas, gradients, self.graph.edges)[self.edge_index[:, 0], self.edge_index[:, 1]]
             del gradients
         per_edge = per_edge.float().cpu()  # (E, B)
-        kept_pairs = ~metrics.undefined  # (B,) the pairs a batch's mean is over
-        mean = per_edge[:, kept_pairs].mean(1) if bool(kept_pairs.any()) else per_edge.mean(1)  # the batch's ranking
-        exact = torch.full_like(per_edge, float("nan"))
-        if exact_mode:
-            exact = per_edge
-        elif self.p.top_k:
-            top = mean.abs().argsort(descending=True)[: self.p.top_k]
-            exact[top] = self._exact(model, run, self.edge_index[top].tolist(), deltas).float().cpu()
-        tables = {self.table: self._rows(per_edge, exact, metrics)}
-        if self.p.circuit:
-            ablated = kept if self.p.ablation is EdgeAblation.corrupted else _means(clean_sites, mask)
-            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, mean)
+        tables = {"lm_edge_pair_scores": self._pair_scores(per_edge, metrics, index, clean_sites, mask)}
+        if self.p.per_pair:
+            tables["lm_edge_pairs"] = self._pair_rows(per_edge, metrics, index)
         kept.clear()
         self.hooks.clear()
-        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
+        predicted[index] = clean_logits.argmax(dim=1).to(predicted.device)
+        return BatchOutput(predicted=predicted, tables=tables)
+
+    def _corrupted_run(self, model: nn.Module, corrupted: Any, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                                            torch.Tensor]:  # fmt: skip
+        """The corrupted prompts' run, traced without gradients: its views and last logits."""
+        self.corruption.active = corrupted.edit
+        try:
+            with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
+                logits = forward_last(model, corrupted.ids, mask).logits[:, -1].float()
+        finally:
+            self.corruption.active = None
+        views = dict(self.hooks.kept)
+        return views, logits
+
+    def _common(self, rows: int) -> dict[str, list[Any]]:
+        return {"mode": [self.p.mode.value] * rows, "metric": [target_name(self.target)] * rows}
+
+    def _pair_scores(
+        self, per_edge: torch.Tensor, metrics: PairMetrics, index: list[int], clean: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> Columns:  # fmt: skip
+        """lm_edge_pair_scores: per pair its scores (E,), its metrics and flags (and its writers' sums for means)."""
+        e, b = per_edge.shape
+        out: Columns = {
+            "sample_index": index, **self._common(b), "steps": [self.steps] * b,
+            "clean": metrics.clean.float().cpu(), "corrupted": metrics.corrupted.float().cpu(),
+            "degenerate": [r is not None for r in metrics.reasons], "small_span": list(metrics.small),
+            "scores": Ragged(per_edge.T.contiguous().reshape(-1), [e] * b),
+        }  # fmt: skip
+        if self.p.ablation is EdgeAblation.mean:
+            real = mask[:, :, None].float()
+            sums = [(clean[name].flatten(2).float() * real).sum(1) for name in writer_sites(self.graph.layers)]
+            flat = torch.cat(sums, dim=1).cpu()  # (B, writer widths)
+            out["writer_sums"] = Ragged(flat.reshape(-1), [flat.shape[1]] * b)
+            out["positions"] = mask.sum(1).cpu()
+        return out
+
+    def _pair_rows(self, per_edge: torch.Tensor, metrics: PairMetrics, index: list[int]) -> Columns:
+        """lm_edge_pairs: per (edge, pair) its score."""
+        e, b = per_edge.shape
+        pair = np.tile(np.arange(b), e)
+        edge = np.repeat(np.arange(e), b)
+        clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
+        out: Columns = {"sample_index": [index[i] for i in pair]}
+        out.update({k: [v[i] for i in edge] for k, v in self.columns.items()})
+        out.update({
+            **self._common(e * b), "score": per_edge.reshape(-1), "clean": clean[pair], "corrupted": corrupted[pair],
+            "degenerate": [metrics.reasons[i] is not None for i in pair], "small_span": [metrics.small[i] for i in pair],
+        })  # fmt: skip
+        return out
 
     def _gradients(
         self, model: nn.Module, prompts: Any, corrupted: Any, clean_ids: torch.Tensor, clean_logits: torch.Tensor,
@@ -207,6 +252,35 @@ class LmEdges(CorruptedPairsMethod):
     def steps(self) -> int:
         """The runs a score reads: eap_ig's steps, 1 for eap and exact."""
         return self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
+
+    # -- pass 2: evaluation ----------------------------------------------------------------------------------------
+    def _evaluate(self, model: nn.Module, batch: Batch) -> BatchOutput:
+        """Every pair of the batch: the run's circuits (lm_circuit) and the checked edges' exact effects."""
+        assert self.run is not None
+        prompts = self.prompts(batch)
+        clean_ids, mask = prompts.clean, prompts.mask
+        corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
+        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
+            clean_logits = forward_last(model, clean_ids, mask).logits[:, -1].float()
+        clean_sites = self.hooks.kept
+        kept, corrupted_logits = self._corrupted_run(model, corrupted, mask)
+        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits, corrupted_logits,
+                               batch.sample_ids, self.p.min_span, self.warned, self.name, self.key,
+                               "the pair is left out of the run's means")  # fmt: skip
+        splits = [self.parts.get(s, DISCOVERY) for s in batch.sample_ids]
+        tables: dict[str, Columns] = {}
+        if self.run.sizes:
+            ablated = kept if self.p.ablation is EdgeAblation.corrupted else self.run.means_like(clean_sites)
+            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, splits)
+        if len(self.run.checked):
+            deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)
+            run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
+            edges = self.edge_index[torch.as_tensor(self.run.checked)].tolist()
+            exact = self._exact(model, run, edges, deltas).float().cpu()  # (checked, B)
+            tables["lm_edge_exact"] = self._exact_rows(exact, metrics, batch.sample_ids, splits)
+        kept.clear()
+        self.hooks.clear()
+        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
 
     @staticmethod
     def _variants(pairs: int, copies: int) -> int:
@@ -242,37 +316,41 @@ class LmEdges(CorruptedPairsMethod):
 
     def _circuit(
         self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
-        metrics: PairMetrics, mean: torch.Tensor,
+        metrics: PairMetrics, splits: list[str],
     ) -> Columns:  # fmt: skip
-        """Per (size, pair): the clean run with every edge but the batch's `n` of largest |mean score| given the value
-        of its writer in `ablated` (the corrupted run's views, or their means), its metric and the faithfulness
-        (metric - corrupted) / (clean - corrupted)."""
-        sizes = [min(n, len(mean)) for n in self.p.circuit]
-        order = mean.abs().argsort(descending=True)
-        masks = torch.zeros(len(sizes), *self.graph.edges.shape, dtype=torch.bool)
-        for i, n in enumerate(sizes):
-            chosen = self.edge_index[order[:n]]
-            masks[i, chosen[:, 0], chosen[:, 1]] = True
+        """Per (size, pair): the clean run with every edge outside the run's circuit of that size given the value of
+        its writer in `ablated` (the corrupted run's views, or the discovery pairs' means), its metric, and the
+        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge."""
+        assert self.run is not None
+        sizes = self.run.sizes
         run = _Receiving(clean_ids, None, mask, ablated, metrics)
         step = self._variants(clean_ids.shape[0], self.hooks.circuit_copies)
         device = clean_ids.device
         parts = []
         for i in range(0, len(sizes), step):
-            within_batch(0.8 + 0.2 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
-            parts.append(self._intervened(model, self.hooks.circuit(masks[i : i + step].to(device)), run))
-        measured = torch.cat(parts).float().cpu()
-        b = clean_ids.shape[0]
+            within_batch(0.2 + 0.6 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
+            masks = self.run.circuit_masks(i, i + step).to(device)
+            parts.append(self._intervened(model, self.hooks.circuit(masks), run))
+        measured = torch.cat(parts).float().cpu()  # (sizes, B)
+        b, n = clean_ids.shape[0], len(sizes)
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
-        faithful = metrics.restoration(measured)  # (sizes, B): NaN for a flagged pair
-        n = len(sizes)
+        empty = measured[sizes.index(0)]  # (B,) m(empty), measured: sizes always hold 0
+        flagged = metrics.undefined.cpu()
+        span = clean - empty
+        faithful = torch.where(flagged | (span == 0), torch.nan, (measured - empty) / span)  # (sizes, B)
+        total = len(self.edge_index)
         return {
             "sample_index": list(range(b)) * n,
             "edges": [size for size in sizes for _ in range(b)],
-            "total_edges": [len(mean)] * (n * b),
+            "fraction": [size / total for size in sizes for _ in range(b)],
+            "total_edges": [total] * (n * b),
             "scored_by": [self.p.mode.value] * (n * b),
             "ablation": [self.p.ablation.value] * (n * b),
+            "ranking": [self.p.ranking.value] * (n * b),
+            "split": splits * n,
             "metric": [target_name(self.target)] * (n * b),
             "circuit_metric": measured.reshape(-1),
+            "empty_metric": empty.repeat(n),
             "clean": clean.repeat(n),
             "corrupted": corrupted.repeat(n),
             "faithfulness": faithful.reshape(-1),
@@ -280,39 +358,27 @@ class LmEdges(CorruptedPairsMethod):
             "small_span": [metrics.small[i] for i in range(b)] * n,
         }
 
-    def _rows(self, per_edge: torch.Tensor, exact: torch.Tensor, metrics: PairMetrics) -> Columns:
-        """Per (edge, pair) rows, or per edge the mean over the pairs not flagged (degenerate or small span)."""
-        e, b = per_edge.shape
-        clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
-        common = {"mode": [self.p.mode.value], "steps": [self.steps], "metric": [target_name(self.target)]}
-        if self.p.per_pair:
-            pair = np.tile(np.arange(b), e)
-            edge = np.repeat(np.arange(e), b)
-            out: dict[str, Any] = {"sample_index": pair.tolist()}
-            out.update({k: [v[i] for i in edge] for k, v in self.columns.items()})
-            out.update({k: v * (e * b) for k, v in common.items()})
-            out.update({
-                "score": per_edge.reshape(-1), "score_std": torch.full((e * b,), float("nan")),
-                "exact": exact.reshape(-1), "pairs": [1] * (e * b), "clean": clean[pair], "corrupted": corrupted[pair],
-                "degenerate": [metrics.reasons[i] is not None for i in pair],
-                "small_span": [metrics.small[i] for i in pair],
-            })  # fmt: skip
-            return out
-        keep = ~metrics.undefined
-        n = int(keep.sum())
-        nan = torch.full((e,), float("nan"))
-        out = {"sample_index": [-1] * e, **self.columns}
-        out.update({k: v * e for k, v in common.items()})
-        out.update({
-            "score": per_edge[:, keep].mean(1) if n else nan,
-            "score_std": per_edge[:, keep].std(1) if n > 1 else nan,
-            "exact": exact[:, keep].mean(1) if n else nan,
-            "pairs": [n] * e,
-            "clean": clean[keep].mean().expand(e) if n else nan,
-            "corrupted": corrupted[keep].mean().expand(e) if n else nan,
-            "degenerate": [n == 0] * e, "small_span": [False] * e,
-        })  # fmt: skip
-        return out
+    def _exact_rows(self, exact: torch.Tensor, metrics: PairMetrics, ids: list[str], splits: list[str]) -> Columns:
+        """lm_edge_exact: per (checked edge, discovery pair) its exact effect and the pair's estimate."""
+        assert self.run is not None
+        run = self.run
+        rows: dict[str, list[Any]] = {k: [] for k in ("sample_index", "edge", "upstream", "downstream", "input",
+                                                      "chosen", "rank", "estimate", "exact", "degenerate",
+                                                      "small_span")}  # fmt: skip
+        for j, e in enumerate(run.checked):
+            for i, sample in enumerate(ids):
+                if splits[i] != DISCOVERY:
+                    continue
+                rows["sample_index"].append(i)
+                for key in ("edge", "upstream", "downstream", "input"):
+                    rows[key].append(self.columns[key][e])
+                rows["chosen"].append(run.chosen[j])
+                rows["rank"].append(int(run.rank[e]))
+                rows["estimate"].append(run.estimate(sample, e))
+                rows["exact"].append(float(exact[j, i]))
+                rows["degenerate"].append(metrics.reasons[i] is not None)
+                rows["small_span"].append(bool(metrics.small[i]))
+        return typed("lm_edge_exact", {**rows, **self._common(len(rows["edge"]))})
 
 
 @dataclass
@@ -327,17 +393,20 @@ class _Receiving:
     metrics: PairMetrics
 
 
-def _means(views: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each writer's view (B, T, ...) replaced by its mean over the batch's real positions, broadcast back."""
-    real = mask.bool()
-    out = {}
-    for name, view in views.items():
-        mean = view[real].float().mean(0).to(view.dtype)  # (...) over every (pair, real position)
-        out[name] = mean.expand_as(view)
-    return out
+def _pairs_of(batch: Batch, index: list[int]) -> Batch:
+    """The pairs `index` of a batch as a batch of their own (still padded to the batch's longest: a left-padded pair
+    computes as it would alone)."""
+    if index == list(range(batch.x.shape[0])):
+        return batch
+    rows = torch.as_tensor(index, device=batch.x.device)
+    extras = None if batch.extras is None else {k: v[rows] for k, v in batch.extras.items()}
+    masks = None if batch.masks is None else batch.masks[rows]
+    return Batch(batch.x[rows], batch.labels[rows], [batch.sample_ids[i] for i in index], batch.first_index, masks,
+                 extras)  # fmt: skip
 
 
 def _toward(
+
     edit: EmbeddingEdit | None, clean: torch.Tensor, alpha: float, shape: torch.Size
 ) -> EmbeddingEdit | None:  # fmt: skip
     """The edit that makes the corrupted run's embedding output E_c (edited by `edit`: E_c * s + t) into
@@ -348,20 +417,3 @@ def _toward(
     scale = torch.ones(b, t, 1, device=clean.device) if edit is None else edit.scale.to(clean.device)
     shift = torch.zeros_like(clean) if edit is None else edit.shift.to(clean.device, clean.dtype)
     return EmbeddingEdit(scale * (1 - alpha), shift * (1 - alpha) + clean * alpha)
-
-
-def _edge_columns(graph: EdgeGraph, index: torch.Tensor) -> dict[str, list[Any]]:
-    """The identifier columns of the edges `index` (E, 2) (writer, reader), in that order."""
-    out: dict[str, list[Any]] = {k: [] for k in ("edge", "upstream", "downstream", "input", "upstream_layer",
-                                                  "upstream_head", "downstream_layer", "downstream_head")}  # fmt: skip
-    for w, r in index.tolist():
-        up, down = graph.writers[w], graph.readers[r]
-        out["edge"].append(f"{up.name}->{down.name}")
-        out["upstream"].append(up.name)
-        out["downstream"].append(down.name)
-        out["input"].append(down.kind)
-        out["upstream_layer"].append(None if up.kind == "input" else up.layer)
-        out["upstream_head"].append(up.head)
-        out["downstream_layer"].append(None if down.kind == "logits" else down.layer)
-        out["downstream_head"].append(down.head)
-    return out

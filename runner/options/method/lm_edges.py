@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Optional
 
 from runner.errors import RunnerError
 from runner.options.method.lm_patching import LmCorruptionConfig, check_corruption
@@ -21,7 +22,21 @@ class EdgeMode(str, Enum):
 
 class EdgeAblation(str, Enum):
     corrupted = "corrupted"  # an edge outside the circuit carries its writer's output in the corrupted run
-    mean = "mean"  # ... its writer's output averaged over the batch's clean prompts and real positions
+    mean = "mean"  # ... its writer's output averaged over the discovery pairs' clean prompts and real positions
+
+
+class EdgeRanking(str, Enum):
+    absolute = "absolute"  # a circuit of n edges: the n of largest |score|
+    signed = "signed"  # ... the n of largest score (edges that work against the metric come last)
+
+
+class HeldOutBy(str, Enum):
+    pair = "pair"  # each pair by a seeded hash of its id
+    template = "template"  # data=ioi: whole templates (the id's -t<k>), so no template is in both parts
+
+
+MAX_STEPS = 1024  # method.edges.steps: more runs per batch than any published estimate uses (EAP-IG: 5 to 100)
+MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # the MIB circuit track's curve
 
 
 @dataclass
@@ -29,20 +44,44 @@ class LmEdgesConfig:
     mode: EdgeMode = EdgeMode.eap_ig
     steps: int = 5  # eap_ig's interpolation steps (read by eap_ig only: eap is one step, the corrupted run)
     corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
-    # eap, eap_ig: per batch, the top_k edges (by |mean score|) also patched exactly (column `exact`), with the rank
-    # correlation of estimate and exact effect over them (column rank_correlation); 0: none
+    # The run's top_k edges (by the run's ranking) and as many others drawn at random, patched exactly on every
+    # discovery pair (table lm_edge_exact, column `exact`, and the estimate's calibration, lm_edge_calibration); 0: none
     top_k: int = 0
-    # Circuit evaluation (table lm_circuit): for each n, the batch's n edges of largest |mean score| kept, every other
-    # edge given its corrupted value; [] for none
+    # The circuits evaluated (tables lm_circuit, lm_circuit_curve): the run's top edges at these fractions of the
+    # model's edges (MIB's by default; [] for none) and at these edge counts (`circuit`), each on every pair
+    fractions: list[float] = field(default_factory=lambda: list(MIB_FRACTIONS))
     circuit: list[int] = field(default_factory=list)
     ablation: EdgeAblation = EdgeAblation.corrupted  # what the circuit's left-out edges carry
-    per_pair: bool = False  # one row per (edge, pair); false: per (edge, batch), the mean over its pairs and spread
+    ranking: EdgeRanking = EdgeRanking.absolute  # which edges a circuit of n keeps
+    # The fraction of pairs held out of discovery (their circuit curve is the held-out one); null: 0.5 when the data
+    # has at least 8 pairs, else none (the log says which); 0: none
+    held_out: Optional[float] = None  # noqa: UP045 (OmegaConf)
+    held_out_by: HeldOutBy = HeldOutBy.pair
+    # Bootstrap resamples of the discovery pairs: each edge's interval (score_lo, score_hi), how often it is in the
+    # top-n circuit, the Jaccard overlap of the resamples' circuits (lm_circuit_stability, lm_circuit_curve); 0: none
+    resamples: int = 200
+    seed: int = 0  # the held-out split, the bootstrap, the random edges of the calibration
+    per_pair: bool = False  # also table lm_edge_pair_scores' rows per (edge, discovery pair); false: one row per pair
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span (as in
-    # lm_patching); flagged pairs are left out of a batch's mean.
+    # lm_patching); flagged pairs are left out of the run's means.
     min_span: float = 0.05
 
 
-@METHODS.option("runner.methods.lm_edges.method:LmEdges", tables=("lm_edges", "lm_circuit"), family=LM_FAMILY)
+@METHODS.option(
+    "runner.methods.lm_edges.method:LmEdges",
+    tables=(
+        "lm_edges",
+        "lm_circuit",
+        "lm_circuit_curve",
+        "lm_circuit_scores",
+        "lm_circuit_stability",
+        "lm_edge_pair_scores",
+        "lm_edge_pairs",
+        "lm_edge_exact",
+        "lm_edge_calibration",
+    ),
+    family=LM_FAMILY,
+)
 @dataclass
 class LmEdgesMethodConfig(MethodConfig):
     """`method=lm_edges`: the mode and corruption sit under `method.edges`; the metric is the run's `target`
@@ -54,11 +93,22 @@ class LmEdgesMethodConfig(MethodConfig):
     def check(self) -> list[str]:
         bad = super().check()
         e = self.edges
-        if e.steps < 1:
-            bad.append(f"method.edges.steps={e.steps}")
+        if not 1 <= e.steps <= MAX_STEPS:
+            raise RunnerError(f"method.edges.steps={e.steps}: interpolation runs per batch, 1 to {MAX_STEPS}.")
         if e.top_k < 0:
             raise RunnerError(f"method.edges.top_k={e.top_k}: edges re-patched exactly, >= 0 (0: none).")
-        if any(n < 0 for n in e.circuit):
-            raise RunnerError(f"method.edges.circuit={list(e.circuit)}: circuit sizes are edge counts, each >= 0.")
+        if any(n < 0 for n in e.circuit) or len(set(e.circuit)) != len(e.circuit):
+            raise RunnerError(
+                f"method.edges.circuit={list(e.circuit)}: circuit sizes are edge counts, each >= 0 and given once."
+            )
+        if any(not 0 < f <= 1 for f in e.fractions) or len(set(e.fractions)) != len(e.fractions):
+            raise RunnerError(
+                f"method.edges.fractions={list(e.fractions)}: fractions of the model's edges, each in (0, 1] and given"
+                " once ([] for none)."
+            )
+        if e.held_out is not None and not 0 <= e.held_out < 1:
+            raise RunnerError(f"method.edges.held_out={e.held_out}: the fraction of pairs held out, in [0, 1).")
+        if e.resamples < 0 or e.resamples == 1:
+            raise RunnerError(f"method.edges.resamples={e.resamples}: bootstrap resamples, 0 (none) or >= 2.")
         check_corruption(e.corruption, e.min_span, "method.edges")
         return bad

@@ -108,6 +108,12 @@ def check_corruption(c: LmCorruptionConfig, min_span: float, key: str) -> None:
         raise RunnerError(
             f"Out of range: {key}.corruption.std={c.std} (finite, >= 0), {key}.min_span={min_span} (finite, >= 0)."
         )
+    if c.span is not None and c.kind in (LmCorruption.pair, LmCorruption.resample):
+        raise RunnerError(
+            f"{key}.corruption.span={c.span} is read by the corruptions that edit the clean prompt's embeddings (noise,"
+            f" zero, mean); kind={c.kind.value} replaces the whole prompt and would leave it unused. Drop the span, or"
+            " choose one of those kinds."
+        )
     if c.span is not None and c.span != SUBJECT_SPAN and not _is_span(c.span):
         raise RunnerError(
             f"{key}.corruption.span={c.span}: [start, end) with 0 <= start < end, or subject (each pair's own"

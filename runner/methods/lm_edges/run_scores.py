@@ -1,0 +1,308 @@
+"""The run's edge scores, read back from every discovery pair's (table lm_edge_pair_scores), and what is made of them:
+one ranking for the run, its circuits, the checked edges, and the tables about the whole run.
+
+Statistics over pairs (a score's mean and spread, the curve's means) are over the pairs not flagged (degenerate or
+small span). The faithfulness curve is the MIB circuit track's: per size, f = (mean m(C) - mean m(empty)) /
+(mean m(full) - mean m(empty)) over a part's pairs, m(empty) measured (every edge ablated), m(full) the clean run;
+CPR and CMD are its areas (faithfulness.py). Stability: bootstrap resamples of the discovery pairs (stability.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from runner.errors import RunnerError
+from runner.methods.lm_edges.faithfulness import circuit_sizes, curve_areas, faithfulness, mib_size, top_edges
+from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.rows import STABILITY_MAX_EDGES, typed
+from runner.methods.lm_edges.split import DISCOVERY, HELD_OUT
+from runner.methods.lm_edges.stability import Stability, bootstrap
+from runner.options.method.lm_edges import EdgeMode, EdgeRanking, LmEdgesConfig
+from runner.rows import Columns
+
+log = logging.getLogger(__name__)
+
+
+def writer_sites(layers: int) -> list[str]:
+    """The views whose values a left-out edge's writer carries: the embeddings, each layer's heads and MLP."""
+    return ["resid_pre.0", *(f"{kind}.{layer}" for layer in range(layers) for kind in ("head", "mlp_out"))]
+
+
+def _flagged(frame: pd.DataFrame) -> np.ndarray:
+    return (frame["degenerate"].astype(bool) | frame["small_span"].astype(bool)).to_numpy()
+
+
+@dataclass
+class RunScores:
+    """Every discovery pair's scores (pairs x edges, in sample order) and the ranking made of them."""
+
+    p: LmEdgesConfig
+    graph: EdgeGraph
+    edge_index: torch.Tensor  # (E, 2) writer, reader
+    pair_ids: list[str]
+    scores: np.ndarray  # (N, E) float32
+    kept: np.ndarray  # (N,) bool: the pairs the run's statistics are over
+    frame: pd.DataFrame  # lm_edge_pair_scores' rows, in sample order
+    mean: np.ndarray = field(init=False)  # (E,) float64
+    order: np.ndarray = field(init=False)  # edges, first kept first
+    rank: np.ndarray = field(init=False)  # (E,) 1-based
+    sizes: list[int] = field(init=False)  # circuit sizes evaluated (0 among them), ascending
+    from_fractions: set[int] = field(init=False)  # the sizes of method.edges.fractions
+    checked: list[int] = field(init=False)  # edges patched exactly in the evaluation
+    chosen: list[str] = field(init=False)  # per checked edge: top | random
+    stability: Stability | None = field(init=False, default=None)
+
+    @classmethod
+    def read(
+        cls, read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig, graph: EdgeGraph, edge_index: torch.Tensor
+    ) -> RunScores:
+        frame = read("lm_edge_pair_scores")
+        if frame is None or frame.empty:
+            raise RunnerError("lm_edges: no discovery pair was scored, so no circuit can be chosen.")
+        frame = frame.sort_values("sample", kind="stable").reset_index(drop=True)
+        scores = np.stack([np.asarray(s, dtype=np.float32) for s in frame["scores"]])  # (N, E)
+        if scores.shape[1] != len(edge_index):
+            raise RunnerError(
+                f"lm_edges: the scores kept in this directory have {scores.shape[1]} edges a pair, this model's graph"
+                f" {len(edge_index)}: they are another model's. Use a new output directory."
+            )
+        return cls(p, graph, edge_index, list(frame["sample_id"]), scores, ~_flagged(frame), frame)
+
+    def __post_init__(self) -> None:
+        rows = self.scores[self.kept] if self.kept.any() else self.scores
+        if not self.kept.any():
+            log.warning("lm_edges: every discovery pair is flagged; the run's ranking is the mean over all of them")
+        self.mean = rows.astype(np.float64).mean(0)
+        absolute = self.p.ranking is EdgeRanking.absolute
+        total = len(self.mean)
+        self.order = top_edges(self.mean, total, absolute)
+        self.rank = np.empty(total, dtype=np.int64)
+        self.rank[self.order] = np.arange(1, total + 1)
+        wanted = bool(self.p.fractions) or bool(self.p.circuit)
+        self.sizes = circuit_sizes(total, self.p.circuit, self.p.fractions) if wanted else []
+        self.from_fractions = {mib_size(f, total) for f in self.p.fractions}
+        k = min(self.p.top_k, total) if self.p.mode is not EdgeMode.exact else 0
+        rest = self.order[k:]
+        drawn = np.random.default_rng(self.p.seed).choice(rest, size=min(k, len(rest)), replace=False) if k else []
+        self.checked = [int(e) for e in self.order[:k]] + sorted(int(e) for e in drawn)
+        self.chosen = ["top"] * k + ["random"] * (len(self.checked) - k)
+        self._row = {sample: i for i, sample in enumerate(self.pair_ids)}
+
+    @property
+    def pairs(self) -> int:
+        return int(self.kept.sum())
+
+    def circuit_masks(self, lo: int, hi: int) -> torch.Tensor:
+        """(sizes lo..hi-1, writers, readers) bool: the run's circuit of each size."""
+        chosen = self.sizes[lo:hi]
+        masks = torch.zeros(len(chosen), *self.graph.edges.shape, dtype=torch.bool)
+        for i, n in enumerate(chosen):
+            edges = self.edge_index[torch.as_tensor(self.order[:n], dtype=torch.long)]
+            masks[i, edges[:, 0], edges[:, 1]] = True
+        return masks
+
+    def estimate(self, sample_id: str, edge: int) -> float:
+        """A discovery pair's score of `edge` (NaN for a pair not scored)."""
+        row = self._row.get(sample_id)
+        return float("nan") if row is None else float(self.scores[row, edge])
+
+    def means_like(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each writer's value (B, T, ...) as the mean of its clean output over the discovery pairs' real positions
+        (lm_edge_pair_scores' writer_sums), broadcast to the shape of `views`' (mean ablation)."""
+        if not hasattr(self, "_means"):
+            sums = np.stack([np.asarray(s, dtype=np.float64) for s in self.frame["writer_sums"]]).sum(0)
+            self._means = sums / float(self.frame["positions"].sum())
+        out, at = {}, 0
+        for name in writer_sites(self.graph.layers):
+            view = views[name]
+            width = int(np.prod(view.shape[2:]))
+            mean = torch.as_tensor(self._means[at : at + width], dtype=view.dtype, device=view.device)
+            out[name] = mean.view(view.shape[2:]).expand_as(view)
+            at += width
+        return out
+
+    def resample(self) -> Stability | None:
+        """The bootstrap over the kept discovery pairs (method.edges.resamples; None without, or with one pair)."""
+        if self.stability is None and self.p.resamples and self.pairs >= 2:
+            sizes = [n for n in self.sizes if n > 0]
+            self.stability = bootstrap(self.scores[self.kept].T, sizes, self.p.resamples, self.p.seed,
+                                       self.p.ranking is EdgeRanking.absolute)  # fmt: skip
+        return self.stability
+
+    def export(self, path: Path, edges: Columns, layout: Any, d_model: int | None, write: Callable[..., Any]) -> None:
+        """The run's edge scores as the EAP-IG graph file (export.py)."""
+        frame = pd.DataFrame({k: edges[k] for k in ("edge", "upstream", "downstream", "input", "downstream_layer",
+                                                    "downstream_head", "score")})  # fmt: skip
+        write(path, frame, layout.layers, layout.heads, layout.kv_heads, d_model or 0, self.graph.parallel)
+
+
+def final_tables(
+    run: RunScores, read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig, columns: dict[str, list[Any]],
+    steps: int, metric: str,
+) -> dict[str, Columns]:  # fmt: skip
+    """The tables about the whole run (rows.py): lm_edges, and with circuits the curve, its areas and stability, and
+    with checked edges the calibration."""
+    stability = run.resample()
+    exact_frame = read("lm_edge_exact")
+    tables = {"lm_edges": _edge_rows(run, columns, steps, metric, stability, exact_frame)}
+    circuit = read("lm_circuit")
+    if circuit is not None and run.sizes:
+        tables["lm_circuit_curve"] = _curve(run, circuit, stability, metric)
+        tables["lm_circuit_scores"] = _areas(run, tables["lm_circuit_curve"], metric)
+        if stability is not None:
+            tables["lm_circuit_stability"] = _stability_rows(run, stability, columns)
+    if exact_frame is not None and not exact_frame.empty:
+        tables["lm_edge_calibration"] = _calibration(exact_frame, metric)
+    return {name: typed(name, columns) for name, columns in tables.items()}
+
+
+def _edge_rows(
+    run: RunScores, columns: dict[str, list[Any]], steps: int, metric: str, stability: Stability | None,
+    exact_frame: pd.DataFrame | None,
+) -> Columns:  # fmt: skip
+    e = len(run.mean)
+    kept = run.scores[run.kept].astype(np.float64)
+    n = len(kept)
+    nan = np.full(e, np.nan)
+    exact = nan.copy()
+    if run.p.mode is EdgeMode.exact:
+        exact = run.mean.copy() if n else nan
+    elif exact_frame is not None and not exact_frame.empty:
+        usable = exact_frame[~_flagged(exact_frame)]
+        by_edge = usable.groupby("edge")["exact"].mean()
+        index = {name: i for i, name in enumerate(columns["edge"])}
+        for name, value in by_edge.items():
+            exact[index[name]] = value
+    frame = run.frame[run.kept]
+    return {
+        "sample_index": [-1] * e, **columns,
+        "mode": [run.p.mode.value] * e, "steps": [steps] * e, "metric": [metric] * e,
+        "score": run.mean.astype(np.float32) if n else nan,
+        "score_std": kept.std(0, ddof=1) if n > 1 else nan,
+        "score_lo": stability.lo if stability is not None else nan,
+        "score_hi": stability.hi if stability is not None else nan,
+        "rank": run.rank, "exact": exact, "pairs": [n] * e,
+        "clean": np.full(e, frame["clean"].mean() if n else np.nan),
+        "corrupted": np.full(e, frame["corrupted"].mean() if n else np.nan),
+        "degenerate": [n == 0] * e,
+    }  # fmt: skip
+
+
+def _curve(run: RunScores, circuit: pd.DataFrame, stability: Stability | None, metric: str) -> Columns:
+    """Per (part, size): means over the part's pairs not flagged, MIB's f, the circuits' stability."""
+    usable = circuit[~_flagged(circuit)]
+    total = len(run.mean)
+    rows: dict[str, list[Any]] = {k: [] for k in ("split", "edges", "fraction", "mib", "pairs", "circuit_metric",
+                                                  "empty_metric", "clean", "faithfulness", "faithfulness_std",
+                                                  "jaccard", "jaccard_lo", "jaccard_hi", "inclusion")}  # fmt: skip
+    for split in (DISCOVERY, HELD_OUT):
+        part = usable[usable["split"] == split]
+        if circuit[circuit["split"] == split].empty:
+            continue  # no pair in this part
+        for n in run.sizes:
+            at = part[part["edges"] == n]
+            cm, empty, clean = (float(at[c].astype(float).mean()) if len(at) else np.nan
+                                for c in ("circuit_metric", "empty_metric", "clean"))  # fmt: skip
+            jaccard = stability.jaccard.get(n, (np.nan,) * 3) if stability is not None and n > 0 else (np.nan,) * 3
+            inclusion = (float(stability.inclusion[n][run.order[:n]].mean())
+                         if stability is not None and n > 0 and n in stability.inclusion else np.nan)  # fmt: skip
+            rows["split"].append(split)
+            rows["edges"].append(n)
+            rows["fraction"].append(n / total)
+            rows["mib"].append(n in run.from_fractions)
+            rows["pairs"].append(len(at))
+            rows["circuit_metric"].append(cm)
+            rows["empty_metric"].append(empty)
+            rows["clean"].append(clean)
+            rows["faithfulness"].append(float(faithfulness(np.array([cm]), empty, clean)[0]))
+            rows["faithfulness_std"].append(float(at["faithfulness"].astype(float).std()) if len(at) > 1 else np.nan)
+            rows["jaccard"].append(jaccard[0])
+            rows["jaccard_lo"].append(jaccard[1])
+            rows["jaccard_hi"].append(jaccard[2])
+            rows["inclusion"].append(inclusion)
+    k = len(rows["split"])
+    return {"sample_index": [-1] * k, **rows, "total_edges": [total] * k, **_settings(run.p, metric, k)}
+
+
+def _settings(p: LmEdgesConfig, metric: str, rows: int) -> dict[str, list[Any]]:
+    return {"scored_by": [p.mode.value] * rows, "ablation": [p.ablation.value] * rows,
+            "ranking": [p.ranking.value] * rows, "metric": [metric] * rows}  # fmt: skip
+
+
+def _areas(run: RunScores, curve: Columns, metric: str) -> Columns:
+    """Per part: CPR and CMD over the curve's points at method.edges.fractions (extra sizes do not enter)."""
+    frame = pd.DataFrame({k: curve[k] for k in ("split", "edges", "pairs", "faithfulness")})
+    rows: dict[str, list[Any]] = {"split": [], "pairs": [], "cpr": [], "cmd": [], "points": []}
+    for split, part in frame.groupby("split", sort=False):
+        cpr, cmd = curve_areas(part["edges"].tolist(), len(run.mean), part["faithfulness"].to_numpy(float),
+                               run.p.fractions)  # fmt: skip
+        rows["split"].append(split)
+        rows["pairs"].append(int(part["pairs"].max()))
+        rows["cpr"].append(cpr)
+        rows["cmd"].append(cmd)
+        rows["points"].append(len(set(run.p.fractions)))
+    k = len(rows["split"])
+    return {"sample_index": [-1] * k, **rows, **_settings(run.p, metric, k)}
+
+
+def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, list[Any]]) -> Columns:
+    """Per (size up to STABILITY_MAX_EDGES, edge in the run's circuit or in some resample's): its inclusion."""
+    rows: dict[str, list[Any]] = {k: [] for k in ("edges", "edge", "upstream", "downstream", "input", "rank",
+                                                  "in_circuit", "inclusion")}  # fmt: skip
+    for n in run.sizes:
+        if not 0 < n <= STABILITY_MAX_EDGES or n not in stability.inclusion:
+            continue
+        inclusion = stability.inclusion[n]
+        listed = np.union1d(np.flatnonzero(inclusion > 0), run.order[:n])
+        listed = listed[np.argsort(run.rank[listed], kind="stable")]
+        for e in listed.tolist():
+            rows["edges"].append(n)
+            for key in ("edge", "upstream", "downstream", "input"):
+                rows[key].append(columns[key][e])
+            rows["rank"].append(int(run.rank[e]))
+            rows["in_circuit"].append(bool(run.rank[e] <= n))
+            rows["inclusion"].append(float(inclusion[e]))
+    k = len(rows["edges"])
+    return {"sample_index": [-1] * k, **rows, "resamples": [run.p.resamples] * k}
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (average ranks for ties); NaN under 2 values or a constant side."""
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _calibration(exact: pd.DataFrame, metric: str) -> Columns:
+    """Per group of checked edges (top, random, all): the estimate against the exact effect."""
+    usable = exact[~_flagged(exact)]
+    rows: dict[str, list[Any]] = {k: [] for k in ("chosen", "edges", "pairs", "spearman", "sign_agreement",
+                                                  "mean_abs_error")}  # fmt: skip
+    groups: Sequence[tuple[str, pd.DataFrame]] = [
+        ("top", usable[usable["chosen"] == "top"]),
+        ("random", usable[usable["chosen"] == "random"]),
+        ("all", usable),
+    ]
+    for name, part in groups:
+        est, ex = part["estimate"].to_numpy(float), part["exact"].to_numpy(float)
+        means = part.groupby("edge")[["estimate", "exact"]].mean()
+        rows["chosen"].append(name)
+        rows["edges"].append(len(means))
+        rows["pairs"].append(int(part["sample"].nunique()) if len(part) else 0)
+        rows["spearman"].append(_spearman(means["estimate"].to_numpy(float), means["exact"].to_numpy(float)))
+        rows["sign_agreement"].append(float((np.sign(est) == np.sign(ex)).mean()) if len(part) else np.nan)
+        rows["mean_abs_error"].append(float(np.abs(est - ex).mean()) if len(part) else np.nan)
+    k = len(rows["chosen"])
+    mode = exact["mode"].iloc[0]
+    return {"sample_index": [-1] * k, **rows, "mode": [mode] * k, "metric": [metric] * k}
