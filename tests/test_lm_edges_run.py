@@ -105,7 +105,7 @@ def test_batch_sizes_4_and_16_give_the_same_circuits_and_curves(tmp_path: Path) 
     curve = four["lm_circuit_curve"]
     assert set(curve.split) == {DISCOVERY, HELD_OUT} and set(curve.pairs) <= {8}  # 16 pairs: 8 held out
     circuit = four["lm_circuit"]
-    assert set(circuit.groupby("split").sample.nunique()) == {8}  # every pair of both parts evaluated
+    assert set(circuit.groupby("split")["sample"].nunique()) == {8}  # every pair of both parts evaluated
     full = curve[curve.edges == curve.total_edges]
     assert (full.faithfulness.astype(float) - 1).abs().max() <= 1e-5  # every edge kept: the model
 

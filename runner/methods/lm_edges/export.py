@@ -73,5 +73,6 @@ def write_eap_ig_graph(
 ) -> Path:  # fmt: skip
     """Write `eap_ig_graph(...)` as JSON at `path`; returns the path."""
     path = Path(path)
-    path.write_text(json.dumps(eap_ig_graph(edges, layers, heads, kv_heads, d_model, parallel, in_circuit)))
+    with path.open("w") as fh:  # streamed: the text of a 1.5M-edge graph is not held whole
+        json.dump(eap_ig_graph(edges, layers, heads, kv_heads, d_model, parallel, in_circuit), fh)
     return path

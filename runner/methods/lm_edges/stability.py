@@ -68,7 +68,7 @@ def bootstrap(
 
     # smallest[r, i]: the index in `sizes` of the smallest size whose top-n in resample r holds edge i (len: none)
     smallest = np.full((resamples, e), len(sizes), dtype=np.min_scalar_type(len(sizes)))
-    held = np.zeros((len(sizes), e), dtype=np.int64)  # resamples whose top-n holds the edge, per size
+    held = np.zeros((len(sizes), e), dtype=np.int32)  # resamples whose top-n holds the edge, per size
     for rows in _blocks(resamples, max(1, _BLOCK // max(e, 1))) if sizes else []:
         block = np.empty((rows.stop - rows.start, e))  # (r, E)
         for cols in _blocks(e, max(1, _BLOCK // (n + block.shape[0]))):
