@@ -232,7 +232,17 @@ def test_exact_edges_equal_the_plain_loop_and_top_k_patches_the_best_scored(llam
     assert max(abs(float(r.exact) - loop[r.edge]) for r in patched.itertuples()) <= 1e-5
 
 
-def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is_that_edge_corrupted(llama) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def measured_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The circuits of every edge and of none measured by an intervention forward, not taken as known."""
+    from runner.methods.lm_edges import method
+
+    monkeypatch.setattr(method, "MEASURE_KNOWN_CIRCUITS", True)
+
+
+def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is_that_edge_corrupted(
+    llama, measured_ends
+) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = llama
     pair = PAIRS[0]
     edges = lm_edge_attribution(model, tokenizer, [pair], mode="eap", per_pair=True)
@@ -258,7 +268,9 @@ def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is
     assert abs((metric - clean) - noised) <= 1e-5, (metric - clean, noised)
 
 
-def test_a_mean_ablated_circuit_of_every_edge_restores_1_and_of_none_differs_from_the_corrupted_run(llama) -> None:  # type: ignore[no-untyped-def]
+def test_a_mean_ablated_circuit_of_every_edge_restores_1_and_of_none_differs_from_the_corrupted_run(
+    llama, measured_ends
+) -> None:  # type: ignore[no-untyped-def]
     from runner.data.prompts import pairs_batch
     from runner.methods.base import library_config, library_token_runtime, run_prepared
     from runner.methods.lm_edges.method import LmEdges

@@ -71,8 +71,15 @@ def write_eap_ig_graph(
     path: str | Path, edges: pd.DataFrame, layers: int, heads: int, kv_heads: int, d_model: int, parallel: bool,
     in_circuit: Collection[str] = (),
 ) -> Path:  # fmt: skip
-    """Write `eap_ig_graph(...)` as JSON at `path`; returns the path."""
+    """Write `eap_ig_graph(...)` as JSON at `path` (whole or not at all: written beside it, then renamed); returns the
+    path."""
     path = Path(path)
-    with path.open("w") as fh:  # streamed: the text of a 1.5M-edge graph is not held whole
-        json.dump(eap_ig_graph(edges, layers, heads, kv_heads, d_model, parallel, in_circuit), fh)
+    graph = eap_ig_graph(edges, layers, heads, kv_heads, d_model, parallel, in_circuit)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w") as fh:  # streamed: the text of a 1.5M-edge graph is not held whole
+            json.dump(graph, fh)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

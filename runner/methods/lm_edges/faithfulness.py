@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+from runner.options.method.lm_edges import MIB_FRACTIONS  # the curve's x (its config default, declared there)
 
 
 def mib_size(fraction: float, total: int) -> int:

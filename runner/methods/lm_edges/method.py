@@ -37,7 +37,7 @@ from runner.methods.lm_edges.rows import edge_columns, typed
 from runner.methods.lm_edges.run_scores import RunScores, final_tables, writer_sites
 from runner.methods.lm_edges.scores import edge_scores, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
-from runner.methods.lm_patching.corruptions import EmbeddingEdit
+from runner.methods.lm_patching.corruptions import Corrupted, EmbeddingEdit
 from runner.methods.lm_patching.metric import PairMetrics, pair_metrics, score
 from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
@@ -50,6 +50,9 @@ from runner.targets.tokens import TokenTarget, target_name, token_target
 log = logging.getLogger(__name__)
 # Rows (variants x copies x pairs) an intervention forward aims for (exact edges, circuits)
 ROWS_PER_FORWARD = 256
+# Whether the circuits whose metric is known (every edge: the clean run; none, corrupted ablation: the corrupted run)
+# are measured all the same (the tests that check the interventions against those identities set it)
+MEASURE_KNOWN_CIRCUITS = False
 
 
 class LmEdges(CorruptedPairsMethod):
@@ -255,8 +258,30 @@ class LmEdges(CorruptedPairsMethod):
 
     # -- pass 2: evaluation ----------------------------------------------------------------------------------------
     def _evaluate(self, model: nn.Module, batch: Batch) -> BatchOutput:
-        """Every pair of the batch: the run's circuits (lm_circuit) and the checked edges' exact effects."""
+        """Every pair of the batch: the run's circuits (lm_circuit); the discovery pairs: the checked edges' exact
+        effects (lm_edge_exact)."""
         assert self.run is not None
+        tables: dict[str, Columns] = {}
+        runs = self._runs(model, batch)
+        splits = [self.parts.get(s, DISCOVERY) for s in batch.sample_ids]
+        if self.run.sizes:
+            ablated = runs.kept if self.p.ablation is EdgeAblation.corrupted else self.run.means_like(runs.clean_sites)
+            tables["lm_circuit"] = self._circuit(model, runs.clean_ids, runs.mask, ablated, runs.metrics, splits)
+        predicted = runs.clean_logits.argmax(dim=1)
+        index = [i for i, part in enumerate(splits) if part == DISCOVERY]
+        if len(self.run.checked) and index:
+            if len(index) < len(splits):  # the held-out pairs have no estimate to check: not patched
+                runs = self._runs(model, _pairs_of(batch, index))
+            deltas = writes(self.graph, self.layout, model, runs.clean_sites, runs.kept, runs.mask)
+            receiving = _Receiving(runs.corrupted.ids, runs.corrupted.edit, runs.mask, runs.kept, runs.metrics)
+            edges = self.edge_index[torch.as_tensor(self.run.checked)].tolist()
+            exact = self._exact(model, receiving, edges, deltas).float().cpu()  # (checked, discovery pairs)
+            tables["lm_edge_exact"] = self._exact_rows(exact, runs.metrics, index, [batch.sample_ids[i] for i in index])
+        self.hooks.clear()
+        return BatchOutput(predicted=predicted, tables=tables)
+
+    def _runs(self, model: nn.Module, batch: Batch) -> _Runs:
+        """The batch's clean and corrupted runs, traced, and its pairs' metrics."""
         prompts = self.prompts(batch)
         clean_ids, mask = prompts.clean, prompts.mask
         corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
@@ -267,20 +292,7 @@ class LmEdges(CorruptedPairsMethod):
         metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits, corrupted_logits,
                                batch.sample_ids, self.p.min_span, self.warned, self.name, self.key,
                                "the pair is left out of the run's means")  # fmt: skip
-        splits = [self.parts.get(s, DISCOVERY) for s in batch.sample_ids]
-        tables: dict[str, Columns] = {}
-        if self.run.sizes:
-            ablated = kept if self.p.ablation is EdgeAblation.corrupted else self.run.means_like(clean_sites)
-            tables["lm_circuit"] = self._circuit(model, clean_ids, mask, ablated, metrics, splits)
-        if len(self.run.checked):
-            deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)
-            run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
-            edges = self.edge_index[torch.as_tensor(self.run.checked)].tolist()
-            exact = self._exact(model, run, edges, deltas).float().cpu()  # (checked, B)
-            tables["lm_edge_exact"] = self._exact_rows(exact, metrics, batch.sample_ids, splits)
-        kept.clear()
-        self.hooks.clear()
-        return BatchOutput(predicted=clean_logits.argmax(dim=1), tables=tables)
+        return _Runs(clean_ids, mask, corrupted, clean_logits, clean_sites, kept, metrics)
 
     @staticmethod
     def _variants(pairs: int, copies: int) -> int:
@@ -322,23 +334,30 @@ class LmEdges(CorruptedPairsMethod):
         its writer in `ablated` (the corrupted run's views, or the discovery pairs' means), its metric, and the
         faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge."""
         assert self.run is not None
-        sizes = self.run.sizes
-        run = _Receiving(clean_ids, None, mask, ablated, metrics)
-        step = self._variants(clean_ids.shape[0], self.hooks.circuit_copies)
-        device = clean_ids.device
-        parts = []
-        for i in range(0, len(sizes), step):
-            within_batch(0.2 + 0.6 * i / len(sizes), f"lm_edges: circuits {i}/{len(sizes)}")
-            masks = self.run.circuit_masks(i, i + step).to(device)
-            parts.append(self._intervened(model, self.hooks.circuit(masks), run))
-        measured = torch.cat(parts).float().cpu()  # (sizes, B)
+        sizes, total = self.run.sizes, len(self.edge_index)
         b, n = clean_ids.shape[0], len(sizes)
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
+        # Circuits whose metric is known without a forward: every edge kept is the clean run, none kept (every edge
+        # corrupted) the corrupted run (tests/test_lm_edges.py measures both with MEASURE_KNOWN_CIRCUITS)
+        known = {} if MEASURE_KNOWN_CIRCUITS else {total: clean}
+        if not MEASURE_KNOWN_CIRCUITS and self.p.ablation is EdgeAblation.corrupted:
+            known[0] = corrupted
+        run = _Receiving(clean_ids, None, mask, ablated, metrics)
+        step = self._variants(b, self.hooks.circuit_copies)
+        device = clean_ids.device
+        rows = [i for i, size in enumerate(sizes) if size not in known]
+        found: dict[int, torch.Tensor] = {}
+        for at in range(0, len(rows), step):
+            within_batch(0.2 + 0.6 * at / len(rows), f"lm_edges: circuits {at}/{len(rows)}")
+            chosen = rows[at : at + step]
+            masks = self.run.circuit_masks(chosen).to(device)
+            measured = self._intervened(model, self.hooks.circuit(masks), run).float().cpu()  # (len(chosen), B)
+            found.update(zip(chosen, measured, strict=True))
+        measured = torch.stack([known[s] if s in known else found[i] for i, s in enumerate(sizes)])  # (sizes, B)
         empty = measured[sizes.index(0)]  # (B,) m(empty), measured: sizes always hold 0
         flagged = metrics.undefined.cpu()
         span = clean - empty
         faithful = torch.where(flagged | (span == 0), torch.nan, (measured - empty) / span)  # (sizes, B)
-        total = len(self.edge_index)
         return {
             "sample_index": list(range(b)) * n,
             "edges": [size for size in sizes for _ in range(b)],
@@ -358,27 +377,36 @@ class LmEdges(CorruptedPairsMethod):
             "small_span": [metrics.small[i] for i in range(b)] * n,
         }
 
-    def _exact_rows(self, exact: torch.Tensor, metrics: PairMetrics, ids: list[str], splits: list[str]) -> Columns:
-        """lm_edge_exact: per (checked edge, discovery pair) its exact effect and the pair's estimate."""
+    def _exact_rows(self, exact: torch.Tensor, metrics: PairMetrics, index: list[int], ids: list[str]) -> Columns:
+        """lm_edge_exact: per (checked edge, discovery pair) its exact effect and the pair's estimate; `index`: the
+        pairs' rows in the batch, `ids` their ids."""
         assert self.run is not None
         run = self.run
-        rows: dict[str, list[Any]] = {k: [] for k in ("sample_index", "edge", "upstream", "downstream", "input",
-                                                      "chosen", "rank", "estimate", "exact", "degenerate",
-                                                      "small_span")}  # fmt: skip
-        for j, e in enumerate(run.checked):
-            for i, sample in enumerate(ids):
-                if splits[i] != DISCOVERY:
-                    continue
-                rows["sample_index"].append(i)
-                for key in ("edge", "upstream", "downstream", "input"):
-                    rows[key].append(self.columns[key][e])
-                rows["chosen"].append(run.chosen[j])
-                rows["rank"].append(int(run.rank[e]))
-                rows["estimate"].append(run.estimate(sample, e))
-                rows["exact"].append(float(exact[j, i]))
-                rows["degenerate"].append(metrics.reasons[i] is not None)
-                rows["small_span"].append(bool(metrics.small[i]))
-        return typed("lm_edge_exact", {**rows, **self._common(len(rows["edge"]))})
+        pairs, checked = len(ids), len(run.checked)
+        edges = np.repeat(np.asarray(run.checked), pairs)
+        pair = np.tile(np.arange(pairs), checked)
+        out: Columns = {"sample_index": [index[i] for i in pair]}
+        out.update({key: [self.columns[key][e] for e in edges] for key in ("edge", "upstream", "downstream", "input")})
+        out.update({
+            "chosen": np.repeat(run.chosen, pairs).tolist(), "rank": run.rank[edges],
+            "estimate": [run.estimate(ids[i], e) for e, i in zip(edges.tolist(), pair.tolist(), strict=True)],
+            "exact": exact.reshape(-1), **self._common(checked * pairs),
+            "degenerate": [metrics.reasons[i] is not None for i in pair], "small_span": [metrics.small[i] for i in pair],
+        })  # fmt: skip
+        return typed("lm_edge_exact", out)
+
+
+@dataclass
+class _Runs:
+    """A batch's clean and corrupted runs: prompts, the corruption, the clean logits, both runs' views, metrics."""
+
+    clean_ids: torch.Tensor
+    mask: torch.Tensor
+    corrupted: Corrupted  # its ids and embedding edit
+    clean_logits: torch.Tensor
+    clean_sites: dict[str, torch.Tensor]
+    kept: dict[str, torch.Tensor]  # the corrupted run's views
+    metrics: PairMetrics
 
 
 @dataclass

@@ -100,9 +100,9 @@ class RunScores:
     def pairs(self) -> int:
         return int(self.kept.sum())
 
-    def circuit_masks(self, lo: int, hi: int) -> torch.Tensor:
-        """(sizes lo..hi-1, writers, readers) bool: the run's circuit of each size."""
-        chosen = self.sizes[lo:hi]
+    def circuit_masks(self, rows: list[int]) -> torch.Tensor:
+        """(len(rows), writers, readers) bool: the run's circuit of each size self.sizes[row]."""
+        chosen = [self.sizes[i] for i in rows]
         masks = torch.zeros(len(chosen), *self.graph.edges.shape, dtype=torch.bool)
         for i, n in enumerate(chosen):
             edges = self.edge_index[torch.as_tensor(self.order[:n], dtype=torch.long)]
