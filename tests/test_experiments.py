@@ -39,6 +39,7 @@ TABLES = {
     "ioi_attention_smollm2": {"lm_attention"},
     "edges_lm_induction": EDGE_TABLES,
     "ioi_edges_smollm2": EDGE_TABLES,
+    "ioi_edges_smollm2_templates": EDGE_TABLES,
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
