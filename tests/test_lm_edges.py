@@ -47,8 +47,9 @@ def test_the_graph_of_a_grouped_query_model() -> None:
 
 
 def _edge_setup(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[str, Any]:
-    """What the references read of one pair on a Llama: the prompts' ids, the embedding outputs, every writer's
-    clean - corrupted write, the readers (name, layer, kind, head) and the edges' (writer, reader) names."""
+    """What the references read of one pair on a Llama: the prompts' ids, the embedding outputs, both runs' writer
+    outputs (_captured), every writer's clean - corrupted write, the readers (name, layer, kind, head) and the edges'
+    (writer, reader) names."""
     inner = model.model
     layers, heads = len(inner.layers), model.config.num_attention_heads
     kv = model.config.num_key_value_heads
@@ -74,7 +75,8 @@ def _edge_setup(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[
                 edges.append((writer, reader))
     answer, distractor = (tokenizer.convert_tokens_to_ids(pair[k]) for k in ("answer", "distractor"))
     return {"clean": clean, "corrupted": corrupted, "clean_embedding": a["input"], "embedding": b["input"],
-            "writes": writes, "edges": edges, "d": d, "answer": answer, "distractor": distractor}  # fmt: skip
+            "clean_sites": a, "corrupted_sites": b, "writes": writes, "edges": edges, "d": d, "answer": answer,
+            "distractor": distractor}  # fmt: skip
 
 
 def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: float = 0.0) -> dict[str, float]:
@@ -83,14 +85,52 @@ def _reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], alpha: fl
     reader's input alone (head h's query: q_proj(norm(stream + eps w)) for h's columns only), d metric / d eps."""
     e = _edge_setup(model, tokenizer, pair)
     embedding = e["embedding"] + alpha * (e["clean_embedding"] - e["embedding"])
+    return _edge_derivatives(model, e, e["corrupted"], embedding)
+
+
+def _edge_derivatives(
+    model: nn.Module, e: dict[str, Any], ids: torch.Tensor, embedding: torch.Tensor,
+    fixed: dict[str, torch.Tensor] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Every edge's d metric / d eps in the run of `ids` with the embedding output `embedding` (and the outputs
+    `fixed`, _perturbed_logits), eps x the writer's clean - corrupted write added to the reader's input alone."""
     scores: dict[str, float] = {}
     for writer, (reader, layer, kind, index) in e["edges"]:
         eps = torch.zeros((), requires_grad=True)
         added = eps * e["writes"][writer]
-        logits = _perturbed_logits(model, e["corrupted"], embedding, layer, kind, index, added, e["d"])
+        logits = _perturbed_logits(model, ids, embedding, layer, kind, index, added, e["d"], fixed)
         metric = logits[e["answer"]] - logits[e["distractor"]]
-        scores[f"{writer}->{reader}"] = float(torch.autograd.grad(metric, eps)[0])
+        found = torch.autograd.grad(metric, eps, allow_unused=True)[0]  # None: a fixed output cuts the reader off
+        scores[f"{writer}->{reader}"] = 0.0 if found is None else float(found)
     return scores
+
+
+def _clean_corrupted_reference(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[str, float]:
+    """mode=clean_corrupted from its definition: each edge's d metric / d eps at the clean prompt's run and at the
+    corrupted prompt's run, averaged."""
+    e = _edge_setup(model, tokenizer, pair)
+    at_clean = _edge_derivatives(model, e, e["clean"], e["clean_embedding"])
+    at_corrupted = _edge_derivatives(model, e, e["corrupted"], e["embedding"])
+    return {edge: (at_clean[edge] + at_corrupted[edge]) / 2 for edge in at_clean}
+
+
+def _ig_activations_reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], steps: int) -> dict[str, float]:
+    """mode=eap_ig_activations from its definition (Hanna et al.'s get_scores_ig_activations, sign flipped): each
+    edge's d metric / d eps averaged over the runs of the clean prompt with one group's output (the embeddings, layer
+    l's o_proj input z: all its heads, layer l's MLP output) set to a x its clean + (1 - a) x its corrupted value,
+    a = k / steps, k = 1 .. steps."""
+    e = _edge_setup(model, tokenizer, pair)
+    clean, corrupted = e["clean_sites"], e["corrupted_sites"]
+    groups = ["input"] + [f"{part}{i}" for i in range(len(model.model.layers)) for part in "zm"]
+    total: dict[str, float] = {}
+    for group in groups:
+        for k in range(1, steps + 1):
+            alpha = k / steps
+            value = alpha * clean[group] + (1 - alpha) * corrupted[group]
+            embedding, fixed = (value, {}) if group == "input" else (e["clean_embedding"], {group: value})
+            for edge, v in _edge_derivatives(model, e, e["clean"], embedding, fixed).items():
+                total[edge] = total.get(edge, 0.0) + v / (len(groups) * steps)
+    return total
 
 
 def _loop(model: nn.Module, tokenizer: Any, pair: dict[str, str], noising: bool = False) -> dict[str, float]:
@@ -131,12 +171,19 @@ def _captured(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _perturbed_logits(
     model: nn.Module, ids: torch.Tensor, embedding: torch.Tensor, layer: int, kind: str, index: int | None,
-    added: torch.Tensor, d: int,
+    added: torch.Tensor, d: int, fixed: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The last position's logits of the run of `ids` with the embedding output `embedding` and `added` put into one
-    reader's input: head `index`'s q (or key-value head's k, v) input of `layer`, its MLP's, or the final norm's."""
+    reader's input: head `index`'s q (or key-value head's k, v) input of `layer`, its MLP's, or the final norm's;
+    `fixed`: outputs set to constants, "z{l}" layer l's o_proj input (all heads), "m{l}" its MLP's output."""
     inner, stream = model.model, {}
     handles = [inner.embed_tokens.register_forward_hook(lambda m, args, o: embedding)]
+    for name, value in (fixed or {}).items():
+        block = inner.layers[int(name[1:])]
+        if name[0] == "z":
+            handles.append(block.self_attn.o_proj.register_forward_pre_hook(lambda m, args, v=value: (v,)))
+        else:
+            handles.append(block.mlp.register_forward_hook(lambda m, args, o, v=value: v))
     if kind in ("q", "k", "v"):
         block = inner.layers[layer]
         proj = getattr(block.self_attn, f"{kind}_proj")
@@ -167,13 +214,17 @@ def _perturbed_logits(
             handle.remove()
 
 
-@pytest.mark.parametrize("mode,steps", [("eap", 1), ("eap_ig", 3)])
+@pytest.mark.parametrize("mode,steps", [("eap", 1), ("eap_ig", 3), ("clean_corrupted", 1), ("eap_ig_activations", 3)])
 def test_every_edge_equals_the_autograd_reference_on_a_grouped_query_llama(llama, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = llama
     pair = PAIRS[0]
     table = lm_edge_attribution(model, tokenizer, [pair], mode=mode, steps=steps, per_pair=True)
     reference: dict[str, float] = {}
-    for k in range(steps):
+    if mode == "clean_corrupted":
+        reference = _clean_corrupted_reference(model, tokenizer, pair)
+    elif mode == "eap_ig_activations":
+        reference = _ig_activations_reference(model, tokenizer, pair, steps)
+    for k in range(steps if mode in ("eap", "eap_ig") else 0):
         for edge, value in _reference(model, tokenizer, pair, alpha=k / steps).items():
             reference[edge] = reference.get(edge, 0.0) + value / steps
     ours = dict(zip(table.edge, table.score.astype(float), strict=True))
@@ -182,6 +233,23 @@ def test_every_edge_equals_the_autograd_reference_on_a_grouped_query_llama(llama
     worst = max(abs(ours[e] - reference[e]) for e in reference)
     print(f"{mode}: {len(ours)} edges, worst |runner - autograd| = {worst:.2e} (largest score {scale:.2e})")
     assert worst <= 1e-5 * max(1.0, scale)
+
+
+@pytest.mark.parametrize("mode", ["clean_corrupted", "eap_ig_activations"])
+def test_runs_stacked_in_one_forward_equal_the_runs_one_by_one(llama, mode: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """estimators.py stacks a batch's runs in the rows of a forward (RUN_ROWS): the same scores as one run a forward,
+    with pairs of two lengths (padding) and an embedding corruption (each run's edit stacked with the others')."""
+    from runner.methods.lm_edges import estimators
+
+    model, tokenizer = llama
+    pairs = [*PAIRS, {"clean": "t01 t02 t01", "corrupted": "t05 t02 t01", "answer": "t02", "distractor": "t05"}]
+    settings = {"mode": mode, "steps": 2, "per_pair": True, "corruption": {"kind": "noise"}}
+    stacked = lm_edge_attribution(model, tokenizer, pairs, **settings)
+    monkeypatch.setattr(estimators, "RUN_ROWS", 1)
+    alone = lm_edge_attribution(model, tokenizer, pairs, **settings)
+    assert stacked.score.abs().max() > 0.1
+    torch.testing.assert_close(torch.tensor(stacked.score.astype(float).to_numpy()),
+                               torch.tensor(alone.score.astype(float).to_numpy()), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 EDGE_FAMILIES = [f for f in FAMILIES if f not in ("gemma2", "gemma3_text", "olmo2")]  # post-norms: refused

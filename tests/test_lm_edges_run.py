@@ -108,6 +108,17 @@ def test_batch_sizes_4_and_16_give_the_same_circuits_and_curves(tmp_path: Path) 
     assert set(circuit.groupby("split")["sample"].nunique()) == {8}  # every pair of both parts evaluated
     full = curve[curve.edges == curve.total_edges]
     assert (full.faithfulness.astype(float) - 1).abs().max() <= 1e-5  # every edge kept: the model
+    # CPR and CMD by hand from the pairs' rows: MIB's points int(p x edges), f a ratio of means, trapezoids over p
+    total = int(circuit.total_edges.iloc[0])
+    fractions = np.array([0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])
+    scores = four["lm_circuit_scores"].set_index("split")
+    for split, part in circuit[~(circuit.degenerate | circuit.small_span)].groupby("split"):
+        means = part.groupby("edges")[["circuit_metric", "empty_metric", "clean"]].mean()
+        f = np.array([(means.circuit_metric[int(p * total)] - means.empty_metric[int(p * total)])
+                      / (means.clean[int(p * total)] - means.empty_metric[int(p * total)]) for p in fractions])  # fmt: skip
+        cpr = float(np.sum(np.diff(fractions) * (f[1:] + f[:-1]) / 2))
+        cmd = float(np.sum(np.diff(fractions) * (np.abs(1 - f[1:]) + np.abs(1 - f[:-1])) / 2))
+        assert abs(scores.cpr[split] - cpr) <= 1e-5 and abs(scores.cmd[split] - cmd) <= 1e-5, split
 
 
 @pytest.mark.slow

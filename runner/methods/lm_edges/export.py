@@ -21,6 +21,7 @@ node flags EAP-IG's `evaluate_graph` builds the input of every reader whose outp
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def write_eap_ig_graph(
     path."""
     path = Path(path)
     graph = eap_ig_graph(edges, layers, heads, kv_heads, d_model, parallel, in_circuit)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: every rank of a torchrun writes it
     try:
         with tmp.open("w") as fh:  # streamed: the text of a 1.5M-edge graph is not held whole
             json.dump(graph, fh)

@@ -31,6 +31,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.language_model import forward_last
+from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.rows import edge_columns, typed
@@ -227,8 +228,16 @@ class LmEdges(CorruptedPairsMethod):
         self, model: nn.Module, prompts: Any, corrupted: Any, clean_ids: torch.Tensor, clean_logits: torch.Tensor,
         kept: dict[str, torch.Tensor], corrupted_logits: list[torch.Tensor],
     ) -> torch.Tensor:  # fmt: skip
-        """(readers, B, T, D) the readers' gradients (eap: at the corrupted run; eap_ig: averaged over `steps` runs);
-        the corrupted run's views and logits go to `kept` and `corrupted_logits`."""
+        """(readers, B, T, D) the readers' gradients (eap: at the corrupted run; eap_ig: averaged over `steps` runs;
+        clean_corrupted, eap_ig_activations: estimators.py); the corrupted run's views and logits go to `kept` and
+        `corrupted_logits`."""
+        if self.p.mode in ESTIMATORS:
+            runs = Runs(model, self.hooks, self.corruption, self.runtime.autocast, self.graph, prompts.mask,
+                        lambda logits: score(self.target, logits, prompts.answers, prompts.distractors, clean_logits))  # fmt: skip
+            estimate = ESTIMATORS[self.p.mode](runs, clean_ids, corrupted, self.p.steps)
+            kept.update(estimate.corrupted_views)
+            corrupted_logits.append(estimate.corrupted_logits)
+            return estimate.gradients
         with torch.no_grad():
             # the embedding outputs the interpolation runs between (the edit hook sits on this module)
             clean_embedding = self.embed(clean_ids)
@@ -253,8 +262,12 @@ class LmEdges(CorruptedPairsMethod):
 
     @property
     def steps(self) -> int:
-        """The runs a score reads: eap_ig's steps, 1 for eap and exact."""
-        return self.p.steps if self.p.mode is EdgeMode.eap_ig else 1
+        """The runs a score reads: eap_ig's steps, (1 + 2 layers) x steps for eap_ig_activations, 2 for
+        clean_corrupted, 1 for eap and exact."""
+        mode = self.p.mode
+        if mode is EdgeMode.eap_ig_activations:
+            return (1 + 2 * self.graph.layers) * self.p.steps
+        return {EdgeMode.eap_ig: self.p.steps, EdgeMode.clean_corrupted: 2}.get(mode, 1)
 
     # -- pass 2: evaluation ----------------------------------------------------------------------------------------
     def _evaluate(self, model: nn.Module, batch: Batch) -> BatchOutput:

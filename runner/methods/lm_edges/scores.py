@@ -42,9 +42,13 @@ def writes(
     return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
 
 
-def reader_gradients(graph: EdgeGraph, views: dict[str, torch.Tensor], metric: torch.Tensor) -> torch.Tensor:
+def reader_gradients(
+    graph: EdgeGraph, views: dict[str, torch.Tensor], metric: torch.Tensor, runs: int = 1
+) -> torch.Tensor:  # fmt: skip
     """(readers, B, T, D) float32: dM/d(each reader's input), from the traced run's `views` (site name -> the tensor
-    the forward read, in the autograd graph) and its metric (B,) (pairs are independent: one backward of the sum)."""
+    the forward read, in the autograd graph) and its metric (B,) (pairs are independent: one backward of the sum);
+    `runs` runs stacked in the forward's rows (run j's B pairs at rows j B .. (j + 1) B - 1): the sum of their
+    gradients, summed one reader site at a time."""
     last = graph.layers - 1
     outputs = [f"{kind}.{layer}" for layer in range(graph.layers) for kind in ("q", "k", "v", "mlp_out")]
     outputs.append(f"resid_post.{last}")
@@ -55,11 +59,17 @@ def reader_gradients(graph: EdgeGraph, views: dict[str, torch.Tensor], metric: t
         stream = views[f"resid_pre.{layer}"]
         for kind in ("q", "k", "v"):
             site, grad = views[f"{kind}.{layer}"], grads[f"{kind}.{layer}"]  # (B, T, H, d)
-            parts.append(_vjp(site, stream, each_head_alone(grad), batched=True))  # (H, B, T, D)
+            parts.append(_per_pair(_vjp(site, stream, each_head_alone(grad), batched=True), runs))  # (H, B, T, D)
         mlp_in = stream if graph.parallel else views[f"resid_mid.{layer}"]
-        parts.append(_vjp(views[f"mlp_out.{layer}"], mlp_in, grads[f"mlp_out.{layer}"], batched=False)[None])
-    parts.append(grads[f"resid_post.{last}"].float()[None])
+        mlp = _vjp(views[f"mlp_out.{layer}"], mlp_in, grads[f"mlp_out.{layer}"], batched=False)
+        parts.append(_per_pair(mlp[None], runs))
+    parts.append(_per_pair(grads[f"resid_post.{last}"].float()[None], runs))
     return torch.cat(parts)
+
+
+def _per_pair(x: torch.Tensor, runs: int) -> torch.Tensor:
+    """(n, B, T, D) from (n, runs x B, T, D): the stacked runs' sum."""
+    return x if runs == 1 else x.unflatten(1, (runs, -1)).sum(1)
 
 
 def _vjp(output: torch.Tensor, stream: torch.Tensor, cotangent: torch.Tensor, batched: bool) -> torch.Tensor:

@@ -69,6 +69,9 @@ class SiteHooks:
         self.kept: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) view of the last kept run
         self.keeping = False
         self.tracing = False  # a kept run whose views stay in the autograd graph (attribution patching)
+        # site name -> (rows (N,), values (N, T, ...)): a kept run's rows of the site given these values, which the
+        # rest of the forward reads (and which, traced, pass no gradient to what computed the site)
+        self.fixed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sources: dict[str, torch.Tensor] = {}  # site name -> (B, T, ...) source views of a patched run
         self.patches: dict[str, _Patch] = {}
         self.bases: dict[str, torch.Tensor] = {}  # stream site name -> this forward's (B, T, D) block input
@@ -150,10 +153,14 @@ class SiteHooks:
         """Keep the site's tensor `raw`, or return it with this run's cells patched in (None: leave it)."""
         if self.keeping:
             view = spec.get(raw)
+            fixed = self.fixed.get(spec.name)
+            if fixed is not None:
+                rows, values = fixed
+                view = view.index_copy(0, rows.to(view.device), values.to(view.device, view.dtype))
             if not self.tracing:
                 # A tensor the forward changes in place later (SiteSpec.mutated) is kept as it is now: a copy.
                 self.kept[spec.name] = view.detach().clone() if spec.mutated else view.detach()
-                return None
+                return None if fixed is None else spec.put(raw, view)
             # Passed on in the site's place, so the metric's gradient w.r.t. this very tensor exists; a view that
             # nothing upstream makes require grad (frozen weights, token ids) becomes a leaf that does.
             if not view.requires_grad:
@@ -185,10 +192,15 @@ class SiteHooks:
                 new[rows, positions, heads] = source[pairs, positions, heads]
         return spec.put(raw, new)
 
-    def keep(self, grad: bool = False) -> _Keeping:
+    def keep(self, grad: bool = False, fixed: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> _Keeping:
         """`with hooks.keep():` the forward inside keeps every site's tensor in `kept`; `grad=True`: in the autograd
-        graph (run it with grad enabled), each tensor the one the rest of the forward reads."""
-        return _Keeping(self, grad)
+        graph (run it with grad enabled), each tensor the one the rest of the forward reads; `fixed` (site name ->
+        (rows (N,), values (N, T, ...))): those rows of those sites given those values (kept as given)."""
+        fixed = fixed or {}
+        streams = [name for name in fixed if name not in self.specs or self.specs[name].stream is not None]
+        if streams:
+            raise RunnerError(f"Sites {streams} cannot be fixed in a kept run: not hooked here, or a stream sum.")
+        return _Keeping(self, grad, fixed)
 
     def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor], start: int = 0) -> None:
         """Set up a patched run of `cells` (cell c of pair b at row c * pairs + b) from `sources` (site name ->
@@ -258,15 +270,16 @@ class _SoftmaxSite(TorchFunctionMode):
 
 
 class _Keeping:
-    def __init__(self, hooks: SiteHooks, grad: bool) -> None:
-        self.hooks, self.grad = hooks, grad
+    def __init__(self, hooks: SiteHooks, grad: bool, fixed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.hooks, self.grad, self.fixed = hooks, grad, fixed
 
     def __enter__(self) -> None:
         self.hooks.kept = {}
-        self.hooks.keeping, self.hooks.tracing = True, self.grad
+        self.hooks.keeping, self.hooks.tracing, self.hooks.fixed = True, self.grad, self.fixed
 
     def __exit__(self, *exc: object) -> None:
         self.hooks.keeping = self.hooks.tracing = False
+        self.hooks.fixed = {}
 
 
 def cells_of(layout: LanguageModelLayout, sites: Sequence[str], layers: Sequence[int], positions: int,

@@ -17,6 +17,13 @@ from runner.schema import MethodConfig
 class EdgeMode(str, Enum):
     eap = "eap"  # the gradient at the corrupted run: two forwards and one backward a batch
     eap_ig = "eap_ig"  # the gradient averaged over `steps` runs from the corrupted toward the clean embeddings
+    # the gradients at the clean and at the corrupted run averaged: two traced runs a batch (Hanna et al.'s
+    # get_scores_clean_corrupted)
+    clean_corrupted = "clean_corrupted"
+    # the gradient averaged over (1 + 2 layers) x `steps` runs of the clean prompt, each with one writer group's output
+    # (the embeddings, a layer's heads together, an MLP) k/steps of the way from corrupted to clean, k = 1 .. steps
+    # (Hanna et al.'s get_scores_ig_activations)
+    eap_ig_activations = "eap_ig_activations"
     exact = "exact"  # every edge patched: the corrupted run with the edge's reader given the writer's clean write
 
 
@@ -42,7 +49,9 @@ MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # t
 @dataclass
 class LmEdgesConfig:
     mode: EdgeMode = EdgeMode.eap_ig
-    steps: int = 5  # eap_ig's interpolation steps (read by eap_ig only: eap is one step, the corrupted run)
+    # eap_ig's and eap_ig_activations' interpolation steps (read by those two only: eap is one run, the corrupted run;
+    # clean_corrupted two)
+    steps: int = 5
     corruption: LmCorruptionConfig = field(default_factory=LmCorruptionConfig)
     # The run's top_k edges (by the run's ranking) and as many others drawn at random, patched exactly on every
     # discovery pair (table lm_edge_exact, column `exact`, and the estimate's calibration, lm_edge_calibration); 0: none
