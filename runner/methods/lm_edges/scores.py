@@ -5,8 +5,9 @@ and the readers' gradients.
 
 with the gradient taken on the corrupted run (EAP, Syed et al. 2023; TransformerLens's `attribution_patch` at edge
 granularity), or averaged over the runs whose input embeddings are corrupted + k/steps (clean - corrupted),
-k = 0 .. steps-1 (EAP-IG, Hanna et al. 2024: their `get_scores_eap_ig`). A positive score: moving the edge toward its
-clean value raises the metric. With steps=1 the two are the same.
+k = 0 .. steps-1 (EAP-IG, Hanna et al. 2024: their `get_scores_eap_ig`), or as estimators.py averages them
+(clean_corrupted, eap_ig_activations). A positive score: moving the edge toward its clean value raises the metric.
+With steps=1 eap and eap_ig are the same.
 
 A reader's gradient is the gradient along its own path only: head h's query input is the residual stream as head h's
 query projection reads it (through the block's norm), so dM/d(input of a{l}.h{h}<q>) is the vector-Jacobian product

@@ -197,9 +197,9 @@ class SiteHooks:
         graph (run it with grad enabled), each tensor the one the rest of the forward reads; `fixed` (site name ->
         (rows (N,), values (N, T, ...))): those rows of those sites given those values (kept as given)."""
         fixed = fixed or {}
-        streams = [name for name in fixed if name not in self.specs or self.specs[name].stream is not None]
-        if streams:
-            raise RunnerError(f"Sites {streams} cannot be fixed in a kept run: not hooked here, or a stream sum.")
+        refused = [name for name in fixed if name not in self.specs or self.specs[name].stream is not None]
+        if refused:
+            raise RunnerError(f"Sites {refused} cannot be fixed in a kept run: not hooked here, or a stream sum.")
         return _Keeping(self, grad, fixed)
 
     def plan(self, cells: Sequence[Cell], pairs: int, sources: dict[str, torch.Tensor], start: int = 0) -> None:
