@@ -484,7 +484,7 @@ def test_settings_out_of_range_are_refused_with_their_key() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)  # cuda where there is one, marked gpu (`make test-gpu`)
-@pytest.mark.parametrize("mode", ["eap_ig", "exact"])
+@pytest.mark.parametrize("mode", ["eap_ig", "exact", "clean_corrupted", "eap_ig_activations"])
 def test_edges_and_circuits_on_the_device_equal_the_cpu(llama, device: str, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Scores, exact effects (top_k) and circuits computed on `device` equal the CPU's (on the CPU: the same code
     path with the model moved, a copy, run twice)."""

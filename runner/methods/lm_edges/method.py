@@ -30,7 +30,7 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.language_model import forward_last
+from runner.methods.language_model import PromptPairs, forward_last
 from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
@@ -142,12 +142,8 @@ class LmEdges(CorruptedPairsMethod):
         if not index:
             return BatchOutput(predicted=predicted, tables={})
         batch = _pairs_of(whole, index)
-        prompts = self.prompts(batch)
+        prompts, corrupted, clean_logits, clean_sites = self._clean_run(model, batch)
         clean_ids, mask = prompts.clean, prompts.mask
-        corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
-        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
-            clean_logits = forward_last(model, clean_ids, mask).logits[:, -1].float()
-        clean_sites = self.hooks.kept
         kept: dict[str, torch.Tensor] = {}  # the corrupted run's views
         corrupted_logits: list[torch.Tensor] = []
         if self.p.mode is EdgeMode.exact:
@@ -174,6 +170,16 @@ class LmEdges(CorruptedPairsMethod):
         self.hooks.clear()
         predicted[index] = clean_logits.argmax(dim=1).to(predicted.device)
         return BatchOutput(predicted=predicted, tables=tables)
+
+    def _clean_run(self, model: nn.Module, batch: Batch) -> tuple[PromptPairs, Corrupted, torch.Tensor,
+                                                                    dict[str, torch.Tensor]]:  # fmt: skip
+        """The batch's prompts and their corruption, and the clean run traced without gradients: its last logits and
+        views."""
+        prompts = self.prompts(batch)
+        corrupted = self.corruption.corrupt(batch, prompts.clean, prompts.corrupted, prompts.mask)
+        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
+            clean_logits = forward_last(model, prompts.clean, prompts.mask).logits[:, -1].float()
+        return prompts, corrupted, clean_logits, self.hooks.kept
 
     def _corrupted_run(self, model: nn.Module, corrupted: Any, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor],
                                                                                             torch.Tensor]:  # fmt: skip
@@ -295,12 +301,8 @@ class LmEdges(CorruptedPairsMethod):
 
     def _runs(self, model: nn.Module, batch: Batch) -> _Runs:
         """The batch's clean and corrupted runs, traced, and its pairs' metrics."""
-        prompts = self.prompts(batch)
+        prompts, corrupted, clean_logits, clean_sites = self._clean_run(model, batch)
         clean_ids, mask = prompts.clean, prompts.mask
-        corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
-        with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
-            clean_logits = forward_last(model, clean_ids, mask).logits[:, -1].float()
-        clean_sites = self.hooks.kept
         kept, corrupted_logits = self._corrupted_run(model, corrupted, mask)
         metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits, corrupted_logits,
                                batch.sample_ids, self.p.min_span, self.warned, self.name, self.key,
