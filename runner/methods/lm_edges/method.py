@@ -281,6 +281,8 @@ class LmEdges(CorruptedPairsMethod):
         effects (lm_edge_exact)."""
         assert self.run is not None
         tables: dict[str, Columns] = {}
+        if not self.run.sizes and not self.run.checked:  # nothing to evaluate (no circuit asked for, no top_k)
+            return BatchOutput(predicted=torch.full((batch.x.shape[0],), -1, device=batch.x.device), tables=tables)
         runs = self._runs(model, batch)
         splits = [self.parts.get(s, DISCOVERY) for s in batch.sample_ids]
         if self.run.sizes:
