@@ -243,7 +243,8 @@ def _run_prepared(
     later = [[p * num_shards + s for s in range(num_shards) if s % world == rank and p * num_shards + s not in done]
              for p in range(1, passes)]  # fmt: skip
     if done:
-        log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done), num_shards, len(mine))
+        log.info("resuming %s: %d of %d shards complete, %d to run here", out, len(done),
+                 num_shards if final_shard is None else final_shard + 1, len(mine) + sum(map(len, later)))  # fmt: skip
     log.info(
         "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, id_columns["model"], len(dataset), device
     )
