@@ -4,6 +4,7 @@ the invariances a run must keep (the batch size, the order of the pairs)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,12 @@ def test_batch_sizes_4_and_16_give_the_same_circuits_and_curves(tmp_path: Path) 
     assert set(circuit.groupby("split")["sample"].nunique()) == {8}  # every pair of both parts evaluated
     full = curve[curve.edges == curve.total_edges]
     assert (full.faithfulness.astype(float) - 1).abs().max() <= 1e-5  # every edge kept: the model
+    # the export: every edge of the graph with its run score (the induction model has a key-value head per head, so
+    # key-value head g's edges are query head g's there)
+    exported = json.loads((tmp_path / "b4" / "lm_edges.eap_ig.json").read_text())["edges"]
+    edges = four["lm_edges"]
+    assert len(exported) == len(edges)
+    assert all(abs(exported[r.edge.replace(".g", ".h")]["score"] - float(r.score)) <= 1e-6 for r in edges.itertuples())
     # CPR and CMD by hand from the pairs' rows: MIB's points int(p x edges), f a ratio of means, trapezoids over p
     total = int(circuit.total_edges.iloc[0])
     fractions = np.array([0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from runner.data.base import NO_LABEL, Batch
 from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
-from runner.rows import BatchOutput, Columns, to_host
+from runner.rows import BatchOutput, Columns, concat_columns, to_host
 from runner.runtime import Runtime
 from runner.schema import MethodConfig, Precision, TargetMode
 
@@ -117,22 +117,8 @@ def run_prepared(method: Method, model: nn.Module, batch: Batch, dataset: Datase
             for table, columns in out.tables.items():
                 written.setdefault(table, []).append(columns)
         final = method.final_tables(read)
-    tables = {table: _joined(parts) for table, parts in written.items()}
+    tables = {table: concat_columns(parts) for table, parts in written.items()}
     return BatchOutput(predicted=out.predicted, tables={**tables, **final})
-
-
-def _joined(parts: list[Columns]) -> Columns:
-    """One table's columns from several batches' (host values concatenated column by column)."""
-    if len(parts) == 1:
-        return parts[0]
-    return {name: [v for part in parts for v in _values(part[name])] for name in parts[0]}
-
-
-def _values(column: Any) -> list[Any]:
-    """A column's values as a list (a tensor moved to the host)."""
-    if isinstance(column, torch.Tensor):
-        return column.detach().cpu().tolist()
-    return list(column.tolist() if hasattr(column, "tolist") else column)
 
 
 def target_fields(target: int | Sequence[int] | torch.Tensor | None) -> dict[str, Any]:

@@ -160,7 +160,7 @@ def ig_activations(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps:
     a = k / steps of the way from its corrupted to its clean value, k = 1 .. steps (module docstring)."""
     clean_views, _ = runs.views(Run(clean))
     corrupted_views, corrupted_logits = runs.views(Run(corrupted.ids, corrupted.edit))
-    groups = ["resid_pre.0"] + [f"{kind}.{layer}" for layer in range(runs.graph.layers) for kind in ("head", "mlp_out")]
+    groups = runs.graph.writer_sites()  # the embeddings, then per layer its attention and its MLP
 
     def run(j: int) -> Run:
         group, alpha = groups[j // steps], (j % steps + 1) / steps

@@ -73,6 +73,11 @@ class EdgeGraph:
         """The indices of layer `layer`'s readers of `kind` (q, k, v: one per head; mlp: one)."""
         return [i for i, r in enumerate(self.readers) if r.layer == layer and r.kind == kind]
 
+    def writer_sites(self) -> list[str]:
+        """The views that hold the writers' outputs, in writer order: the embeddings (resid_pre.0), then per layer
+        its heads' outputs (head: each head's z before the output projection) and its MLP's (mlp_out)."""
+        return ["resid_pre.0", *(f"{kind}.{layer}" for layer in range(self.layers) for kind in ("head", "mlp_out"))]
+
     def sites(self) -> list[tuple[str, int]]:
         """The (site, layer) pairs its writers and readers live at: writers' outputs (resid_pre.0 for the
         embeddings, head, mlp_out), readers' inputs and outputs (resid_pre, resid_mid, q, k, v, mlp_out), and the

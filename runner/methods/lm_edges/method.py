@@ -32,10 +32,11 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.language_model import PromptPairs, forward_last
 from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
+from runner.methods.lm_edges.export import write_eap_ig_graph
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.rows import edge_columns, typed
-from runner.methods.lm_edges.run_scores import RunScores, final_tables, writer_sites
+from runner.methods.lm_edges.run_scores import RunScores, final_tables
 from runner.methods.lm_edges.scores import edge_scores, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
 from runner.methods.lm_patching.corruptions import Corrupted, EmbeddingEdit
@@ -126,13 +127,14 @@ class LmEdges(CorruptedPairsMethod):
         return self.tables
 
     def finish(self, out: Path) -> None:
-        """The run's edge scores and circuit in the layout the EAP-IG code and the MIB circuit track read."""
-        from runner.methods.lm_edges.export import write_eap_ig_graph
-
-        if self.run is not None and "lm_edges" in getattr(self, "tables", {}):
-            self.run.export(
-                out / "lm_edges.eap_ig.json", self.tables["lm_edges"], self.layout, self.width, write_eap_ig_graph
-            )
+        """The run's edge scores in the graph file the EAP-IG code and the MIB circuit track read (export.py)."""
+        edges = getattr(self, "tables", {}).get("lm_edges")
+        if edges is not None:
+            names = ("edge", "upstream", "downstream", "input", "downstream_layer", "downstream_head", "score")
+            frame = pd.DataFrame({k: edges[k] for k in names})
+            layout = self.layout
+            write_eap_ig_graph(out / "lm_edges.eap_ig.json", frame, layout.layers, layout.heads, layout.kv_heads,
+                               self.width or 0, self.graph.parallel)  # fmt: skip
 
     # -- pass 1: scoring -------------------------------------------------------------------------------------------
     def _score(self, model: nn.Module, whole: Batch) -> BatchOutput:
@@ -152,9 +154,7 @@ class LmEdges(CorruptedPairsMethod):
             gradients = None
         else:
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
-        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits,
-                               corrupted_logits[0], batch.sample_ids, self.p.min_span, self.warned, self.name,
-                               self.key, "the pair is left out of the run's means")  # fmt: skip
+        metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits[0], batch.sample_ids)
         deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
         if gradients is None:
             run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
@@ -181,7 +181,28 @@ class LmEdges(CorruptedPairsMethod):
             clean_logits = forward_last(model, prompts.clean, prompts.mask).logits[:, -1].float()
         return prompts, corrupted, clean_logits, self.hooks.kept
 
-    def _corrupted_run(self, model: nn.Module, corrupted: Any, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+    def _metrics(
+        self, prompts: PromptPairs, corrupted: Corrupted, clean_logits: torch.Tensor, corrupted_logits: torch.Tensor,
+        ids: list[str],
+    ) -> PairMetrics:  # fmt: skip
+        """The pairs' clean and corrupted metrics and flags (a flagged pair is warned about once, and left out of the
+        run's means)."""
+        return pair_metrics(
+            self.target,
+            prompts,
+            corrupted.ids,
+            corrupted.edit,
+            clean_logits,
+            corrupted_logits,
+            ids,
+            self.p.min_span,
+            self.warned,
+            self.name,
+            self.key,
+            "the pair is left out of the run's means",
+        )
+
+    def _corrupted_run(self, model: nn.Module, corrupted: Corrupted, mask: torch.Tensor) -> tuple[dict[str, torch.Tensor],
                                                                                             torch.Tensor]:  # fmt: skip
         """The corrupted prompts' run, traced without gradients: its views and last logits."""
         self.corruption.active = corrupted.edit
@@ -210,7 +231,7 @@ class LmEdges(CorruptedPairsMethod):
         }  # fmt: skip
         if self.p.ablation is EdgeAblation.mean:
             real = mask[:, :, None].float()
-            sums = [(clean[name].flatten(2).float() * real).sum(1) for name in writer_sites(self.graph.layers)]
+            sums = [(clean[name].flatten(2).float() * real).sum(1) for name in self.graph.writer_sites()]
             flat = torch.cat(sums, dim=1).cpu()  # (B, writer widths)
             out["writer_sums"] = Ragged(flat.reshape(-1), [flat.shape[1]] * b)
             out["positions"] = mask.sum(1).cpu()
@@ -306,9 +327,7 @@ class LmEdges(CorruptedPairsMethod):
         prompts, corrupted, clean_logits, clean_sites = self._clean_run(model, batch)
         clean_ids, mask = prompts.clean, prompts.mask
         kept, corrupted_logits = self._corrupted_run(model, corrupted, mask)
-        metrics = pair_metrics(self.target, prompts, corrupted.ids, corrupted.edit, clean_logits, corrupted_logits,
-                               batch.sample_ids, self.p.min_span, self.warned, self.name, self.key,
-                               "the pair is left out of the run's means")  # fmt: skip
+        metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits, batch.sample_ids)
         return _Runs(clean_ids, mask, corrupted, clean_logits, clean_sites, kept, metrics)
 
     @staticmethod

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,11 +28,6 @@ from runner.options.method.lm_edges import EdgeMode, EdgeRanking, LmEdgesConfig
 from runner.rows import Columns
 
 log = logging.getLogger(__name__)
-
-
-def writer_sites(layers: int) -> list[str]:
-    """The views whose values a left-out edge's writer carries: the embeddings, each layer's heads and MLP."""
-    return ["resid_pre.0", *(f"{kind}.{layer}" for layer in range(layers) for kind in ("head", "mlp_out"))]
 
 
 def _flagged(frame: pd.DataFrame) -> np.ndarray:
@@ -121,7 +115,7 @@ class RunScores:
             sums = np.stack([np.asarray(s, dtype=np.float64) for s in self.frame["writer_sums"]]).sum(0)
             self._means = sums / float(self.frame["positions"].sum())
         out, at = {}, 0
-        for name in writer_sites(self.graph.layers):
+        for name in self.graph.writer_sites():
             view = views[name]
             width = int(np.prod(view.shape[2:]))
             mean = torch.as_tensor(self._means[at : at + width], dtype=view.dtype, device=view.device)
@@ -136,12 +130,6 @@ class RunScores:
             self.stability = bootstrap(self.scores[self.kept].T, sizes, self.p.resamples, self.p.seed,
                                        self.p.ranking is EdgeRanking.absolute)  # fmt: skip
         return self.stability
-
-    def export(self, path: Path, edges: Columns, layout: Any, d_model: int | None, write: Callable[..., Any]) -> None:
-        """The run's edge scores as the EAP-IG graph file (export.py)."""
-        frame = pd.DataFrame({k: edges[k] for k in ("edge", "upstream", "downstream", "input", "downstream_layer",
-                                                    "downstream_head", "score")})  # fmt: skip
-        write(path, frame, layout.layers, layout.heads, layout.kv_heads, d_model or 0, self.graph.parallel)
 
 
 def final_tables(
