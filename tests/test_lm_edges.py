@@ -1,6 +1,11 @@
 """method=lm_edges: the edge graph, EAP and EAP-IG scores against a plain autograd reference written here (a grouped-query
 Llama: each edge's score is d metric / d eps with eps x the writer's clean - corrupted write added to the reader's
-input alone), and the identity every edge graph must keep: a writer's edges sum to its node's attribution."""
+input alone), and the identity every edge graph must keep: a writer's edges sum to its node's attribution.
+
+The references are written for Llama's block and for the families that norm each branch's output after it (Gemma 2
+and 3, OLMo 2: `post_attention_layernorm` after the heads are summed). There a head's write is its output through
+the output projection times the post-norm's factor gain / RMS(the summed output) in its own run, written here from
+each family's RMSNorm (Gemma: x / RMS x (1 + weight); OLMo 2: x / RMS x weight)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,56 @@ from tests.test_lm_patching import PAIRS, _ids
 def llama(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     model, tokenizer, _ = build_tiny_lm("llama", seed=0, folder=tmp_path_factory.mktemp("llama"))
     return model, tokenizer
+
+
+POST_NORMED = ("gemma2", "gemma3_text", "olmo2")  # a norm after the heads are summed, and after the MLP
+
+
+@pytest.fixture(scope="module", params=["llama", *POST_NORMED])
+def edge_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The grouped-query Llama and a random-weight model of each family whose heads' sum is normed (4 query heads,
+    2 key-value heads)."""
+    if request.param == "llama":
+        return request.getfixturevalue("llama")
+    model, tokenizer, _ = build_tiny_lm(request.param, seed=0, folder=tmp_path_factory.mktemp(request.param))
+    return model, tokenizer
+
+
+def _block_parts(model: nn.Module) -> dict[str, Any]:
+    """Where a block's parts are, from each family's modeling file: the norm q/k/v read the stream through (None: the
+    stream itself), the norm the MLP reads it through, the module whose output is the MLP's write, and the norm after
+    the heads' sum with its gain (None: the sum is the write)."""
+    family = model.config.model_type
+    if family in ("gemma2", "gemma3_text"):
+        return {"qkv_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+                "mlp_write": "post_feedforward_layernorm", "post_norm": "post_attention_layernorm",
+                "gain": lambda norm: 1 + norm.weight}  # fmt: skip
+    if family == "olmo2":
+        return {"qkv_norm": None, "mlp_norm": None, "mlp_write": "post_feedforward_layernorm",
+                "post_norm": "post_attention_layernorm", "gain": lambda norm: norm.weight}  # fmt: skip
+    return {
+        "qkv_norm": "input_layernorm",
+        "mlp_norm": "post_attention_layernorm",
+        "mlp_write": "mlp",
+        "post_norm": None,
+    }
+
+
+def _head_writes(model: nn.Module, layer: int, z: torch.Tensor) -> list[torch.Tensor]:
+    """Each head's write of the run whose layer-`layer` o_proj input is `z` (..., H d): its slice of o_proj; where the
+    family norms the heads' sum, times gain / RMS(sum) of this run."""
+    heads = model.config.num_attention_heads
+    block = model.model.layers[layer]
+    o = block.self_attn.o_proj.weight  # (D, H d)
+    d = o.shape[1] // heads
+    writes = [F.linear(z[..., h * d : (h + 1) * d], o[:, h * d : (h + 1) * d]) for h in range(heads)]
+    parts = _block_parts(model)
+    if parts["post_norm"] is None:
+        return writes
+    norm = getattr(block, parts["post_norm"])
+    summed = F.linear(z, o)
+    factor = parts["gain"](norm) * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+    return [w * factor for w in writes]
 
 
 def test_the_graph_of_a_grouped_query_model() -> None:
@@ -53,16 +108,16 @@ def _edge_setup(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[
     inner = model.model
     layers, heads = len(inner.layers), model.config.num_attention_heads
     kv = model.config.num_key_value_heads
-    d = model.config.hidden_size // heads
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // heads
     clean = torch.tensor([_ids(tokenizer, pair["clean"])])
     corrupted = torch.tensor([_ids(tokenizer, pair["corrupted"])])
     a, b = _captured(model, clean), _captured(model, corrupted)
     writes = {"input": a["input"] - b["input"]}
     for i in range(layers):
-        o = inner.layers[i].self_attn.o_proj.weight  # (D, H d)
-        dz = (a[f"z{i}"] - b[f"z{i}"]).unflatten(-1, (heads, d))
-        for h in range(heads):
-            writes[f"a{i}.h{h}"] = F.linear(dz[..., h, :], o[:, h * d : (h + 1) * d])
+        for h, (write_a, write_b) in enumerate(
+            zip(_head_writes(model, i, a[f"z{i}"]), _head_writes(model, i, b[f"z{i}"]), strict=True)
+        ):
+            writes[f"a{i}.h{h}"] = write_a - write_b
         writes[f"m{i}"] = a[f"m{i}"] - b[f"m{i}"]
     readers = [(f"a{i}.h{h}<q>", i, "q", h) for i in range(layers) for h in range(heads)]
     readers += [(f"a{i}.g{g}<{k}>", i, k, g) for i in range(layers) for k in "kv" for g in range(kv)]
@@ -155,13 +210,15 @@ def _loop(model: nn.Module, tokenizer: Any, pair: dict[str, str], noising: bool 
 
 
 def _captured(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A Llama's embedding output, each layer's o_proj input (z) and MLP output on `ids`."""
+    """The embedding output, each layer's o_proj input (z) and MLP write (_block_parts) on `ids`."""
     inner, kept = model.model, {}
+    mlp_write = _block_parts(model)["mlp_write"]
     handles = [inner.embed_tokens.register_forward_hook(lambda m, a, o: kept.__setitem__("input", o))]
     for i, layer in enumerate(inner.layers):
         handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
             lambda m, a, i=i: kept.__setitem__(f"z{i}", a[0])))  # fmt: skip
-        handles.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: kept.__setitem__(f"m{i}", o)))
+        handles.append(getattr(layer, mlp_write).register_forward_hook(
+            lambda m, a, o, i=i: kept.__setitem__(f"m{i}", o)))  # fmt: skip
     with torch.no_grad():
         model(ids)
     for handle in handles:
@@ -175,15 +232,16 @@ def _perturbed_logits(
 ) -> torch.Tensor:  # fmt: skip
     """The last position's logits of the run of `ids` with the embedding output `embedding` and `added` put into one
     reader's input: head `index`'s q (or key-value head's k, v) input of `layer`, its MLP's, or the final norm's;
-    `fixed`: outputs set to constants, "z{l}" layer l's o_proj input (all heads), "m{l}" its MLP's output."""
+    `fixed`: outputs set to constants, "z{l}" layer l's o_proj input (all heads), "m{l}" its MLP's write."""
     inner, stream = model.model, {}
+    parts = _block_parts(model)
     handles = [inner.embed_tokens.register_forward_hook(lambda m, args, o: embedding)]
     for name, value in (fixed or {}).items():
         block = inner.layers[int(name[1:])]
         if name[0] == "z":
             handles.append(block.self_attn.o_proj.register_forward_pre_hook(lambda m, args, v=value: (v,)))
         else:
-            handles.append(block.mlp.register_forward_hook(lambda m, args, o, v=value: v))
+            handles.append(getattr(block, parts["mlp_write"]).register_forward_hook(lambda m, args, o, v=value: v))
     if kind in ("q", "k", "v"):
         block = inner.layers[layer]
         proj = getattr(block.self_attn, f"{kind}_proj")
@@ -193,15 +251,20 @@ def _perturbed_logits(
 
         def swap(m, args, out):  # type: ignore[no-untyped-def]
             # the module's own arithmetic, not its call (which would run this hook again)
-            new = F.linear(block.input_layernorm(stream["x"] + added), proj.weight, proj.bias)
+            read = stream["x"] + added
+            if parts["qkv_norm"] is not None:
+                read = getattr(block, parts["qkv_norm"])(read)
+            new = F.linear(read, proj.weight, proj.bias)
             cols = slice(index * d, (index + 1) * d)
             out = out.clone()
             out[..., cols] = new[..., cols]
             return out
 
         handles += [block.register_forward_pre_hook(keep, with_kwargs=True), proj.register_forward_hook(swap)]
+    elif kind == "mlp" and parts["mlp_norm"] is None:  # the MLP reads the stream itself
+        handles.append(inner.layers[layer].mlp.register_forward_pre_hook(lambda m, args: (args[0] + added,)))
     elif kind == "mlp":
-        norm = inner.layers[layer].post_attention_layernorm
+        norm = getattr(inner.layers[layer], parts["mlp_norm"])
         handles.append(norm.register_forward_pre_hook(lambda m, args: stream.__setitem__("x", args[0])))
         handles.append(inner.layers[layer].mlp.register_forward_pre_hook(
             lambda m, args: (norm.forward(stream["x"] + added),)))  # fmt: skip
@@ -215,8 +278,10 @@ def _perturbed_logits(
 
 
 @pytest.mark.parametrize("mode,steps", [("eap", 1), ("eap_ig", 3), ("clean_corrupted", 1), ("eap_ig_activations", 3)])
-def test_every_edge_equals_the_autograd_reference_on_a_grouped_query_llama(llama, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
-    model, tokenizer = llama
+def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_model, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """On Llama and on the post-normed families (each head's write at its run's norm scale), every mode's every edge
+    equals plain autograd on the definition."""
+    model, tokenizer = edge_model
     pair = PAIRS[0]
     table = lm_edge_attribution(model, tokenizer, [pair], mode=mode, steps=steps, per_pair=True)
     reference: dict[str, float] = {}
@@ -252,28 +317,34 @@ def test_runs_stacked_in_one_forward_equal_the_runs_one_by_one(llama, mode: str,
                                torch.tensor(alone.score.astype(float).to_numpy()), rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-EDGE_FAMILIES = [f for f in FAMILIES if f not in ("gemma2", "gemma3_text", "olmo2")]  # post-norms: refused
+EDGE_FAMILIES = list(FAMILIES)
 
 
 @pytest.mark.parametrize("arch", EDGE_FAMILIES)
 def test_a_writers_edges_sum_to_its_node_attribution(arch: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Sum over a writer's out-edges = the writer's attribution-patching estimate (lm_patching mode=attribution at
     its own site, all positions): the readers' gradients split the stream's gradient without loss or overlap
-    (sequential and parallel blocks, fused and grouped-query projections)."""
+    (sequential and parallel blocks, fused and grouped-query projections). Where the heads' sum is normed, a head's
+    node estimate goes through the norm's Jacobian, which its edges' frozen scale does not: there a layer's heads'
+    edges together equal the attention output's node estimate (attn_out: the norm's output)."""
     model, tokenizer, _ = build_tiny_lm(arch, seed=1, folder=tmp_path)
+    post_normed = bool(layout_of(model).arch.attn_branch)
     edges = lm_edge_attribution(model, tokenizer, PAIRS, mode="eap", per_pair=True)
-    nodes = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre", "head", "mlp_out"], layers=None,
+    heads = "attn_out" if post_normed else "head"
+    nodes = lm_activation_patching(model, tokenizer, PAIRS, sites=["resid_pre", heads, "mlp_out"], layers=None,
                                    mode="attribution")  # fmt: skip
     nodes = nodes[(nodes.site != "resid_pre") | (nodes.layer == 0)]
     name = {
         "resid_pre": lambda r: "input",
         "head": lambda r: f"a{int(r['layer'])}.h{int(r['head'])}",
+        "attn_out": lambda r: f"a{int(r['layer'])}",
         "mlp_out": lambda r: f"m{int(r['layer'])}",
     }
     effect = nodes.patched - nodes.corrupted
     writer = nodes.apply(lambda r: name[r.site](r), axis=1).rename("writer")
     node_sum = effect.groupby([writer, nodes.sample_index]).sum()
-    edge_sum = edges.score.astype(float).groupby([edges.upstream.rename("writer"), edges.sample_index]).sum()
+    upstream = edges.upstream.str.replace(r"\.h\d+$", "", regex=True) if post_normed else edges.upstream
+    edge_sum = edges.score.astype(float).groupby([upstream.rename("writer"), edges.sample_index]).sum()
     joined = node_sum.to_frame("node").join(edge_sum.to_frame("edges"), how="inner")
     assert len(joined) == len(node_sum) == len(edge_sum)
     gap = float((joined.node - joined.edges).abs().max())
@@ -281,10 +352,11 @@ def test_a_writers_edges_sum_to_its_node_attribution(arch: str, tmp_path) -> Non
     assert gap <= 1e-5 * max(1.0, float(joined.node.abs().max()))
 
 
-def test_exact_edges_equal_the_plain_loop_and_top_k_patches_the_best_scored(llama) -> None:  # type: ignore[no-untyped-def]
-    """mode=exact: every edge of the grouped-query Llama equals one forward with that edge alone patched (the loop
-    above), 1e-5; top_k: the same exact effects on the eap run's top_k edges by |score|, NaN elsewhere."""
-    model, tokenizer = llama
+def test_exact_edges_equal_the_plain_loop_and_top_k_patches_the_best_scored(edge_model) -> None:  # type: ignore[no-untyped-def]
+    """mode=exact: every edge of the grouped-query Llama (and of the post-normed families) equals one forward with
+    that edge alone patched (the loop above), 1e-5; top_k: the same exact effects on the eap run's top_k edges by
+    |score|, NaN elsewhere."""
+    model, tokenizer = edge_model
     pair = PAIRS[0]
     loop = _loop(model, tokenizer, pair)
     exact = lm_edge_attribution(model, tokenizer, [pair], mode="exact")  # one pair: the run's score is the pair's
@@ -309,9 +381,9 @@ def measured_ends(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is_that_edge_corrupted(
-    llama, measured_ends
+    edge_model, measured_ends
 ) -> None:  # type: ignore[no-untyped-def]
-    model, tokenizer = llama
+    model, tokenizer = edge_model
     pair = PAIRS[0]
     edges = lm_edge_attribution(model, tokenizer, [pair], mode="eap", per_pair=True)
     total = len(edges)
@@ -337,14 +409,14 @@ def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is
 
 
 def test_a_mean_ablated_circuit_of_every_edge_restores_1_and_of_none_differs_from_the_corrupted_run(
-    llama, measured_ends
+    edge_model, measured_ends
 ) -> None:  # type: ignore[no-untyped-def]
     from runner.data.prompts import pairs_batch
     from runner.methods.base import library_config, library_token_runtime, run_prepared
     from runner.methods.lm_edges.method import LmEdges
     from runner.options.method.lm_edges import LmEdgesMethodConfig
 
-    model, tokenizer = llama
+    model, tokenizer = edge_model
     total = EdgeGraph.of(layout_of(model)).count
     settings = {"mode": "eap", "circuit": [0, total], "ablation": "mean"}
     dataset, batch = pairs_batch(PAIRS, tokenizer, True, torch.device("cpu"))
@@ -359,11 +431,40 @@ def test_a_mean_ablated_circuit_of_every_edge_restores_1_and_of_none_differs_fro
     assert (circuit["circuit_metric"][edges == 0] - circuit["corrupted"][edges == 0]).abs().min() > 1e-3
 
 
-def test_a_family_whose_heads_are_normalised_after_the_sum_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    model, tokenizer, _ = build_tiny_lm("gemma2", seed=0, folder=tmp_path)
-    with pytest.raises(RunnerError, match="post_attention_layernorm"):
+@pytest.mark.parametrize("arch", POST_NORMED)
+def test_post_normed_head_writes_sum_to_the_attention_output_in_each_run(arch: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In a family that norms the heads' sum, the heads' writes (intervene.HeadWrites) equal this test's definition
+    and sum to what the attention adds to the stream (the post-norm's output), in the clean and in the corrupted run:
+    no share of the norm's output is left to no writer."""
+    from runner.hooks import HookSession
+    from runner.methods.lm_edges.intervene import HeadWrites
+
+    model, tokenizer, _ = build_tiny_lm(arch, seed=4, folder=tmp_path)
+    layout = layout_of(model)
+    writes = HeadWrites(model, layout, layout.layers)
+    assert writes.post_norm
+    block = model.model.layers[1]
+    seen: dict[str, torch.Tensor] = {}
+    for prompt in (PAIRS[0]["clean"], PAIRS[0]["corrupted"]):
+        with HookSession(model, []):
+            handles = [block.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0])),
+                       block.post_attention_layernorm.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o))]  # fmt: skip
+            with torch.no_grad():
+                model(torch.tensor([_ids(tokenizer, prompt)]))
+            for handle in handles:
+                handle.remove()
+        heads = model.config.num_attention_heads
+        ours = writes(1, seen["z"].unflatten(-1, (heads, -1)))  # (H, B, T, D)
+        torch.testing.assert_close(ours, torch.stack(_head_writes(model, 1, seen["z"])), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.sum(0), seen["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_post_normed_projection_with_a_bias_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, _ = build_tiny_lm("olmo2", seed=0, folder=tmp_path)
+    block = model.model.layers[0].self_attn
+    block.o_proj.bias = nn.Parameter(torch.zeros(block.o_proj.out_features))
+    with pytest.raises(RunnerError, match=r"output projection has a bias, which post_attention_layernorm norms"):
         lm_edge_attribution(model, tokenizer, PAIRS[:1])
-    assert layout_of(model).arch.attn_branch
 
 
 def test_batch_rows_are_the_mean_and_spread_of_the_pair_rows(llama) -> None:  # type: ignore[no-untyped-def]

@@ -72,16 +72,8 @@ class LmEdges(CorruptedPairsMethod):
 
     @classmethod
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
-        """The run's token target; refused: a target that scores no tokens, a family whose heads' writes are not
-        linear in their outputs (a norm after the attention's output projection), a circuit larger than the model's
-        graph."""
+        """The run's token target; refused: a target that scores no tokens, a circuit larger than the model's graph."""
         scored = token_target(target, cls.name, per_position=True)
-        if layout.arch.attn_branch:
-            raise RunnerError(
-                f"method=lm_edges scores each head's write into the residual stream, which {layout.arch.family}"
-                f" passes through a norm ({layout.arch.attn_branch}) after the heads are summed: a head's write is not"
-                " its own. Use method=lm_patching (sites head, q, k, v) for this family."
-            )
         total = EdgeGraph.of(layout).count
         larger = [n for n in cfg.edges.circuit if n > total]
         if larger:
@@ -155,7 +147,7 @@ class LmEdges(CorruptedPairsMethod):
         else:
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
         metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits[0], batch.sample_ids)
-        deltas = writes(self.graph, self.layout, model, clean_sites, kept, mask)  # (writers, B, T, D)
+        deltas = writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask)  # (writers, B, T, D)
         if gradients is None:
             run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
             per_edge = self._exact(model, run, self.edge_index.tolist(), deltas)
@@ -314,7 +306,7 @@ class LmEdges(CorruptedPairsMethod):
         if len(self.run.checked) and index:
             if len(index) < len(splits):  # the held-out pairs have no estimate to check: not patched
                 runs = self._runs(model, _pairs_of(batch, index))
-            deltas = writes(self.graph, self.layout, model, runs.clean_sites, runs.kept, runs.mask)
+            deltas = writes(self.graph, self.hooks.head_writes, runs.clean_sites, runs.kept, runs.mask)
             receiving = _Receiving(runs.corrupted.ids, runs.corrupted.edit, runs.mask, runs.kept, runs.metrics)
             edges = self.edge_index[torch.as_tensor(self.run.checked)].tolist()
             exact = self._exact(model, receiving, edges, deltas).float().cpu()  # (checked, discovery pairs)

@@ -14,7 +14,9 @@ query projection reads it (through the block's norm), so dM/d(input of a{l}.h{h}
 of the stream -> q map with dM/dq restricted to head h; likewise per key-value head for k and v, and through the MLP
 for its input. They come from the one backward of the metric plus one batched vector-Jacobian product per site and
 layer (`is_grads_batched`), in the autograd graph of the traced run (SiteHooks.keep(grad=True)). A head's write is its
-output through the attention's output projection alone (that projection is linear: o_proj(z_h) - o_proj(0)).
+output through the attention's output projection alone (that projection is linear: o_proj(z_h) - o_proj(0)); in a
+family that norms the attention's output after the heads are summed, times the norm's factor in its own run
+(intervene.HeadWrites): the clean write at the clean run's scale minus the corrupted write at the corrupted run's.
 """
 
 from __future__ import annotations
@@ -22,23 +24,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.intervene import each_head_alone, head_writes
-from runner.models.lm_sites import LanguageModelLayout
+from runner.methods.lm_edges.intervene import HeadWrites, each_head_alone
 
 
 def writes(
-    graph: EdgeGraph, layout: LanguageModelLayout, model: nn.Module, clean: dict[str, torch.Tensor],
-    corrupted: dict[str, torch.Tensor], mask: torch.Tensor,
+    graph: EdgeGraph, head_writes: HeadWrites, clean: dict[str, torch.Tensor], corrupted: dict[str, torch.Tensor],
+    mask: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """(writers, B, T, D) float32: each writer's clean - corrupted write into the residual stream (0 at padding)."""
-    modules = dict(model.named_modules())
     parts = [(clean["resid_pre.0"] - corrupted["resid_pre.0"]).float()[None]]
     for layer in range(graph.layers):
-        delta = clean[f"head.{layer}"] - corrupted[f"head.{layer}"]  # (B, T, H, d)
-        parts.append(head_writes(modules[layout.site("head", layer).module], delta).float())  # (H, B, T, D)
+        if head_writes.post_norm:  # not linear in z: each run's writes at its own scale
+            delta = head_writes(layer, clean[f"head.{layer}"]) - head_writes(layer, corrupted[f"head.{layer}"])
+        else:
+            delta = head_writes(layer, clean[f"head.{layer}"] - corrupted[f"head.{layer}"])  # one projection
+        parts.append(delta.float())  # (H, B, T, D)
         parts.append((clean[f"mlp_out.{layer}"] - corrupted[f"mlp_out.{layer}"]).float()[None])
     return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
 
