@@ -171,19 +171,29 @@ def prompt_words(data: Any) -> list[str]:
     return sorted(w for w in words if not w.startswith("{"))
 
 
-def build_tokenizer_lm(source: str | Path, folder: str | Path, seed: int = 0) -> Path:
+def build_tokenizer_lm(source: str | Path, folder: str | Path, seed: int = 0, same_family: bool = False) -> Path:
     """A random two-layer Llama (32 wide, grouped-query) saved in `folder` with the tokenizer of the model folder
-    `source` and its vocabulary size: a fast stand-in for a large model whose tokenization a test needs."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    `source` and its vocabulary size: a fast stand-in for a large model whose tokenization a test needs.
+    `same_family`: the source's own architecture instead (its config, made two layers and 32 wide), so that the
+    stand-in runs the family's own blocks (Gemma 3's norms after each branch)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         initializer_range=INIT)  # fmt: skip
+    small = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 256,
+             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+             "initializer_range": INIT}  # fmt: skip
     folder = Path(folder)
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    if same_family:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        for key, value in {**small, "head_dim": 8}.items():
+            setattr(config, key, value)
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types[-2:])
+        AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    else:
+        LlamaForCausalLM(LlamaConfig(**small)).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

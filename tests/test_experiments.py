@@ -20,6 +20,7 @@ from tests.devices import DEVICE_PARAMS
 from tests.lm_references import build_tokenizer_lm, build_word_lm, prompt_words
 
 SMOLLM2 = "smollm2-135m"
+GEMMA3 = "gemma3-270m"
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,9 @@ TABLES = {
     "edges_lm_induction": EDGE_TABLES,
     "ioi_edges_smollm2": EDGE_TABLES,
     "ioi_edges_smollm2_templates": EDGE_TABLES,
+    "ioi_gemma3": {"lm_patching"},
+    "factual_recall_gemma3": {"lm_patching"},
+    "ioi_edges_gemma3": EDGE_TABLES,
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -84,13 +88,17 @@ def offline(name: str, folder: Path) -> list[str]:
     image size: 32 px. A hub language model (GPT-2 small) is neither cached nor downloadable: a random two-layer
     GPT-2 with a word-level tokenizer over the experiment's words stands in, saved in `folder`. SmolLM2-135M (30
     layers: minutes even at debug=tiny) is stood in for by a random two-layer Llama with its own tokenizer, which
-    gets no answer right, so every pair is kept (data.keep=all; tests/test_lm_prompt_sets.py tests the keeping)."""
+    gets no answer right, so every pair is kept (data.keep=all; tests/test_lm_prompt_sets.py tests the keeping);
+    Gemma 3 270M by a random two-layer Gemma 3 with its tokenizer (its own blocks: norms after each branch)."""
     config = make_config(f"experiment={name}")
     model = config.model.name
     if model in (EMBEDDED, SHIPPED_LM):
         return []
     if model == SMOLLM2:
         return [f"model.name={build_tokenizer_lm(converted_folder(SMOLLM2), folder)}", "data.keep=all"]
+    if model == GEMMA3:
+        stand_in = build_tokenizer_lm(converted_folder(GEMMA3), folder, same_family=True)
+        return [f"model.name={stand_in}", "data.keep=all"]
     if config.model.source == "hf_lm":
         return [f"model.name={build_word_lm(prompt_words(config.data), folder)}"]
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
