@@ -11,7 +11,6 @@ same weights; and lm_edges through its post-norms: exact effects of the top edge
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -21,7 +20,7 @@ import torch
 
 from runner.methods.lm_patching import lm_activation_patching
 from runner.models import build_model
-from runner.options.model.hf_lm import PACKAGED_LMS
+from runner.options.model.hf_lm import PACKAGED_LMS, packaged_parts
 from tests.conftest import make_config
 from tests.lm_references import logit_diff, tl_bridge
 from tests.test_packaged_lm import IOI, IOI_PAIRS
@@ -36,7 +35,7 @@ TOLERANCE = 5e-5
 
 
 def _gemma3_installed() -> None:
-    if importlib.util.find_spec(PACKAGED_LMS[GEMMA3].parts[0][0]) is None:
+    if packaged_parts(PACKAGED_LMS[GEMMA3]) is None:
         if os.environ.get("CI"):  # the set-up installs it: a CI without it has lost an install step
             pytest.fail(f"gemma3-270m's packages are not installed: {PACKAGED_LMS[GEMMA3].install}", pytrace=False)
         pytest.skip(f"gemma3-270m's packages are not installed ({PACKAGED_LMS[GEMMA3].install})")

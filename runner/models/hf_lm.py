@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
@@ -103,6 +104,9 @@ class HfLmSource(ModelSource):
                     lambda local: transformers.AutoModelForCausalLM.from_pretrained(name, **local, **options),
                     download=False,
                 )
+                if cfg.name in PACKAGED_LMS and not _finite(model):  # bytes changed with the file's time kept
+                    name = str(converted_folder(cfg.name, damaged="its weights hold NaN or infinite values"))
+                    model = transformers.AutoModelForCausalLM.from_pretrained(name, **options)
             tokenizer_name = model_folder(cfg.tokenizer) if cfg.tokenizer else name
             tokenizer = from_hub(
                 tokenizer_name,
@@ -116,6 +120,11 @@ class HfLmSource(ModelSource):
         log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, layout.arch.family,
                  layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation, cfg.dtype, weights)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
+
+
+def _finite(model: nn.Module) -> bool:
+    """Whether every weight is finite (a pretrained model's are; a damaged file's may not be)."""
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point())
 
 
 def _checked(cfg: ModelConfig) -> HfLmModelConfig:

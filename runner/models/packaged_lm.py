@@ -73,15 +73,15 @@ def installed_parts(name: str) -> tuple[PackagedLm, list[Path]]:
     return packaged, parts
 
 
-def converted_folder(name: str, convert: Converter | None = None) -> Path:
+def converted_folder(name: str, convert: Converter | None = None, damaged: str | None = None) -> Path:
     """The save_pretrained folder of packaged model `name` in the cache, converted from its GGUF file first if it is
-    not there yet, came from another file, or is damaged."""
+    not there yet, came from another file, or is damaged (`damaged`: found so by the caller, which says why)."""
     packaged, parts = installed_parts(name)
     folder = cache_root() / name
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(folder)
     source = [{"file": part.name, "bytes": part.stat().st_size} for part in parts]
-    damage = cache_damage(folder, source)
+    damage = damaged or cache_damage(folder, source)
     if damage is None:
         return folder
     if folder.exists():
@@ -100,7 +100,7 @@ def converted_folder(name: str, convert: Converter | None = None) -> Path:
         shutil.rmtree(scratch / _ASSEMBLY, ignore_errors=True)
         (scratch / STAMP).write_text(json.dumps({"source": source, "files": _listing(scratch)}))
         scratch.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache folder (RUNNER_CACHE_DIR) from others
-        _put_in_place(scratch, folder)
+        _put_in_place(scratch, folder, keep_finished=damaged is None)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # gone already when renamed into place
     log.info("model %s: converted in %.0f s", name, time.perf_counter() - started)
@@ -114,6 +114,8 @@ def cache_damage(folder: Path, source: list[dict[str, Any]]) -> str | None:
     stamp = _stamp_of(folder)
     if stamp is None:
         return f"no readable {STAMP}: not a finished conversion"
+    if "source" not in stamp:
+        return "its stamp is an older runner's, which lists no files"
     if stamp.get("source") != source:
         return "converted from another version of the packaged file"
     files: dict[str, dict[str, int]] = stamp.get("files") or {}
@@ -222,12 +224,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _put_in_place(scratch: Path, folder: Path) -> None:
+def _put_in_place(scratch: Path, folder: Path, keep_finished: bool = True) -> None:
     """Rename the finished conversion to `folder`; a stale folder there is moved aside first and then removed. Where
-    another run has just put a complete folder of the same source in place, that one is kept."""
+    another run has just put a complete folder of the same source in place, that one is kept (`keep_finished`; not
+    where the caller found that folder damaged in a way its stamp cannot show)."""
     source = (_stamp_of(scratch) or {}).get("source")
     if folder.exists():
-        if cache_damage(folder, source) is None:  # another run finished first
+        if keep_finished and cache_damage(folder, source) is None:  # another run finished first
             return
         stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale-", dir=folder.parent))
         os.replace(folder, stale / folder.name)
