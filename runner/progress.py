@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TextIO
 
 from tqdm import tqdm
@@ -63,6 +64,22 @@ def within_batch(fraction: float, note: str) -> None:
     """Report `fraction` of the current batch done to the running run's bar, if there is one."""
     if _active is not None:
         _active.within_batch(fraction, note)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A share of the current batch, from `start` to `start + span`, named `label` on the bar: a part of a batch
+    that counts its own steps (`report(done, total, note)`) without knowing what else the batch does."""
+
+    start: float = 0.0
+    span: float = 1.0
+    label: str = ""
+
+    def report(self, done: int, total: int, note: str) -> None:
+        within_batch(self.start + self.span * done / max(total, 1), f"{self.label}: {note}" if self.label else note)
+
+
+WHOLE_BATCH = Stage()  # the whole batch, unnamed: the default of code that reports its own steps
 
 
 @contextmanager

@@ -292,6 +292,29 @@ def test_a_cam_batch_shows_its_faithfulness_and_metric_stages_without_moving_bac
     assert shares == sorted(shares) and shares[-1] == 50  # the metrics' stage starts at 0: the bar stays put
 
 
+def test_lm_patching_moves_the_bar_inside_its_one_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All pairs in one batch (as ioi_smollm2 runs them): the bar names the receiving runs, then each chunk of patched
+    cells with its count, sites and layers, per direction, and only moves forward, to 100% of the batch."""
+    monkeypatch.setattr(progress, "MININTERVAL", 0)
+    app.run(make_config("experiment=patching_lm_induction", "data.batch_size=8", "data.limit=2",
+                        "method.patching.chunk=2", "method.patching.directions=[denoising,noising]",
+                        "progress=true"), tmp_path)  # fmt: skip
+    inside = [s for s in drawn(capsys.readouterr().err) if "0/1 batches, batch 1: " in s]
+    notes = [re.search(r"batch 1: (.*?) +\d+%\|", s).group(1) for s in inside]
+    assert notes[0] == "lm_patching: the clean and corrupted runs"
+    counts = {d: [re.search(r"(\d+)/(\d+) cells", n).groups() for n in notes if f"lm_patching {d}: " in n]
+              for d in ("denoising", "noising")}  # fmt: skip
+    for direction, seen in counts.items():
+        done = [int(k) for k, _ in seen]
+        total = int(seen[0][1])
+        assert done == sorted(done) and done[0] == 0 and done[-1] == total and len(set(done)) > 3, direction
+    assert any(re.search(r"cells \([a-z_, ]*resid_pre[a-z_, ]*, layer 1\)", n) for n in notes), notes
+    shares = [int(re.search(r"(\d+)%\|", s).group(1)) for s in inside]
+    assert shares == sorted(shares) and shares[-1] == 100
+
+
 class NoisyNet(TinyNet):
     """TinyNet that logs a line in the run's second batch and warns in its third, each right after a redraw."""
 

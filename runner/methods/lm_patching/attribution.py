@@ -24,6 +24,7 @@ from runner.methods.lm_patching.engine import Cell
 from runner.methods.lm_patching.exact import ExactPatcher
 from runner.methods.lm_patching.metric import PairMetrics, Receiver
 from runner.methods.lm_patching.rows import cell_rows
+from runner.progress import WHOLE_BATCH, Stage
 from runner.ranking import spearman, toward_source
 from runner.rows import Columns
 
@@ -67,11 +68,12 @@ def estimate_cells(
 
 def attribution_rows(
     patcher: ExactPatcher, model: nn.Module, run: Receiver, cells: list[Cell], metrics: PairMetrics,
-    pairs: list[dict[str, Any]], top_k: int | None,
+    pairs: list[dict[str, Any]], top_k: int | None, stage: Stage = WHOLE_BATCH,
 ) -> list[Columns]:  # fmt: skip
     """One direction's rows: every cell's estimate (patch_method attribution), and given `top_k`
     (attribution_topk) each pair's top_k cells per site patched exactly (patch_method exact, with their rank
-    correlation)."""
+    correlation); the run's bar moves within `stage` (the estimates, then each pair's exact cells)."""
+    stage.report(0, 1, f"estimating {len(cells)} cells (one backward)")
     estimates = estimate_cells(patcher, model, run, cells, metrics)
     rows = cell_rows(run, cells, estimates, metrics, pairs, kind="attribution")
     if top_k is None:
@@ -94,6 +96,8 @@ def attribution_rows(
             {name: source[row : row + 1] for name, source in run.sources.items()},
             [cells[c] for c in picked], metrics.answers[row : row + 1], metrics.distractors[row : row + 1],
             metrics.clean_logits[row : row + 1],
+            Stage(stage.start + stage.span * (0.2 + 0.8 * row / b), stage.span * 0.8 / b,
+                  f"{stage.label}: pair {row + 1}/{b}'s top cells"),
         )[:, 0].cpu()  # fmt: skip
         for c, value in zip(picked, exact.tolist(), strict=True):
             patched[where[c], row] = value

@@ -31,6 +31,7 @@ from runner.methods.lm_patching.prefix import (
 from runner.methods.lm_patching.readout import Readout
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec
 from runner.options.method.lm_patching import LmPatchingConfig
+from runner.progress import WHOLE_BATCH, Stage
 from runner.runtime import Runtime
 from runner.targets.tokens import TokenTarget
 
@@ -59,12 +60,15 @@ class ExactPatcher:
     def patched_metrics(
         self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, noise: EmbeddingEdit | None,
         sources: dict[str, torch.Tensor], cells: list[Cell], answers: torch.Tensor, distractors: torch.Tensor,
-        clean_logits: torch.Tensor,
+        clean_logits: torch.Tensor, stage: Stage = WHOLE_BATCH,
     ) -> torch.Tensor:  # fmt: skip
         """(len(cells), B) metric of every cell patched into the run of `ids` (with the edit `noise` of its
         embeddings); with method.patching.reuse_prefix, each chunk runs only the positions its cells can change, on
-        the receiving run's cached keys and values of the others (prefix.py)."""
+        the receiving run's cached keys and values of the others (prefix.py). Each chunk done moves the run's bar
+        within `stage`, naming the cells it ran."""
         b, t = ids.shape
+        done = 0
+        stage.report(0, len(cells), f"0/{len(cells)} cells")
         positions = position_ids(mask)
         out = torch.full((len(cells), b), float("nan"))  # NaN, not stale memory, in a cell no forward wrote
         keys_values = None  # the receiving run's cache, made for the first part that starts after position 0
@@ -110,6 +114,12 @@ class ExactPatcher:
                 self.corruption.active = None
                 self.hooks.patches = {}
             out[torch.tensor(part)] = metric.detach().float().view(c, b).cpu()
+            nonlocal done
+            done += c
+            ran = sorted({(cells[i].kind, cells[i].layer) for i in part}, key=lambda k: (k[1], k[0]))
+            layers = f"layer {ran[0][1]}" if ran[0][1] == ran[-1][1] else f"layers {ran[0][1]}-{ran[-1][1]}"
+            sites = ", ".join(dict.fromkeys(kind for kind, _ in ran))
+            stage.report(done, len(cells), f"{done}/{len(cells)} cells ({sites}, {layers})")
 
         # cells (each b rows) per forward; the probes that size it on CUDA run the cells that start first (the most
         # positions: the largest forwards)

@@ -22,6 +22,7 @@ from runner.methods.lm_patching.rows import cell_rows
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
 from runner.options.method.patching import PatchDirection, PatchMode
+from runner.progress import Stage, within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.targets.tokens import TokenTarget, token_target
@@ -60,6 +61,7 @@ class LmPatching(CorruptedPairsMethod):
         b, t = clean_ids.shape
         corrupted = self.corruption.corrupt(batch, clean_ids, prompts.corrupted, mask)
         corrupted_ids, noise = corrupted.ids, corrupted.edit  # noise: the corrupted run's embedding edit, if any
+        within_batch(0.0, "lm_patching: the clean and corrupted runs")
         with self.hooks.keep():
             clean_logits = self._logits(model, clean_ids, mask)
         clean_sites = self.hooks.kept
@@ -78,13 +80,14 @@ class LmPatching(CorruptedPairsMethod):
         first = first_difference(clean_ids, corrupted_ids, noise, mask)
         top_k = self.p.top_k if self.p.mode is PatchMode.attribution_topk else None
         parts: list[Columns] = []
-        for direction in self.p.directions:
+        for n, direction in enumerate(self.p.directions):
+            stage = Stage(n / len(self.p.directions), 1 / len(self.p.directions), f"lm_patching {direction.value}")
             denoising = direction is PatchDirection.denoising
             run = Receiver(direction, corrupted_ids if denoising else clean_ids, mask, noise if denoising else None,
                            clean_sites if denoising else corrupted_sites, metrics.receiving(direction),
                            corrupted.names)  # fmt: skip
             if self.p.mode is not PatchMode.exact:
-                parts += attribution_rows(self.exact, model, run, cells, metrics, pairs, top_k)
+                parts += attribution_rows(self.exact, model, run, cells, metrics, pairs, top_k, stage)
                 continue
             # A cell before the first position where the two runs differ patches a value into a run that already
             # has it (the causal mask: nothing there sees the difference): its metric is the receiving run's.
@@ -93,7 +96,7 @@ class LmPatching(CorruptedPairsMethod):
             if live:
                 patched[live] = self.exact.patched_metrics(model, run.ids, mask, run.edit, run.sources,
                                                            [cells[i] for i in live], metrics.answers,
-                                                           metrics.distractors, metrics.clean_logits)  # fmt: skip
+                                                           metrics.distractors, metrics.clean_logits, stage)  # fmt: skip
             parts.append(cell_rows(run, cells, patched, metrics, pairs))
         self.hooks.clear()
         columns = concat_columns(parts)
