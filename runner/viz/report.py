@@ -33,6 +33,7 @@ from runner.schema import FigureFormat, FiguresConfig
 from runner.store.layout import check_manifests, read_manifest, read_yaml
 from runner.store.runs import RunInfo, SweepInfo, find, is_run, run_info
 from runner.tables import Presentation
+from runner.viz.run_summaries import RUN_SUMMARIES
 from runner.viz.summary import is_cell_table
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,20 @@ def summary_html(summary: pd.DataFrame, caption: str = "") -> str:
     return f'{top}<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>{more}'
 
 
+def plain_html(frame: pd.DataFrame, caption: str) -> str:
+    """A small table as it is (text columns as labels, numbers rounded), with its caption above it."""
+    head = "".join(f"<th>{_e(c)}</th>" for c in frame.columns)
+    rows = []
+    for _, row in frame.head(MAX_SUMMARY_ROWS).iterrows():
+        cells = "".join(
+            f"<td>{_number(row[c])}</td>" if pd.api.types.is_number(row[c]) else f'<td class="label">{_e(row[c])}</td>'
+            for c in frame.columns
+        )
+        rows.append(f"<tr>{cells}</tr>")
+    return (f'<p class="caption">{_e(caption)}</p><div class="scroll"><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table></div>")  # fmt: skip
+
+
 def peak_html(table: str, frame: pd.DataFrame, extra_keys: Iterable[str], shown: Presentation) -> str:
     """A table of cells within a layer (runner.viz.summary.peak_summary): per layer and label, where the mean over
     pairs of each value is largest and smallest, and those means, as an HTML table with its caption."""
@@ -401,14 +416,18 @@ def _tables_html(page: Page, directory: Path, tables: list[str], by: list[str], 
         if frame is None or frame.empty:
             page.add("<p>No complete rows yet.</p>")
             continue
-        layers = frame["layer"].nunique() if "layer" in frame.columns else 0
-        samples = frame["sample"].nunique() if "sample" in frame.columns else 0
-        page.add(f"<p>{len(frame)} rows; {samples} samples; {layers} layers, listed in model order.</p>")
+        page.add(f"<p>{_counts(frame)}</p>")
         present = [c for c in by if c in frame.columns]
         compare = _compare_column(frame, present)
         shown = presentation_of(directory, table)
         if shown.section:  # a table whose declaration names a section of its own
             resolve(shown.section)(page, frame, present, compare, figures, shown)
+            continue
+        if table.startswith("lm_"):  # language-model tables: the figures first, the tables after
+            page.add(figure_html(table, frame, compare, figures, shown))
+        if table in RUN_SUMMARIES:
+            words, summary = RUN_SUMMARIES[table](frame)
+            page.add(plain_html(summary, words))
             continue
         try:
             if is_cell_table(frame.columns):  # a layer's cells (positions, heads): where the effect peaks
@@ -417,7 +436,20 @@ def _tables_html(page: Page, directory: Path, tables: list[str], by: list[str], 
                 page.add(summary_html(summary_frame(table, frame, present, shown), SUMMARY_CAPTION))
         except RunnerError as e:
             page.add(f"<p>No summary: {_e(e)}</p>")
-        page.add(figure_html(table, frame, compare, figures, shown))
+        if not table.startswith("lm_"):
+            page.add(figure_html(table, frame, compare, figures, shown))
+
+
+def _counts(frame: pd.DataFrame) -> str:
+    """'N rows; S samples; L layers, listed in model order', each part only where the table has it."""
+    parts = [f"{len(frame)} rows"]
+    samples = frame["sample"].nunique() if "sample" in frame.columns else 0
+    layers = frame["layer"].nunique() if "layer" in frame.columns else 0
+    if samples:
+        parts.append(f"{samples} samples")
+    if layers:
+        parts.append(f"{layers} layers, listed in model order")
+    return "; ".join(parts) + "."
 
 
 SUMMARY_CAPTION = (

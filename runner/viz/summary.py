@@ -1,6 +1,7 @@
 """The console summary at the end of a run: per table, the mean of its measured columns per layer; for a table of
 cells within a layer (the language-model tables: a row per pair, layer and position or head), the cells where the
-mean over pairs peaks instead (`peak_summary`), which the report shows too."""
+mean over pairs peaks instead (`peak_summary`), which the report shows too; for the tables with a summary of their
+own (run_summaries.py: the top edges, the circuit's curve), that."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 
 from runner.frames import with_layer_order
 from runner.tables import presentation
+from runner.viz.run_summaries import RUN_SUMMARIES
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,12 @@ def summarise(paths: dict[str, Path], extra_values: dict[str, tuple[str, ...]] |
     adds columns per table, a method's `summary_values`), by layer and the declared keys, layers in model order; a
     table of cells (`is_cell_table`) by its peak cells (`peak_summary`)."""
     for table, path in paths.items():
+        if table in RUN_SUMMARIES:  # a summary of its own (the top edges, the circuit's curve, ...)
+            frame = pd.read_parquet(path)
+            words, summary = RUN_SUMMARIES[table](frame)
+            with pd.option_context("display.width", 200, "display.max_columns", 20, "display.precision", 4):
+                log.info("%s (%d rows). %s\n%s", table, len(frame), words, summary.to_string(index=False))
+            continue
         present = set(pq.read_schema(sorted(path.glob("part-*.parquet"))[0]).names)
         shown = presentation(table)
         keys = [k for k in ("layer", *shown.keys) if k in present]
