@@ -30,6 +30,7 @@ from runner.interrupts import (
     resume_command,
     sweep_dir,
 )
+from runner.options.compose import typed_config
 
 log = logging.getLogger("runner")
 
@@ -40,9 +41,10 @@ _started = False  # whether Hydra got as far as calling the task: if not, it fai
 def main(cfg: DictConfig) -> None:
     global _started
     _started = True
-    from runner.app import run  # here, not at the top: `--cfg job` composes without importing torch
-
     try:
+        typed_config(cfg)  # a config the schemas or the method refuse stops here, before torch is imported
+        from runner.app import run  # here, not at the top: `--cfg job` composes without importing torch
+
         if parallel_sweep_job() and interrupts.received.name is not None:  # this worker got the sweep's stop signal
             out = HydraConfig.get().runtime.output_dir
             raise Interrupted("Not started.", "The sweep was stopping.", out, interrupts.received.name, sweep_dir())

@@ -327,6 +327,18 @@ def test_a_segmentation_target_on_a_classifier_run_fails_in_one_line(tmp_path: P
     assert len(lines) == 1 and "takes a segmentation model's (batch, classes, height, width) output" in lines[0]
 
 
+def test_no_target_given_is_the_logit_for_an_image_method_and_the_logit_difference_for_a_language_model() -> None:
+    """target=default (the primary config's): resolved when the config is typed, so the run names what it measured;
+    a language-model method with an image target is refused there, before torch loads."""
+    assert make_config().target.name == "logit"
+    lm = ["model=hf_lm", "data=prompts", "data.file=induction"]
+    for method in ("lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges"):
+        assert make_config(*lm, f"method={method}").target.name == "token_logit_diff", method
+    assert make_config(*lm, "method=lm_patching", "target=answer_logprob").target.name == "answer_logprob"
+    with pytest.raises(RunnerError, match=r"^method=lm_edges measures a language model's answer: use target="):
+        make_config(*lm, "method=lm_edges", "target=probability")
+
+
 def test_each_target_is_one_option_module_and_one_yaml() -> None:
     """What a new target takes: its module in runner/options/target/ (found by the one discovery) and its YAML
     naming its schema; the composed config holds that schema, with no list of targets anywhere else."""
@@ -341,5 +353,6 @@ def test_each_target_is_one_option_module_and_one_yaml() -> None:
     settings = {"multi_label": ["target.labels=[1]"], "callable": ["target._target_=tests.test_targets.margin"]}
     for name in TARGETS.names():
         config = make_config(f"target={name}", *settings.get(name, []))
-        assert type(config.target) is TARGETS.get(name).schema
+        resolved = "logit" if name == "default" else name  # `default` is the method's own: an image method's logit
+        assert type(config.target) is TARGETS.get(resolved).schema
         assert isinstance(build_target(config.target), Target)

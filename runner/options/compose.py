@@ -78,6 +78,7 @@ def typed_config(cfg: DictConfig) -> RunConfig:
     try:
         schema = OmegaConf.structured(RunConfig)
         assert isinstance(plain, dict)
+        _resolve_default_target(plain)
         for group in ("method", "data", "target"):
             name = (plain.get(group) or {}).get("name")
             schema[group] = OmegaConf.structured(POINTS[group].get(str(name)).schema)  # raises for an unknown name
@@ -88,4 +89,33 @@ def typed_config(cfg: DictConfig) -> RunConfig:
         config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise RunnerError(config_error_line(e)) from None
+    _check_lm_target(config)
     return config
+
+
+def _resolve_default_target(plain: dict[str, Any]) -> None:
+    """target=default (none chosen) as the target the method measures: the answer's logit minus the distractor's for
+    a language-model method, the class's logit otherwise."""
+    from runner.options.registry import lm_method_names
+    from runner.options.target.default import DEFAULT, IMAGE_DEFAULT, LANGUAGE_MODEL_DEFAULT
+
+    target = plain.get("target")
+    if not isinstance(target, dict) or target.get("name") != DEFAULT:
+        return
+    method = (plain.get("method") or {}).get("name")
+    target["name"] = LANGUAGE_MODEL_DEFAULT if method in lm_method_names() else IMAGE_DEFAULT
+
+
+def _check_lm_target(config: RunConfig) -> None:
+    """A language-model method with a target that scores no tokens, refused here, before torch is imported."""
+    from runner.options.registry import lm_method_names
+    from runner.options.target.default import LANGUAGE_MODEL_DEFAULT
+
+    if config.method.name in lm_method_names() and getattr(type(config.target), "MODALITY", "image") != "text":
+        targets = POINTS["target"]
+        text = [n for n in targets.names() if getattr(targets.get(n).schema, "MODALITY", "") == "text"]
+        text = sorted(text, key=lambda n: (n != LANGUAGE_MODEL_DEFAULT, n))
+        raise RunnerError(
+            f"method={config.method.name} measures a language model's answer: use target={', '.join(text)}"
+            f" (target={config.target.name} scores an image model's class)."
+        )

@@ -1,6 +1,7 @@
 """A language model's next-token log-probability of the answer (of any token of the answer set)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from runner.options.registry import TARGETS
 from runner.schema import TargetConfig
@@ -10,3 +11,4 @@ from runner.schema import TargetConfig
 @dataclass
 class AnswerLogprobTargetConfig(TargetConfig):
     name: str = "answer_logprob"
+    MODALITY: ClassVar[str] = "text"  # it scores a language model's tokens

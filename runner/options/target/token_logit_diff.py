@@ -1,6 +1,7 @@
 """A language model's next-token logit of the answer minus the distractor's (means over token sets)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from runner.options.registry import TARGETS
 from runner.schema import TargetConfig
@@ -10,3 +11,4 @@ from runner.schema import TargetConfig
 @dataclass
 class TokenLogitDiffTargetConfig(TargetConfig):
     name: str = "token_logit_diff"
+    MODALITY: ClassVar[str] = "text"  # it scores a language model's tokens

@@ -1,6 +1,7 @@
 """A language model's next-token probability of the answer tokens minus that of the distractor tokens (sums over token sets)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from runner.options.registry import TARGETS
 from runner.schema import TargetConfig
@@ -10,3 +11,4 @@ from runner.schema import TargetConfig
 @dataclass
 class TokenProbDiffTargetConfig(TargetConfig):
     name: str = "token_prob_diff"
+    MODALITY: ClassVar[str] = "text"  # it scores a language model's tokens
