@@ -52,6 +52,9 @@ class PromptPair:
     distractor_tokens: list[str]
     corrupted_given: bool = True  # False: the pair had no `corrupted` and its clean prompt stands in
     subject_span: tuple[int, int] | None = None  # [start, end) positions of its `subject`'s tokens (BOS counted)
+    texts: list[str] | None = None  # each clean token decoded (" Jacob" for `ĠJacob` or `▁Jacob`), by position
+    answer_texts: list[str] | None = None
+    distractor_texts: list[str] | None = None
 
 
 class PromptPairs(Dataset):
@@ -151,9 +154,18 @@ def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
     subject = item.get("subject") or None
     span = _subject_span(tokenizer, str(item["clean"]), str(subject), len(prefix), sample_id) if subject else None
-    return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens,
-                      tokenizer.convert_ids_to_tokens(answers), tokenizer.convert_ids_to_tokens(distractors),
-                      given, span)  # fmt: skip
+    answer_tokens, distractor_tokens = (
+        tokenizer.convert_ids_to_tokens(answers),
+        tokenizer.convert_ids_to_tokens(distractors),
+    )
+    return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens, answer_tokens, distractor_tokens,
+                      given, span, decoded(tokenizer, tokens), decoded(tokenizer, answer_tokens),
+                      decoded(tokenizer, distractor_tokens))  # fmt: skip
+
+
+def decoded(tokenizer: Any, tokens: list[str]) -> list[str]:
+    """Each token as the text it stands for, decoded alone by the tokenizer (`ĠJacob` and `▁Jacob` as " Jacob")."""
+    return [tokenizer.convert_tokens_to_string([token]) for token in tokens]
 
 
 def _subject_span(tokenizer: Any, text: str, subject: str, first: int, sample_id: str) -> tuple[int, int]:
@@ -222,9 +234,24 @@ def pair_strings(dataset: Dataset | None, sample_id: str) -> dict[str, Any]:
     dataset = underlying(dataset)
     pair = getattr(dataset, "by_id", {}).get(sample_id)
     if pair is None:
-        return {"tokens": [], "answer": None, "distractor": None}
-    return {"tokens": pair.tokens, "answer": " ".join(pair.answer_tokens),
-            "distractor": " ".join(pair.distractor_tokens)}  # fmt: skip
+        return {"tokens": [], "texts": [], "answer": None, "distractor": None, "answer_text": None,
+                "distractor_text": None}  # fmt: skip
+    return {"tokens": pair.tokens, "texts": pair.texts or [], "answer": " ".join(pair.answer_tokens),
+            "distractor": " ".join(pair.distractor_tokens), "answer_text": "|".join(pair.answer_texts or []),
+            "distractor_text": "|".join(pair.distractor_texts or [])}  # fmt: skip
+
+
+def pair_texts(strings: list[dict[str, Any]], rows: list[int], positions: list[int]) -> dict[str, list[Any]]:
+    """The decoded columns beside the raw token ones: `token_text` (the clean token at each position), `answer_text`
+    and `distractor_text` (" Mary"; a set's tokens joined by |)."""
+    return {
+        "token_text": [
+            strings[r]["texts"][q] if q is not None and q < len(strings[r]["texts"]) else None
+            for r, q in zip(rows, positions, strict=True)
+        ],
+        "answer_text": [strings[r]["answer_text"] for r in rows],
+        "distractor_text": [strings[r]["distractor_text"] for r in rows],
+    }
 
 
 def tokenizer_of(dataset: Dataset | None) -> Any:

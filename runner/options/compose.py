@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import RunnerError
-from runner.options.registry import POINTS, option_schemas
+from runner.options.registry import POINTS, lm_method_names, option_schemas
+from runner.options.target.default import DEFAULT, IMAGE_DEFAULT, LANGUAGE_MODEL_DEFAULT
 from runner.schema import RunConfig
 
 
@@ -96,9 +97,6 @@ def typed_config(cfg: DictConfig) -> RunConfig:
 def _resolve_default_target(plain: dict[str, Any]) -> None:
     """target=default (none chosen) as the target the method measures: the answer's logit minus the distractor's for
     a language-model method, the class's logit otherwise."""
-    from runner.options.registry import lm_method_names
-    from runner.options.target.default import DEFAULT, IMAGE_DEFAULT, LANGUAGE_MODEL_DEFAULT
-
     target = plain.get("target")
     if not isinstance(target, dict) or target.get("name") != DEFAULT:
         return
@@ -108,9 +106,6 @@ def _resolve_default_target(plain: dict[str, Any]) -> None:
 
 def _check_lm_target(config: RunConfig) -> None:
     """A language-model method with a target that scores no tokens, refused here, before torch is imported."""
-    from runner.options.registry import lm_method_names
-    from runner.options.target.default import LANGUAGE_MODEL_DEFAULT
-
     if config.method.name in lm_method_names() and getattr(type(config.target), "MODALITY", "image") != "text":
         targets = POINTS["target"]
         text = [n for n in targets.names() if getattr(targets.get(n).schema, "MODALITY", "") == "text"]

@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from runner.data.prompts import pair_texts
 from runner.methods.lm_patching.engine import Cell
 from runner.methods.lm_patching.metric import PairMetrics, Receiver
 from runner.rows import Columns
@@ -23,8 +24,11 @@ LM_PATCHING_SCHEMA = declare(
         pa.field("head", pa.int64()),  # null for whole-site cells
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended); null: every position
         pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
+        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
+        pa.field("distractor_text", pa.string()),  # the distractor decoded
         pa.field("metric", pa.string()),  # the run's target
         pa.field("patch_method", pa.string()),  # exact | attribution (a first-order estimate)
         *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),
@@ -77,6 +81,7 @@ def cell_rows(
         ],  # fmt: skip
         "answer": [pairs[r]["answer"] for r in keep_b],
         "distractor": [pairs[r]["distractor"] for r in keep_b],
+        **pair_texts(pairs, keep_b, positions),
         "metric": [metrics.name] * len(keep_b),
         "patch_method": [kind] * len(keep_b),
         "clean": metrics.clean.cpu()[bi],

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
+from runner.data.prompts import pair_texts
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.methods.language_model import LanguageModelMethod, chosen_once, forward_last
@@ -36,10 +37,14 @@ LM_ATTENTION_SCHEMA = declare(
         pa.field("head", pa.int64()),
         pa.field("query_position", pa.int64()),  # the attending token's position (BOS = 0 when prepended)
         pa.field("query_token", pa.string()),
+        pa.field("query_token_text", pa.string()),  # the query's token decoded
         pa.field("position", pa.int64()),  # the attended (key) token's position
         pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
+        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
+        pa.field("distractor_text", pa.string()),  # the distractor decoded
         pa.field("weight", pa.float32()),  # the attention weight (a row over keys sums to 1)
     ],
     Presentation(
@@ -110,9 +115,11 @@ class LmAttention(LanguageModelMethod):
             "head": head.tolist(),
             "query_position": queries,
             "query_token": token_strings(strings, r, queries),
+            "query_token_text": token_strings(strings, r, queries, "texts"),
             "position": keys,
             "token": token_strings(strings, r, keys),
             "answer": [strings[i]["answer"] for i in r],
             "distractor": [strings[i]["distractor"] for i in r],
+            **pair_texts(strings, r, keys),
             "weight": weights[row, query, head, key],
         }

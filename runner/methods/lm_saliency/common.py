@@ -34,7 +34,9 @@ def real_cells(pads: torch.Tensor, positions: int, heads: int = 0) -> tuple[torc
     return row[keep], index[keep], head[keep] if heads else torch.empty(0, dtype=torch.long)
 
 
-def token_strings(strings: list[dict[str, Any]], rows: list[int], positions: list[int]) -> list[str | None]:
-    """The clean token at each (row, position), None where the pair's strings are unknown."""
-    return [strings[r]["tokens"][p] if p < len(strings[r]["tokens"]) else None
+def token_strings(
+    strings: list[dict[str, Any]], rows: list[int], positions: list[int], key: str = "tokens"
+) -> list[str | None]:
+    """The clean token at each (row, position) (`key="texts"`: decoded), None where the pair's strings are unknown."""
+    return [strings[r][key][p] if p is not None and p < len(strings[r][key]) else None
             for r, p in zip(rows, positions, strict=True)]  # fmt: skip

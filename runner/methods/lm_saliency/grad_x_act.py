@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
+from runner.data.prompts import pair_texts
 from runner.hooks import HookSession
 from runner.methods.language_model import LanguageModelMethod, forward_last
 from runner.methods.lm_patching.engine import SiteHooks
@@ -37,8 +38,11 @@ LM_GRAD_X_ACT_SCHEMA = declare(
         pa.field("head", pa.int64()),  # null for whole sites
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
         pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
+        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
+        pa.field("distractor_text", pa.string()),  # the distractor decoded
         pa.field("metric", pa.string()),  # the run's target, differentiated
         pa.field("value", pa.float32()),  # gradient . activation over the hidden (or head) dimension
         pa.field("grad_norm", pa.float32()),  # |gradient| over the same dimension
@@ -127,6 +131,7 @@ class LmGradXAct(LanguageModelMethod):
             "token": token_strings(strings, r, positions),
             "answer": [strings[i]["answer"] for i in r],
             "distractor": [strings[i]["distractor"] for i in r],
+            **pair_texts(strings, r, positions),
             "metric": [target_name(self.target)] * n,
             "value": value.cpu()[at],
             "grad_norm": grad_norm.cpu()[at],

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runner.data.base import Batch
-from runner.data.prompts import tokenizer_of
+from runner.data.prompts import pair_texts, tokenizer_of
 from runner.hooks import HookSession
 from runner.methods.language_model import LanguageModelMethod, PromptPairs, chosen_once, forward_last
 from runner.methods.lm_saliency.common import real_cells, token_strings
@@ -36,8 +36,11 @@ LM_LOGIT_LENS_SCHEMA = declare(
         pa.field("layer", pa.int64()),  # -1: the embeddings; l: block l's output
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
         pa.field("token", pa.string()),  # the clean prompt's token at `position`
+        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
+        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
+        pa.field("distractor_text", pa.string()),  # the distractor decoded
         pa.field("answer_logit", pa.float32()),  # the lens logit of the answer (mean over a token set)
         pa.field("distractor_logit", pa.float32()),
         pa.field("answer_logprob", pa.float32()),  # the lens log-probability of the answer (of any of its set)
@@ -45,6 +48,7 @@ LM_LOGIT_LENS_SCHEMA = declare(
         pa.field("value", pa.float32()),  # the target at this layer's and position's lens logits
         pa.field("top_token_id", pa.int64()),  # the lens' most likely next token
         pa.field("top_token", pa.string()),  # its string (null without the tokenizer)
+        pa.field("top_token_text", pa.string()),  # that token decoded (" Paris")
         pa.field("top_prob", pa.float32()),  # its probability
     ],
     Presentation(
@@ -141,6 +145,7 @@ class LmLogitLens(LanguageModelMethod):
             "token": token_strings(strings, r, positions),
             "answer": [strings[i]["answer"] for i in r],
             "distractor": [strings[i]["distractor"] for i in r],
+            **pair_texts(strings, r, positions),
             "answer_logit": set_mean(logits, answers).cpu(),
             "distractor_logit": set_mean(logits, distractors).cpu(),
             "answer_logprob": AnswerLogprob().score_tokens(logits, answers, distractors, None).cpu(),
@@ -148,5 +153,6 @@ class LmLogitLens(LanguageModelMethod):
             "value": value.cpu(),
             "top_token_id": top_ids,
             "top_token": tokenizer.convert_ids_to_tokens(top_ids) if tokenizer is not None else [None] * n,
+            "top_token_text": [tokenizer.decode([i]) for i in top_ids] if tokenizer is not None else [None] * n,
             "top_prob": top_prob.cpu(),
         }
