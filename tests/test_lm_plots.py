@@ -96,6 +96,18 @@ def test_pairs_of_different_lengths_align_at_the_last_token() -> None:
     pyplot().close(fig)
 
 
+def test_where_the_pairs_tokens_differ_the_axis_names_the_roles() -> None:
+    """IOI's ABBA and BABA pairs hold IO and S1 in turn at one position: the axis says `IO/S1`, not the first pair's
+    name with a star; a position whose tokens differ and that no role names keeps the star."""
+    frame = patching_frame()
+    frame.loc[(frame["sample"] == 1) & (frame["position"] == 1), "token"] = " E"  # differs, no role names it
+    roles = {(0, 2): "IO", (1, 2): "S1", (0, 3): "end", (1, 3): "end"}
+    frame = frame.assign(role=[roles.get((s, p)) for s, p in zip(frame["sample"], frame["position"], strict=True)])
+    _, slots, note = lm_plots.position_axis(frame)
+    labels = dict(zip(slots["_x"], slots["label"], strict=True))
+    assert labels[2] == "IO/S1" and labels[1] == "A*" and labels[3] == "C" and "role" in note
+
+
 def test_long_prompts_show_the_last_positions() -> None:
     n = lm_plots.MAX_POSITIONS + 6
     frame = pd.DataFrame({"sample": 0, "direction": "denoising", "site": "attn_out", "layer": 0, "head": None,

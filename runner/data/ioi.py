@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import string
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -69,9 +70,23 @@ def ioi_pairs(cfg: IoiConfig, names: list[str], seed: int) -> list[dict[str, Any
         else:
             corrupted = {**clean, "S": others[0]}
         template = cfg.templates[t]
+        text, spans = _filled(template, clean)
+        io_slot, s1_slot = ("name1", "name2") if order is IoiOrder.ABBA else ("name2", "name1")
+        roles = {"IO": spans[io_slot], "S1": spans[s1_slot], "S2": spans["S"]}
         pairs.append({
             "id": f"ioi-{k:04d}-{order.value.lower()}-t{t}",
-            "clean": template.format(**clean), "corrupted": template.format(**corrupted),
-            "answer": f" {io}", "distractor": f" {s}",
+            "clean": text, "corrupted": template.format(**corrupted),
+            "answer": f" {io}", "distractor": f" {s}", "roles": roles,
         })  # fmt: skip
     return pairs
+
+
+def _filled(template: str, values: dict[str, str]) -> tuple[str, dict[str, list[int]]]:
+    """`template` filled with `values`, and each slot's [start, end) characters in the text (its first use)."""
+    text, spans = "", {}
+    for literal, field, _, _ in string.Formatter().parse(template):
+        text += literal
+        if field is not None:
+            spans.setdefault(field, [len(text), len(text) + len(values[field])])
+            text += values[field]
+    return text, spans

@@ -55,6 +55,7 @@ class PromptPair:
     texts: list[str] | None = None  # each clean token decoded (" Jacob" for `ĠJacob` or `▁Jacob`), by position
     answer_texts: list[str] | None = None
     distractor_texts: list[str] | None = None
+    roles: list[str | None] | None = None  # each position's role (IO, S1, S2, subject, end, ...; None: none)
 
 
 class PromptPairs(Dataset):
@@ -153,14 +154,47 @@ def _tokenised(index: int, item: dict[str, Any], tokenizer: Any, bos: int | None
     distractors = [_one_token(tokenizer, t, sample_id, "distractor") for t in _listed(item["distractor"])]
     tokens = [tokenizer.convert_ids_to_tokens(t) for t in clean]
     subject = item.get("subject") or None
-    span = _subject_span(tokenizer, str(item["clean"]), str(subject), len(prefix), sample_id) if subject else None
+    text = str(item["clean"])
+    span = _subject_span(tokenizer, text, str(subject), len(prefix), sample_id) if subject else None
+    spans = dict(item.get("roles") or {})
+    if subject:
+        spans.setdefault("subject", [text.index(str(subject)), text.index(str(subject)) + len(str(subject))])
+    roles = _roles(tokenizer, text, spans, len(prefix), len(clean), sample_id)
     answer_tokens, distractor_tokens = (
         tokenizer.convert_ids_to_tokens(answers),
         tokenizer.convert_ids_to_tokens(distractors),
     )
     return PromptPair(sample_id, clean, corrupted, answers, distractors, tokens, answer_tokens, distractor_tokens,
                       given, span, decoded(tokenizer, tokens), decoded(tokenizer, answer_tokens),
-                      decoded(tokenizer, distractor_tokens))  # fmt: skip
+                      decoded(tokenizer, distractor_tokens), roles)  # fmt: skip
+
+
+def _roles(
+    tokenizer: Any, text: str, spans: dict[str, list[int]], first: int, length: int, sample_id: str
+) -> list[str | None]:
+    """Each position's role: the role whose character span (`spans`, of `text`) the token overlaps, `end` for the
+    last position; None elsewhere (BOS, positions no role names)."""
+    roles: list[str | None] = [None] * length
+    if spans:
+        offsets = _offsets(tokenizer, text, sample_id, "roles")
+        for name, (start, end) in spans.items():
+            for i, (a, b) in enumerate(offsets):
+                if a < end and b > start and b > a:
+                    roles[first + i] = name
+    roles[-1] = roles[-1] or "end"
+    return roles
+
+
+def _offsets(tokenizer: Any, text: str, sample_id: str, what: str) -> list[tuple[int, int]]:
+    """Each token's [start, end) characters in `text`, from the (fast) tokenizer."""
+    try:
+        found = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, ValueError, KeyError):
+        raise RunnerError(
+            f"Prompt pair {sample_id} names {what}, whose tokens are found through the tokenizer's character"
+            " offsets, and this (slow) tokenizer has none: use the model's fast tokenizer (tokenizer.json)."
+        ) from None
+    return [(int(a), int(b)) for a, b in found]
 
 
 def decoded(tokenizer: Any, tokens: list[str]) -> list[str]:
@@ -171,13 +205,7 @@ def decoded(tokenizer: Any, tokens: list[str]) -> list[str]:
 def _subject_span(tokenizer: Any, text: str, subject: str, first: int, sample_id: str) -> tuple[int, int]:
     """[start, end) positions of the tokens that carry the first occurrence of `subject` in `text`, counted from
     the first token the model sees (`first`: the positions before the text, a prepended BOS)."""
-    try:
-        spans = list(tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
-    except (NotImplementedError, ValueError, KeyError):
-        raise RunnerError(
-            f"Prompt pair {sample_id} names a subject, whose tokens are found through the tokenizer's character"
-            " offsets, and this (slow) tokenizer has none: use the model's fast tokenizer (tokenizer.json)."
-        ) from None
+    spans = _offsets(tokenizer, text, sample_id, "a subject")
     start = text.index(subject)  # the option checked that it is there
     end = start + len(subject)
     inside = [i for i, (a, b) in enumerate(spans) if a < end and b > start and b > a]
@@ -234,21 +262,25 @@ def pair_strings(dataset: Dataset | None, sample_id: str) -> dict[str, Any]:
     dataset = underlying(dataset)
     pair = getattr(dataset, "by_id", {}).get(sample_id)
     if pair is None:
-        return {"tokens": [], "texts": [], "answer": None, "distractor": None, "answer_text": None,
+        return {"tokens": [], "texts": [], "roles": [], "answer": None, "distractor": None, "answer_text": None,
                 "distractor_text": None}  # fmt: skip
-    return {"tokens": pair.tokens, "texts": pair.texts or [], "answer": " ".join(pair.answer_tokens),
+    return {"tokens": pair.tokens, "texts": pair.texts or [], "roles": pair.roles or [],
+            "answer": " ".join(pair.answer_tokens),
             "distractor": " ".join(pair.distractor_tokens), "answer_text": "|".join(pair.answer_texts or []),
             "distractor_text": "|".join(pair.distractor_texts or [])}  # fmt: skip
 
 
 def pair_texts(strings: list[dict[str, Any]], rows: list[int], positions: list[int]) -> dict[str, list[Any]]:
-    """The decoded columns beside the raw token ones: `token_text` (the clean token at each position), `answer_text`
-    and `distractor_text` (" Mary"; a set's tokens joined by |)."""
+    """The decoded columns beside the raw token ones: `token_text` (the clean token at each position), its `role`
+    (IO, S1, S2, subject, end, ...), `answer_text` and `distractor_text` (" Mary"; a set's tokens joined by |)."""
+
+    def at(key: str) -> list[Any]:
+        return [strings[r][key][q] if q is not None and q < len(strings[r][key]) else None
+                for r, q in zip(rows, positions, strict=True)]  # fmt: skip
+
     return {
-        "token_text": [
-            strings[r]["texts"][q] if q is not None and q < len(strings[r]["texts"]) else None
-            for r, q in zip(rows, positions, strict=True)
-        ],
+        "token_text": at("texts"),
+        "role": at("roles"),
         "answer_text": [strings[r]["answer_text"] for r in rows],
         "distractor_text": [strings[r]["distractor_text"] for r in rows],
     }

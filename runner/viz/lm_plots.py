@@ -294,13 +294,21 @@ def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) ->
         frame = frame[frame["_x"] >= slots[0]]
     labels = []
     order = reference.sort_values(pairs).drop_duplicates([*pairs, "_x"]) if pairs else reference
-    differ = False
+    differ = by_role = False
     for slot in slots:
         tokens = order.loc[order["_x"] == slot, "token"] if "token" in order.columns else pd.Series(dtype=object)
+        roles = order.loc[order["_x"] == slot, "role"] if "role" in order.columns else pd.Series(dtype=object)
         shown = [display_token(t) for t in tokens] or ["?"]
-        if len(set(shown)) > 1:
+        named = sorted({r for r in roles if isinstance(r, str)})
+        if len(set(shown)) > 1 and named and roles.notna().all():  # the pairs' tokens differ, their roles say what
+            shown[0], by_role = "/".join(named), True
+        elif len(set(shown)) > 1:
             shown[0], differ = f"{shown[0]}*", True
         labels.append(shown[0])
+    if by_role:
+        note += (
+            "; where the pairs' tokens differ the label is the position's role (IO/S1: IO in some pairs, S1 in others)"
+        )
     if differ:
         note += "; *: the pairs' tokens differ there, the label is the first pair's token"
     ticks = [f"{label} ({slot})" for label, slot in zip(labels, slots, strict=True)]  # the table's position beside it

@@ -25,8 +25,9 @@ PAIR_COLUMNS = ("run_id", "sample")  # a pair is a sample of one run (a sweep's 
 EFFECT = "effect"  # restoration where denoising, the drop 1 - restoration where noising (0: no effect in both)
 PEAK_WORDS = (
     "Per layer in model order: the cell (position, head) where the mean over pairs is largest (max) and where it is"
-    " smallest (min), and those means; the token at that position where the pairs share it (else the first pair's,"
-    " marked *), and how many pairs have a value there when not all do. A mean over a layer's positions is not"
+    " smallest (min), and those means; the token at that position where the pairs share it (else its role, IO, S1, S2,"
+    " subject or end, where the data names one, or the first pair's token marked *), and how many pairs have a value"
+    " there when not all do. A mean over a layer's positions is not"
     " shown: it would average the cell that carries an effect with those that carry none."
 )
 EFFECT_WORDS = " `effect`: the restoration where denoising, the drop 1 - restoration where noising."
@@ -87,14 +88,20 @@ def peak_summary(
 
 
 def _cell_tokens(frame: pd.DataFrame, group: list[str], cells: list[str], pairs: list[str], show) -> dict:  # noqa: ANN001
-    """(group values..., cell values...) -> the token there: the pairs' shared token, or the first pair's with `*`."""
+    """(group values..., cell values...) -> the token there: the pairs' shared token; where they differ, the
+    position's role(s) (`S2`, `IO/S1`) if every pair has one, else the first pair's token with `*`."""
     if "token" not in frame.columns or "position" not in cells:
         return {}
     found = {}
     rows = frame[frame["position"].notna()].drop_duplicates([*group, *cells, *pairs])
-    for key, tokens in rows.groupby([*group, *cells], observed=True, dropna=False, sort=False)["token"]:
-        shown = [show(t) for t in tokens]
-        found[_key(key)] = shown[0] + ("*" if len(set(shown)) > 1 else "")
+    roles = "role" in rows.columns
+    for key, part in rows.groupby([*group, *cells], observed=True, dropna=False, sort=False):
+        shown = [show(t) for t in part["token"]]
+        named = sorted({r for r in part["role"] if isinstance(r, str)}) if roles else []
+        if len(set(shown)) > 1 and named and part["role"].notna().all():  # the role says what differs: S2, IO/S1
+            found[_key(key)] = "/".join(named)
+        else:
+            found[_key(key)] = shown[0] + ("*" if len(set(shown)) > 1 else "")
     return found
 
 
@@ -136,7 +143,7 @@ def summarise(paths: dict[str, Path], extra_values: dict[str, tuple[str, ...]] |
             continue
         ordered = "layer_index" in present
         cells = is_cell_table(present)
-        extra = [c for c in (*CELL_AXES, *PAIR_COLUMNS, "token", "direction") if cells and c in present]
+        extra = [c for c in (*CELL_AXES, *PAIR_COLUMNS, "token", "role", "direction") if cells and c in present]
         columns = list(dict.fromkeys(keys + values + extra + (["layer_index"] if ordered else [])))
         frame = pd.read_parquet(path, columns=columns)
         with pd.option_context(

@@ -39,6 +39,7 @@ LM_GRAD_X_ACT_SCHEMA = declare(
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
         pa.field("token", pa.string()),  # the clean prompt's token at `position`
         pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
+        pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
         pa.field("answer", pa.string()),
         pa.field("distractor", pa.string()),
         pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)

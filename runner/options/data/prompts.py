@@ -189,6 +189,7 @@ def checked_pairs(raw: list[Any]) -> list[dict[str, Any]]:
                 f"Prompt pair {sample_id}: its subject {subject!r} is not text of its clean prompt"
                 f" {str(item['clean'])!r}: give `subject` as it is written in the prompt (or leave it out)."
             )
+        _check_roles(sample_id, item)
         if sample_id in seen:
             raise RunnerError(
                 f"Prompt pairs {seen[sample_id]} and {index} (counted from 0) share the id {sample_id!r}: give each"
@@ -196,3 +197,21 @@ def checked_pairs(raw: list[Any]) -> list[dict[str, Any]]:
             )
         seen[sample_id] = index
     return raw
+
+
+def _check_roles(sample_id: str, item: dict[str, Any]) -> None:
+    """A pair's optional `roles`: {name: [start, end)} character spans of its clean prompt (IOI's IO, S1, S2)."""
+    roles = item.get("roles")
+    if roles is None:
+        return
+    length = len(str(item["clean"]))
+    spans_ok = isinstance(roles, dict) and all(
+        isinstance(name, str) and name and isinstance(span, (list, tuple)) and len(span) == 2
+        and all(isinstance(v, int) for v in span) and 0 <= span[0] < span[1] <= length
+        for name, span in roles.items()
+    )  # fmt: skip
+    if not spans_ok or "end" in roles:
+        raise RunnerError(
+            f"Prompt pair {sample_id}: its roles {roles!r} are not {{name: [start, end]}} character spans of its clean"
+            f' prompt ({length} characters), e.g. {{"IO": [9, 14]}}; `end` is the last position\'s own role.'
+        )
