@@ -153,6 +153,22 @@ def test_a_pairs_file_that_is_not_utf8_is_refused(folders: dict[str, Path], tmp_
     assert message == f"{pairs}:2 is not UTF-8 (byte 0xe9): save the file as UTF-8."
 
 
+def test_data_limit_reads_only_the_first_pairs_of_a_large_file(tmp_path: Path) -> None:
+    """data.limit=N stops reading a JSONL or CSV file after its first N pairs: a broken line after them (which a
+    whole read refuses) is never reached, so a million-line file with data.limit=4 costs four lines."""
+    from runner.options.data.prompts import read_pairs_file
+
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("\n".join([*(json.dumps({**PAIRS[0], "id": f"p{i}"}) for i in range(4)), "[not a pair"]) + "\n")
+    assert [p["id"] for p in read_pairs_file(jsonl, 4)] == ["p0", "p1", "p2", "p3"]
+    with pytest.raises(RunnerError, match=r"pairs.jsonl:5 is not a JSON object"):
+        read_pairs_file(jsonl)
+    table = tmp_path / "pairs.csv"
+    table.write_text("clean,answer,distractor\n" + "".join(f"t0{i} t02,t02,t05\n" for i in range(1, 6)))
+    assert [p["clean"] for p in read_pairs_file(table, 2)] == ["t01 t02", "t02 t02"]
+    assert len(read_pairs_file(table)) == 5
+
+
 def test_a_pair_that_is_no_mapping_is_refused(folders: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
@@ -390,6 +406,8 @@ def test_layers_include_on_a_text_run_is_refused_before_the_model_loads(
 PATCHING = ["method=lm_patching", "method.patching.sites=[resid_pre]"]
 BEFORE_WEIGHTS = [
     ([*PATCHING, "method.patching.layers=[0,2]"], "method.patching.layers=[2]: the model has layers 0..1."),
+    ([*PATCHING, "method.patching.layers=[1,1]"], "method.patching.layers=[1, 1] names layer(s) [1] twice"),
+    (["method=lm_grad_x_act", "method.layers=[0,0]"], "method.layers=[0, 0] names layer(s) [0] twice"),
     ([*PATCHING, "target=logit"], "method=lm_patching measures a language model's answer: use target=token_logit_diff,"),
     (["method=lm_patching", "method.patching.sites=[pattern]", "model.attn_implementation=sdpa"],
      "Site pattern needs the attention pattern, which attn_implementation=sdpa never materialises"),

@@ -434,3 +434,19 @@ def test_composites_with_an_image_processor_ask_for_the_runners_geometry(hf_vit6
     assert "Localisation masks need the input geometry" in refused.stderr and "data.resize=pad" in refused.stderr
     cam = cam_of(tmp_path / "pad", run_cli(*base, "data.resize=pad", f"hydra.run.dir={tmp_path / 'pad'}"))
     assert set(cam["map_height"]) == {4}  # 64 px inputs, the processor's size
+
+
+def test_the_lm_log_line_names_the_models_own_type_and_the_layout_it_runs_through(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Qwen2 model runs through Llama's layout: the line says `qwen2 (llama's layout)`, not `llama`."""
+    import logging
+
+    from tests.conftest import make_config
+    from tests.lm_references import build_tiny_lm
+
+    _, _, folder = build_tiny_lm("qwen2", seed=0, folder=tmp_path)
+    with caplog.at_level(logging.INFO, logger="runner.models"):
+        build_model(make_config("model=hf_lm", f"model.name={folder}").model)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"model {folder}: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"model {folder}: qwen2 (llama's layout), 2 layers"), lines

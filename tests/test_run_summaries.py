@@ -71,6 +71,7 @@ def test_the_lm_report_shows_figures_first_and_counts_only_what_a_table_has(edge
     section = page[page.index('id="table-lm-edges"') :]
     section = section[: section.index("<h2 ", 10)] if "<h2 " in section[10:] else section
     assert "0 layers" not in page and "0 samples" not in page
+    assert f"hydra.run.dir={out}" in page  # the recorded command reproduces the run in its own folder
     assert "a0.h" in section or "input->" in section  # the top edges are listed
     if "<figure" in section:
         assert section.index("<figure") < section.index("<table")

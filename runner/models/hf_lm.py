@@ -117,7 +117,9 @@ class HfLmSource(ModelSource):
         layout = layout_of(model)  # refuses an architecture without a site adapter, before any data loads
         packaged = PACKAGED_LMS.get(cfg.name)
         weights = f", weights {packaged.quantisation}" if packaged and cfg.weights is not None else ""
-        log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, layout.arch.family,
+        model_type = str(getattr(model.config, "model_type", layout.arch.family))
+        family = model_type if model_type == layout.arch.family else f"{model_type} ({layout.arch.family}'s layout)"
+        log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, family,
                  layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation, cfg.dtype, weights)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
 

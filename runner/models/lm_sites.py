@@ -308,11 +308,15 @@ class LanguageModelLayout:
         return torch.tanh(raw / self.logit_softcap) * self.logit_softcap
 
     def block_layers(self, layers: list[int] | None, key: str) -> list[int]:
-        """The blocks `key` (a config key) selects: every block for None; RunnerError for one out of range."""
+        """The blocks `key` (a config key) selects: every block for None; RunnerError for one out of range or named
+        twice (its rows would be written twice: every LM method takes each layer once)."""
         chosen = list(range(self.layers)) if layers is None else list(layers)
         bad = [layer for layer in chosen if not 0 <= layer < self.layers]
         if bad:
             raise RunnerError(f"{key}={bad}: the model has layers 0..{self.layers - 1}.")
+        if len(set(chosen)) != len(chosen):
+            twice = sorted({layer for layer in chosen if chosen.count(layer) > 1})
+            raise RunnerError(f"{key}={chosen} names layer(s) {twice} twice: give each layer once.")
         return chosen
 
     def module_name(self, part: str, layer: int) -> str:

@@ -535,7 +535,9 @@ def run_report(directory: Path, page_dir: Path) -> str:
         )
     page.add(header)
     page.section("Command and provenance", "provenance")
-    command = shlex.join(["runner", *run.overrides])
+    # the command that reproduces this run in this folder (the overrides name none when Hydra chose it)
+    named = any(o.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for o in run.overrides)
+    command = shlex.join(["runner", *run.overrides, *([] if named else [f"hydra.run.dir={run.path}"])])
     overrides = "".join(f"<li><code>{_e(o)}</code></li>" for o in run.overrides) or "<li>(none)</li>"
     page.add(f"<p>Overrides:</p><ul>{overrides}</ul>", _provenance_html(directory, command))
     tables = table_names([directory])

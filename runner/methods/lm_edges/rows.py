@@ -57,7 +57,9 @@ LM_EDGES_SCHEMA = declare(
         pa.field("rank", pa.int64()),  # 1 = the first edge a circuit keeps (method.edges.ranking)
         # the exact effect (mean over the discovery pairs): the corrupted run with the edge's reader reading the
         # writer's clean write, minus the corrupted run (mode=exact: = score; else the edges top_k checked, NaN others)
-        pa.field("exact", pa.float32()),
+        pa.field(
+            "exact", pa.float32()
+        ),  # the edge's exact effect (lm_edges: mean over the discovery pairs, NaN where not patched)
         pa.field("pairs", pa.int64()),  # discovery pairs behind the score (flagged pairs left out)
         pa.field("clean", pa.float32()),  # the clean and corrupted runs' metrics, means over those pairs
         pa.field("corrupted", pa.float32()),
@@ -131,7 +133,9 @@ LM_EDGE_EXACT_SCHEMA = declare(
         pa.field("mode", pa.string()),
         pa.field("metric", pa.string()),
         pa.field("estimate", pa.float32()),  # the pair's score by `mode`
-        pa.field("exact", pa.float32()),  # the pair's exact effect of the edge
+        pa.field(
+            "exact", pa.float32()
+        ),  # the edge's exact effect (lm_edges: mean over the discovery pairs, NaN where not patched)
         *PAIR_FLAGS,
     ],
     Presentation(keys=("chosen", "mode", "metric"), values=("estimate", "exact"), shown=("metric",)),

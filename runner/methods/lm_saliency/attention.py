@@ -33,7 +33,7 @@ from runner.tables import Presentation, declare
 LM_ATTENTION_SCHEMA = declare(
     "lm_attention",
     [
-        pa.field("layer", pa.int64()),
+        pa.field("layer", pa.int64()),  # the block's index
         pa.field("head", pa.int64()),
         pa.field("query_position", pa.int64()),  # the attending token's position (BOS = 0 when prepended)
         pa.field("query_token", pa.string()),

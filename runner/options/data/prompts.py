@@ -6,6 +6,7 @@ object per line (the checks that need the tokenizer are runner/data/prompts.py's
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class PromptsConfig(TextDataConfig):
                     f"data.file={self.file}: no such file. Give a JSONL or CSV file of pairs, or one of the shipped"
                     f" sets: data.file={' | '.join(SHIPPED_PAIRS)}."
                 )
-            return read_pairs_file(file)
+            return read_pairs_file(file, self.limit)
         return self._from_template() if self.template else []
 
     def _from_template(self) -> list[dict[str, Any]]:
@@ -130,22 +131,33 @@ class PromptsConfig(TextDataConfig):
         return {}
 
 
-def read_pairs_file(file: Path) -> list[Any]:
-    """A JSONL (one object per line) or CSV file of pairs, read as UTF-8; a line that is no JSON object is refused
-    by its number."""
+def read_pairs_file(file: Path, limit: int | None = None) -> list[Any]:
+    """A JSONL (one object per line) or CSV file of pairs, read as UTF-8 line by line, up to its first `limit` pairs
+    (data.limit: the rest of a large file is never read); a line that is no JSON object is refused by its number."""
     try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = file.read_bytes()[: e.start].count(b"\n") + 1
-        raise RunnerError(
-            f"{file}:{line} is not UTF-8 (byte 0x{e.object[e.start]:02x}): save the file as UTF-8."
-        ) from None
+        with file.open(encoding="utf-8", newline="") as handle:
+            if file.suffix.lower() == ".csv":
+                return [dict(row) for row in itertools.islice(csv.DictReader(handle), limit)]
+            return _json_lines(file, handle, limit)
+    except UnicodeDecodeError:
+        raw = file.read_bytes()  # where the bad byte is, in the whole file (only on this error)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise RunnerError(
+                f"{file}:{line} is not UTF-8 (byte 0x{raw[e.start]:02x}): save the file as UTF-8."
+            ) from None
+        raise
     except OSError as e:
         raise RunnerError(f"Cannot read data.file={file} ({e.strerror or e}).") from None
-    if file.suffix.lower() == ".csv":
-        return [dict(row) for row in csv.DictReader(text.splitlines())]
-    pairs = []
-    for number, line in enumerate(text.splitlines(), 1):
+
+
+def _json_lines(file: Path, handle: Any, limit: int | None) -> list[Any]:
+    pairs: list[Any] = []
+    for number, line in enumerate(handle, 1):
+        if limit is not None and len(pairs) >= limit:
+            break
         if line.strip():
             try:
                 item = json.loads(line)
