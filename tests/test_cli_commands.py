@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -194,6 +195,39 @@ def test_ls_is_short_by_default_one_line_per_experiment_and_the_runs_that_need_s
     assert len(full) == 55 * 2 + 2 * 1 + 1  # each run and its overrides; both resume lines; the failed one's error
 
 
+def test_ls_a_config_error_is_refused_not_resumable_and_the_latest_is_the_last_finished(tmp_path: Path) -> None:
+    """A run stopped by a config error before any work is `refused`, with no resume command (it would stop there
+    again); the latest complete run is the one that finished last, marked when it ran under a debug preset; runs of
+    one experiment on two models are two groups."""
+    refused = tmp_path / "refused"
+    (refused / ".hydra").mkdir(parents=True)
+    (refused / ".hydra" / "config.yaml").write_text("name: default\nmethod: {name: lm_patching}\n")
+    (refused / ".hydra" / "overrides.yaml").write_text("- method=lm_patching\n- target=logit\n")
+    (refused / "__main__.log").write_text("[ERROR] method=lm_patching measures a language model's answer: ...\n")
+    info = listing.run_info(refused)
+    assert info.status == "refused"
+    text = ls_command.format_listing([info])
+    assert "[refused: stopped before any work]" in text and "resume:" not in text and "run again" in text
+
+    def done(path: str, finished: float, overrides: list[str], model: str) -> listing.RunInfo:
+        run = fake_run(path, "ioi_smollm2", "lm_patching")
+        run.overrides, run.finished, run.model = ["experiment=ioi_smollm2", *overrides], finished, model
+        return run
+
+    found: list[listing.RunInfo | listing.SweepInfo] = [
+        done("outputs/a_long_run", 200.0, [], "hf_lm:smollm2-135m"),  # started first, finished last
+        done("outputs/b_tiny_run", 100.0, ["debug=tiny"], "hf_lm:smollm2-135m"),
+        done("outputs/c_own_model", 50.0, ["model.name=/my/model"], "hf_lm:/my/model"),
+    ]
+    lines = ls_command.format_listing(found).splitlines()
+    smol = next(line for line in lines if line.startswith("ioi_smollm2 (hf_lm:smollm2-135m, lm_patching)"))
+    assert "2 runs" in smol and smol.endswith("latest complete: outputs/a_long_run")
+    own = next(line for line in lines if line.startswith("ioi_smollm2 (hf_lm:/my/model, lm_patching)"))
+    assert "1 run " in own
+    found[0].finished = 10.0  # now the tiny run finished last: named latest, and marked
+    assert "latest complete: outputs/b_tiny_run (debug=tiny)" in ls_command.format_listing(found)
+
+
 @pytest.mark.slow
 def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -202,7 +236,7 @@ def test_ls_complete_partial_and_the_resume_command_that_finishes_it(tmp_path: P
     assert info.status == "complete" and info.shards_done == 4 and info.shards_total == 4
     assert info.tables == {"cam": 8, "hooks": 8}  # 8 samples x 1 layer; 8 samples x 1 hooked layer
     assert info.experiment == "default" and "data.count=8" in info.overrides
-    assert "default (gradcam)" in ls(tmp_path) and "1 run [complete]" in ls(tmp_path)
+    assert re.search(r"^default \(\S+, gradcam\) +1 run \[complete\]", ls(tmp_path), flags=re.M)  # model, method
     assert "[complete]" in ls(tmp_path, full=True) and "resume:" not in ls(tmp_path, full=True)
 
     manifest = json.loads((run / "manifest.json").read_text())  # a run killed after 3 of its 4 shards
@@ -229,8 +263,9 @@ def test_ls_failed_damaged_and_running(tmp_path: Path) -> None:
     ok = tmp_path / "ok"
     assert run_cli(*TINY, f"hydra.run.dir={ok}").returncode == 0
     found = {info.path.name: info for info in listing.find(tmp_path)}
-    assert found["failed"].status == "failed" and "nowhere" in found["failed"].error
-    assert "resume: runner" in ls(tmp_path)
+    # stopped by the config before any work: not a run to resume (as it was, it would stop there again)
+    assert found["failed"].status == "refused" and "nowhere" in found["failed"].error
+    assert "resume: runner" not in ls(tmp_path) and "[refused: stopped before any work]" in ls(tmp_path)
     (ok / "cam.parquet" / "part-000001.parquet").write_bytes(b"not parquet")
     (info,) = [i for i in listing.find(tmp_path) if i.path == ok]
     assert info.status == "damaged" and "part-000001.parquet: unreadable rows, the manifest 2" in info.error

@@ -20,7 +20,9 @@ MAX_ERROR = 160  # characters of a run's error in the short listing (`--all` sho
 
 def _status(run: RunInfo) -> str:
     if run.status in ("complete", "running"):
-        return run.status
+        return run.status + (f", {run.debug}" if run.debug else "")
+    if run.status == "refused":
+        return "refused: stopped before any work"
     if run.manifest_error:
         return "damaged manifest"
     total = "?" if run.shards_total is None else run.shards_total
@@ -40,6 +42,9 @@ def _todo_lines(run: RunInfo, indent: str, short: bool = False) -> list[str]:
         lines.append(f"{indent}  redo (the run does not resume from a damaged manifest): {run.redo_command}")
     elif run.status in ("partial", "failed", "damaged"):
         lines.append(f"{indent}  resume: {run.resume_command}")
+    elif run.status == "refused":
+        lines.append(f"{indent}  nothing was written: change what the error names and run again (as it was, it would"
+                     " stop there again)")  # fmt: skip
     return lines
 
 
@@ -83,8 +88,14 @@ def _counts(runs: list[RunInfo]) -> str:
     states = Counter("damaged manifest" if run.manifest_error else run.status for run in runs)
     if set(states) == {"complete"}:
         return "[complete]"
-    order = ("complete", "running", "partial", "failed", "damaged", "damaged manifest")
+    order = ("complete", "running", "partial", "failed", "refused", "damaged", "damaged manifest")
     return "[" + ", ".join(f"{states[s]} {s}" for s in order if states[s]) + "]"
+
+
+def _group_name(experiment: str, model: str, method: str) -> str:
+    """'ioi_smollm2 (hf_lm:smollm2-135m, lm_patching)': what a group of runs is, the unknown parts left out."""
+    known = [part for part in (model, method) if part not in ("?", "?:?")]
+    return f"{experiment} ({', '.join(known)})" if known else experiment
 
 
 def short_listing(found: list[RunInfo | SweepInfo], root: Path | None = None) -> str:
@@ -94,18 +105,20 @@ def short_listing(found: list[RunInfo | SweepInfo], root: Path | None = None) ->
     sweeps = [item for item in found if isinstance(item, SweepInfo)]
     if not found:
         return "no runs"
-    groups: dict[tuple[str, str], list[RunInfo]] = {}
+    groups: dict[tuple[str, str, str], list[RunInfo]] = {}
     for run in runs:
-        groups.setdefault((run.experiment, run.method), []).append(run)
-    width = max((len(f"{e} ({m})") for e, m in groups), default=0)
+        groups.setdefault((run.experiment, run.model, run.method), []).append(run)
+    names = {key: _group_name(*key) for key in groups}
+    width = max((len(n) for n in names.values()), default=0)
     lines = []
-    for (experiment, method), members in sorted(groups.items()):
-        name = f"{experiment} ({method})" if method != "?" else experiment
+    for key, members in sorted(groups.items()):
         count = f"{len(members)} run{'s' if len(members) != 1 else ''}"
         complete = [r for r in members if r.status == "complete"]
-        latest = max(complete, key=lambda r: str(r.path)) if complete else None  # Hydra's folders: date and time
+        latest = max(complete, key=lambda r: (r.finished or 0.0, str(r.path))) if complete else None  # last finished
         shown = f"  latest complete: {latest.path}" if latest is not None else ""
-        lines.append(f"{name:<{width}}  {count:>8} {_counts(members)}{shown}")
+        if latest is not None and latest.debug:
+            shown += f" ({latest.debug})"
+        lines.append(f"{names[key]:<{width}}  {count:>8} {_counts(members)}{shown}")
         for run in members:
             if run.status != "complete":
                 lines.append(f"  {run.path}  [{_status(run)}]")
@@ -119,7 +132,8 @@ def short_listing(found: list[RunInfo | SweepInfo], root: Path | None = None) ->
     jobs = sum(len(s.jobs) for s in sweeps)
     where = f" under {root}" if root is not None else ""
     head = f"{len(runs)} run{'s' if len(runs) != 1 else ''} and {len(sweeps)} sweep{'s' if len(sweeps) != 1 else ''}"
-    head += f" ({jobs} jobs){where}, by experiment (method); `runner ls --all` lists each run's tables and overrides."
+    head += (f" ({jobs} jobs){where}, by experiment (model, method); `runner ls --all` lists each run's tables and"
+             " overrides.")  # fmt: skip
     return "\n".join([head, *lines])
 
 

@@ -33,7 +33,7 @@ class RunInfo:
     path: Path
     experiment: str
     overrides: list[str]
-    status: str  # complete | running | partial | failed | damaged
+    status: str  # complete | running | partial | failed | refused (stopped before any work) | damaged
     shards_done: int
     shards_total: int | None  # None when no manifest says how many samples there are
     tables: dict[str, int] = field(default_factory=dict)  # table -> rows in its listed part files
@@ -43,6 +43,13 @@ class RunInfo:
     manifest_error: str = ""
     bad_manifest: Path | None = None  # that manifest
     method: str = "?"  # the config's method.name
+    model: str = "?"  # the config's model (source:name), as runs are grouped by
+    finished: float | None = None  # when its complete manifest was written (seconds since the epoch)
+
+    @property
+    def debug(self) -> str:
+        """The debug preset it ran under (`debug=tiny`), or ""."""
+        return next((o for o in self.overrides if o.split("=", 1)[0].lstrip("+") == "debug"), "")
 
     @property
     def resume_command(self) -> str:
@@ -119,6 +126,9 @@ def run_info(directory: Path) -> RunInfo:
     method = config.get("method") if isinstance(config, dict) else None
     info = RunInfo(directory, experiment, [str(o) for o in overrides], "partial", 0, None)
     info.method = str(method.get("name", "?")) if isinstance(method, dict) else "?"
+    model = config.get("model") if isinstance(config, dict) else None
+    if isinstance(model, dict):
+        info.model = f"{model.get('source') or '?'}:{model.get('name', '?')}"
     manifests = sorted(directory.glob("manifest*.json"))
     complete = False
     done: set[str] = set()
@@ -131,6 +141,7 @@ def run_info(directory: Path) -> RunInfo:
             break
         if path.name == "manifest.json":
             complete = bool(manifest.get("complete"))
+            info.finished = path.stat().st_mtime if complete else None
             details = manifest.get("resume_details") or {}
             if info.experiment == "?":  # a run from Python (no .hydra/): the config's name is in the manifest
                 info.experiment = str(details.get("name", "?"))
@@ -158,7 +169,10 @@ def run_info(directory: Path) -> RunInfo:
         info.status = "complete"
     else:
         info.error = _last_error(directory)
-        info.status = "failed" if info.error else "partial"
+        # an error before any manifest: the config or the data refused, nothing done; running it again as it was
+        # would stop there again, so it is not a run to resume
+        refused = info.error and not manifests
+        info.status = "refused" if refused else "failed" if info.error else "partial"
     return info
 
 
