@@ -1,8 +1,10 @@
 """Figures of the edge tables: the circuit found (lm_edges) and its faithfulness curve (lm_circuit_curve).
 
-- `lm_edges_figures`: per (mode, metric), the graph of the TOP_EDGES edges of largest |mean score|: writers and
-  readers placed by layer (rows, the embeddings at the bottom, the logits at the top) and head (columns; an MLP to the
-  right of the heads), each edge a line from its writer to its reader, its width the |score|, its colour the sign.
+- `lm_edges_figures`: per (mode, metric), the graph of the TOP_EDGES edges of largest |mean score|: nodes placed by
+  layer (rows: the layers the edges touch, the embeddings at the bottom, the logits at the top) and head (columns; a
+  key-value head between the query heads that share it, the MLP on the right), each edge a line from its writer to
+  its reader, its width the |score|, its colour the sign, its style what the reader reads (query, key, value); a
+  title, legends for all three, and node labels moved until none overlaps another.
 - `lm_circuit_curve_figures`: per (metric, mode), the faithfulness of the run's circuits against the fraction of
   edges kept, on the discovery and the held-out pairs, beside the bootstrap Jaccard overlap of the circuits.
 Scores are averaged over rows weighted by each row's pairs (one row per edge in a run's lm_edges).
@@ -35,51 +37,156 @@ def lm_edges_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
         top = scored.dropna().reindex(scored.abs().sort_values(ascending=False).index).head(TOP_EDGES)
         if top.empty:
             continue
-        layers = int(pd.to_numeric(part["upstream_layer"], errors="coerce").max() + 1)
+        shape = Shape.of(part["edge"].astype(str))
         out.append((
-            f"The circuit: the {len(top)} edges of largest |mean {mode} score| ({metric}) of {len(scored)}; width"
-            " |score|, red positive (moving the edge toward its clean value raises the metric), blue negative. Rows"
-            " are layers (the embeddings at the bottom, the logits at the top), columns heads (q, k, v readers at"
-            " their head or key-value head; an MLP to the right).",
-            _graph(top, layers, figures),
+            f"The circuit: the {len(top)} edges of largest |mean {mode} score| ({metric}) of {len(scored)}. Rows are"
+            " the layers the edges touch (the embeddings at the bottom, the logits at the top), columns the heads and,"
+            " on the right, the MLP; a key or value edge ends at its key-value head's marker (between the query heads"
+            " that share it). Width: |score|; red: positive (moving the edge toward its clean value raises the"
+            " metric), blue: negative; line style: what the reader reads (query, key, value; solid also for an MLP"
+            " or the logits).",
+            circuit_graph(top, shape, f"{mode} circuit, top {len(top)} edges ({metric})", figures),
         ))  # fmt: skip
     return out
 
 
-def _place(node: str, layers: int) -> tuple[float, float]:
-    """(x, y) of a node named as the table names it: y the layer (input -1, logits `layers`), x the head."""
-    if node == "input":
-        return 0.0, -1.0
-    if node == "logits":
-        return 0.0, float(layers)
-    match = re.fullmatch(r"a(\d+)\.([hg])(\d+)(?:<([qkv])>)?", node)
-    if match:
-        layer, kind, index, part = match.groups()
-        offset = {"q": -0.25, "k": 0.0, "v": 0.25, None: 0.0}[part]
-        return int(index) + offset, int(layer) - (0.3 if part else 0.0)  # a head reads below where it writes
-    layer = int(node[1:])
-    return -1.5, layer + 0.3  # an MLP: left of the heads, above the layer's attention
+NODE = re.compile(r"a(\d+)\.([hg])(\d+)(?:<([qkv])>)?|m(\d+)|input|logits")
 
 
-def _graph(top: pd.Series, layers: int, figures: FiguresConfig) -> Figure:
+class Shape:
+    """The heads and key-value heads per layer, read from the edge names of a whole table (so that the columns do
+    not depend on which edges are drawn)."""
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        self.heads, self.kv_heads = max(heads, 1), max(kv_heads, 1)
+
+    @staticmethod
+    def of(edges: pd.Series) -> Shape:
+        names = edges.str.split("->").explode()
+        heads = names.str.extract(r"^a\d+\.h(\d+)")[0].dropna().astype(int)
+        groups = names.str.extract(r"^a\d+\.g(\d+)")[0].dropna().astype(int)
+        return Shape(int(heads.max()) + 1 if len(heads) else 1, int(groups.max()) + 1 if len(groups) else 1)
+
+    def column(self, node: str) -> tuple[float, str, int | None]:
+        """(x, the reader's kind: q, k, v or "", its layer: None for input and logits) of a node name."""
+        match = NODE.fullmatch(node)
+        if match is None:
+            raise ValueError(f"not a node of the edge graph: {node!r}")
+        layer, kind, index, part, mlp = match.groups()
+        if node in ("input", "logits"):
+            return (self.heads - 1) / 2, "", None
+        if mlp is not None:
+            return float(self.heads), "", int(mlp)
+        per_group = self.heads // self.kv_heads if kind == "g" else 1
+        x = int(index) * per_group + (per_group - 1) / 2  # a key-value head: the middle of its query heads
+        return float(x), part or "", int(layer)
+
+
+LINE_STYLE = {"q": "-", "k": "--", "v": ":", "": "-"}
+
+
+def circuit_graph(top: pd.Series, shape: Shape, title: str, figures: FiguresConfig) -> Figure:
+    """The edges `top` (edge name -> score) drawn on a grid of the layers they touch (rows) and heads (columns), with
+    a title and legends for colour, width and line style; node labels placed so that none overlaps another."""
     plt = style.pyplot()
-    fig, ax = plt.subplots(figsize=(style.full_width(figures), max(3.0, 0.35 * (layers + 2) + 1.0)),
-                           layout="constrained")  # fmt: skip
+    ends = [(str(e).split("->")[0], str(e).split("->")[1]) for e in top.index]
+    used = sorted({layer for pair in ends for node in pair if (layer := shape.column(node)[2]) is not None})
+    row = {layer: i + 1 for i, layer in enumerate(used)}
+    top_row = len(used) + 1
+
+    def place(node: str) -> tuple[float, float]:
+        x, _, layer = shape.column(node)
+        if layer is None:
+            return x, 0.0 if node == "input" else float(top_row)
+        return x, row[layer] - (0.28 if ".g" in node else 0.0)  # a key-value head just below its query heads
+
+    width = style.full_width(figures)
+    fig, ax = plt.subplots(figsize=(width, max(3.2, 0.55 * (top_row + 1) + 1.6)), layout="constrained")
     largest = float(top.abs().max()) or 1.0
-    for edge, value in top.items():
-        up, down = str(edge).split("->")
-        (x0, y0), (x1, y1) = _place(up, layers), _place(down, layers)
-        ax.plot([x0, x1], [y0, y1], color="#c0392b" if value > 0 else "#2c7fb8",
-                linewidth=0.5 + 4.0 * abs(value) / largest, alpha=0.8)  # fmt: skip
-    nodes = {n for edge in top.index for n in str(edge).split("->")}
+    for (up, down), value in zip(ends, top.to_numpy(float), strict=True):
+        (x0, y0), (x1, y1) = place(up), place(down)
+        kind = shape.column(down)[1]
+        ax.plot([x0, x1], [y0, y1], color=POSITIVE if value > 0 else NEGATIVE, linestyle=LINE_STYLE[kind],
+                linewidth=0.6 + 4.0 * abs(value) / largest, alpha=0.8, zorder=2)  # fmt: skip
+    # one marker per node: a head's q reader is the head, a key-value head's k and v readers one marker
+    nodes = sorted({n.split("<")[0] for pair in ends for n in pair}, key=lambda n: place(n)[::-1])
+    labels = []
     for node in nodes:
-        x, y = _place(node, layers)
-        ax.scatter([x], [y], s=14, color="black", zorder=3)
-        ax.annotate(node, (x, y), fontsize=style.TICK_SIZE, xytext=(3, 2), textcoords="offset points")
-    ax.set_yticks(range(-1, layers + 1), ["emb", *[str(i) for i in range(layers)], "logits"], fontsize=style.TICK_SIZE)
-    ax.set_ylabel("layer", fontsize=style.PANEL_TITLE_SIZE)
-    ax.set_xlabel("head (MLP at -1.5)", fontsize=style.PANEL_TITLE_SIZE)
+        x, y = place(node)
+        group = ".g" in node
+        ax.scatter([x], [y], s=22 if not group else 18, marker="o" if not group else "D", zorder=3,
+                   facecolor="black" if not group else "white", edgecolor="black")  # fmt: skip
+        labels.append(ax.annotate(_short(node), (x, y), fontsize=style.TICK_SIZE - 1, xytext=(4, 3),
+                                  textcoords="offset points", zorder=4))  # fmt: skip
+    ax.set_yticks(range(top_row + 1), ["emb", *[str(layer) for layer in used], "logits"], fontsize=style.TICK_SIZE)
+    ax.set_xticks(range(shape.heads + 1), [*(f"h{h}" for h in range(shape.heads)), "MLP"], fontsize=style.TICK_SIZE)
+    ax.set_xlim(-0.7, shape.heads + 0.9)
+    ax.set_ylim(-0.6, top_row + 0.6)
+    ax.set_ylabel("layer (those the edges touch)", fontsize=style.PANEL_TITLE_SIZE)
+    ax.set_xlabel("head, then the layer's MLP", fontsize=style.PANEL_TITLE_SIZE)
+    ax.set_title(title, fontsize=style.PANEL_TITLE_SIZE)
+    _legends(ax, largest)
+    separate_labels(fig, labels)
     return fig
+
+
+POSITIVE, NEGATIVE = "#c0392b", "#2c7fb8"
+
+
+def _short(node: str) -> str:
+    """A node's label: `23.h3` (a head), `23.g1 k/v` (a key-value head), `m23`, `input`, `logits`."""
+    match = NODE.fullmatch(node)
+    if match is None or node in ("input", "logits") or match.group(5) is not None:
+        return node
+    layer, kind, index, part, _ = match.groups()
+    return f"{layer}.{kind}{index}" + (" k/v" if kind == "g" else "")
+
+
+def _legends(ax: Any, largest: float) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=POSITIVE, linewidth=2, label="positive score"),
+               Line2D([], [], color=NEGATIVE, linewidth=2, label="negative score"),
+               *(Line2D([], [], color="grey", linewidth=0.6 + 4.0 * f, label=f"|score| {f * largest:.3g}")
+                 for f in (1.0, 0.5, 0.1)),
+               Line2D([], [], color="black", linestyle="-", label="query (or MLP, logits)"),
+               Line2D([], [], color="black", linestyle="--", label="key"),
+               Line2D([], [], color="black", linestyle=":", label="value")]  # fmt: skip
+    ax.legend(handles=handles, fontsize=style.TICK_SIZE - 1, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)  # fmt: skip
+
+
+def separate_labels(fig: Figure, labels: list[Any], rounds: int = 8) -> None:
+    """Move each label that overlaps an earlier one to its next place around its point (right-above, right-below,
+    left-above, left-below, then further out) until none overlaps, or `rounds` rounds."""
+    places = [(4, 3), (4, -12), (-30, 3), (-30, -12), (4, 12), (4, -21), (-30, 12), (-30, -21)]
+    tried = [0] * len(labels)
+    renderer = fig.canvas.get_renderer()
+    for _ in range(rounds):
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        moved = False
+        for i in range(len(labels)):
+            if any(boxes[i].overlaps(boxes[j]) for j in range(len(labels)) if j != i and j < i):
+                tried[i] = (tried[i] + 1) % len(places)
+                labels[i].xyann = places[tried[i]]
+                boxes[i] = labels[i].get_window_extent(renderer)
+                moved = True
+        if not moved:
+            return
+
+
+def overlapping_labels(fig: Figure) -> list[tuple[str, str]]:
+    """The pairs of node labels (the axes' annotations) whose boxes overlap, as drawn."""
+    renderer = fig.canvas.get_renderer()
+    found = []
+    for ax in fig.axes:
+        texts = list(ax.texts)
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        for i in range(len(texts)):
+            for j in range(i):
+                if boxes[i].overlaps(boxes[j]):
+                    found.append((texts[j].get_text(), texts[i].get_text()))
+    return found
 
 
 def lm_circuit_curve_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
