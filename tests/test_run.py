@@ -315,6 +315,25 @@ def test_lm_patching_moves_the_bar_inside_its_one_batch(
     assert shares == sorted(shares) and shares[-1] == 100
 
 
+@pytest.mark.parametrize(
+    ("method", "stages"),
+    [("lm_grad_x_act", ["the forward of 2 prompts", "the backward to", "the rows"]),
+     ("lm_logit_lens", ["the forward of 2 prompts", "the lens at 3 layers"]),
+     ("lm_attention", ["the forward of 2 prompts", "the rows of 2 layers"])],
+)  # fmt: skip
+def test_every_lm_method_names_its_stages_inside_a_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, method: str, stages: list[str]
+) -> None:
+    monkeypatch.setattr(progress, "MININTERVAL", 0)
+    app.run(make_config("model=hf_lm", "data=prompts", "data.file=induction", "data.limit=2", "data.batch_size=2",
+                        f"method={method}", "progress=true"), tmp_path)  # fmt: skip
+    inside = [s for s in drawn(capsys.readouterr().err) if "0/1 batches, batch 1: " in s]
+    notes = list(dict.fromkeys(re.search(r"batch 1: (.*?) +\d+%\|", s).group(1) for s in inside))
+    assert [n.split(": ", 1)[0] for n in notes] == [method] * len(notes)
+    for stage, note in zip(stages, notes, strict=True):
+        assert note.split(": ", 1)[1].startswith(stage), notes
+
+
 class NoisyNet(TinyNet):
     """TinyNet that logs a line in the run's second batch and warns in its third, each right after a redraw."""
 

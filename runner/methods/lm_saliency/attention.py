@@ -27,6 +27,7 @@ from runner.methods.lm_patching.engine import SiteHooks
 from runner.methods.lm_saliency.common import taken_views, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
+from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.tables import Presentation, declare
 
@@ -84,9 +85,11 @@ class LmAttention(LanguageModelMethod):
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = self.prompts(batch)
         ids = prompts.clean
+        within_batch(0.0, f"lm_attention: the forward of {ids.shape[0]} prompts")
         with torch.no_grad(), self.runtime.autocast(), self.hooks.keep():
             out = forward_last(model, ids, prompts.mask)
         views = taken_views(self.hooks, self.specs, self.name)
+        within_batch(0.5, f"lm_attention: the rows of {len(self.specs)} layers")
         strings = self.strings(batch)
         pads = prompts.pads.cpu()
         t = ids.shape[1]

@@ -26,6 +26,7 @@ from runner.methods.lm_patching.metric import score
 from runner.methods.lm_saliency.common import real_cells, taken_views, token_strings
 from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
+from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenTarget, target_name, token_target
@@ -94,6 +95,7 @@ class LmGradXAct(LanguageModelMethod):
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = self.prompts(batch)
+        within_batch(0.0, f"lm_grad_x_act: the forward of {prompts.clean.shape[0]} prompts")
         self.capturing = True
         try:
             with torch.enable_grad(), self.runtime.autocast(), self.hooks.keep(grad=True):
@@ -104,8 +106,10 @@ class LmGradXAct(LanguageModelMethod):
         logits = out.logits[:, -1].float()  # (B, V)
         metric = score(self.target, logits, prompts.answers, prompts.distractors, logits.detach())  # (B,)
         # Rows are independent, so d(sum)/d(row's activation) is that row's own gradient.
+        within_batch(0.4, f"lm_grad_x_act: the backward to {len(self.specs)} sites")
         grads = torch.autograd.grad(metric.sum(), [views[s.name] for s in self.specs], allow_unused=True)
         strings = self.strings(batch)
+        within_batch(0.8, "lm_grad_x_act: the rows")
         parts = [self._rows(batch, spec, views[spec.name].detach(), grad, prompts.pads, strings)
                  for spec, grad in zip(self.specs, grads, strict=True)]  # fmt: skip
         return BatchOutput(predicted=logits.detach().argmax(dim=1), tables={self.table: concat_columns(parts)})

@@ -24,6 +24,7 @@ from runner.methods.language_model import LanguageModelMethod, PromptPairs, chos
 from runner.methods.lm_saliency.common import real_cells, token_strings
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
+from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.tables import Presentation, declare
 from runner.targets.tokens import AnswerLogprob, TokenTarget, set_mean, target_name, token_target
@@ -110,6 +111,7 @@ class LmLogitLens(LanguageModelMethod):
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = self.prompts(batch)
         ids = prompts.clean
+        within_batch(0.0, f"lm_logit_lens: the forward of {ids.shape[0]} prompts")
         self.kept, self.capturing = {}, True
         try:
             with torch.no_grad(), self.runtime.autocast():
@@ -119,6 +121,7 @@ class LmLogitLens(LanguageModelMethod):
         kept, self.kept = self.kept, {}
         strings = self.strings(batch)
         rows, index, _ = real_cells(prompts.pads, ids.shape[1])
+        within_batch(0.3, f"lm_logit_lens: the lens at {len(self.layers)} layers")
         with torch.no_grad(), self.runtime.autocast():
             final = self.lens(kept[self.last])[rows, index]  # (N, V) the model's own logits at each real cell
             parts = [self._rows(batch, layer, self.lens(kept[layer])[rows, index], final, prompts, rows, index,
