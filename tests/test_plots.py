@@ -87,6 +87,8 @@ def test_baseline_in_a_contrasting_colour_and_the_legend_outside_the_data() -> N
     fig.canvas.draw()
     legend_box = fig.legends[0].get_window_extent()
     assert not legend_box.overlaps(ax.get_window_extent())  # beside the data, never on it
+    title_box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert not legend_box.overlaps(title_box)  # nor on the title
 
 
 def test_figures_span_the_page_in_readable_fonts() -> None:

@@ -162,8 +162,8 @@ def _per_layer(
     for ax in list(axes.flat)[len(panel_keys) :]:
         ax.set_visible(False)
     fig.suptitle(title or f"{value} per layer", fontsize=style.TITLE_SIZE)
-    if len(legend) > 1 or lines:  # outside the panels, above them: never over the data
-        fig.legend(list(legend.values()), list(legend), loc="outside upper center", ncol=min(len(legend), 6),
+    if len(legend) > 1 or lines:  # outside the panels, below them: never over the data nor the title
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncol=min(len(legend), 6),
                    fontsize=style.TICK_SIZE, frameon=False)  # fmt: skip
     return fig, summary
 
@@ -280,8 +280,8 @@ def _mprt(
     fig.suptitle(
         f"MPRT: {similarity} to the trained model's map as weights are re-initialised", fontsize=style.TITLE_SIZE
     )
-    if legend:  # one legend for every panel, above them: never over the data
-        fig.legend(list(legend.values()), list(legend), loc="outside upper center", ncol=min(len(legend), 7),
+    if legend:  # one legend for every panel, below them: never over the data nor the title
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncol=min(len(legend), 7),
                    fontsize=style.TICK_SIZE, title="layer (model order)", title_fontsize=style.TICK_SIZE,
                    frameon=False)  # fmt: skip
     return fig, summary
