@@ -180,6 +180,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
     if method_class(config.method).modality == "text":  # before the model's weights load
         _refuse_layer_selection(config)
+        config = _lightened(config)
         _check_layout(config, runtime.target)
 
     bundle = build_model(config.model)
@@ -315,6 +316,33 @@ def _refuse_layer_selection(config: RunConfig) -> None:
         " method.patching.layers and .sites (lm_patching), method.layers and .sites (lm_grad_x_act, lm_logit_lens)."
         " Leave layers.include at its default."
     )
+
+
+def _lightened(config: RunConfig) -> RunConfig:
+    """debug=light (config.light): the method made light for the model's layer count, read from its config alone."""
+    if not config.light:
+        return config
+    layout = model_layout(config.model)
+    if layout is None:
+        return config
+    method = config.method.lightened(layout.layers)
+    if method != config.method:
+        log.info("debug=light: %s", _changed(config.method, method))
+    return dataclasses.replace(config, method=method)
+
+
+def _changed(before: Any, after: Any, prefix: str = "method") -> str:
+    """The fields of two configs of one dataclass that differ, `key=new` each (nested configs by their path)."""
+    parts = []
+    for f in dataclasses.fields(before):
+        old, new = getattr(before, f.name), getattr(after, f.name)
+        if old == new:
+            continue
+        if dataclasses.is_dataclass(old):
+            parts.append(_changed(old, new, f"{prefix}.{f.name}"))
+        else:
+            parts.append(f"{prefix}.{f.name}={new}")
+    return ", ".join(parts)
 
 
 def _check_layout(config: RunConfig, target: Any) -> None:

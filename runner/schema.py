@@ -208,6 +208,11 @@ class MethodConfig:
         with range rules of its own extends this, and raises RunnerError for a rule that needs its own words."""
         return [] if self.top_k >= 1 else [f"method.top_k={self.top_k}"]
 
+    def lightened(self, layers: int) -> MethodConfig:
+        """This config made light for debug=light on a model of `layers` blocks (a language-model method reads
+        fewer layers, fewer steps); an image method's is unchanged."""
+        return self
+
 
 @dataclass
 class TargetConfig:
@@ -274,6 +279,9 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     figures: FiguresConfig = field(default_factory=FiguresConfig)
     report: bool = False  # write report.html into the run's folder at the end (`runner report DIR` does it later)
+    # debug=light: a language-model method on a few of the model's layers (the first, the last and two between) where
+    # it would read every one, lm_edges with fewer steps and resamples; the run's record names what it ran
+    light: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Precision = Precision.fp32
     channels_last: bool = False  # model and inputs in NHWC memory format (faster convolutions on GPUs)
@@ -373,3 +381,13 @@ def with_threads(config: RunConfig) -> RunConfig:
     """The config with `threads: null` resolved to this process's CPUs: the same in a plain run, a joblib worker
     and a torchrun rank on one machine (their launchers' one-thread settings are overridden by the run)."""
     return config if config.threads is not None else replace(config, threads=available_cpus())
+
+
+LIGHT_LAYERS = 4  # the layers a debug=light run of a language-model method reads
+
+
+def light_layers(layers: int) -> list[int]:
+    """LIGHT_LAYERS of `layers` blocks, evenly spaced, the first and the last included."""
+    if layers <= LIGHT_LAYERS:
+        return list(range(layers))
+    return sorted({round(i * (layers - 1) / (LIGHT_LAYERS - 1)) for i in range(LIGHT_LAYERS)})

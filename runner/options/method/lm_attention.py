@@ -3,12 +3,13 @@ the last position (where the answer is read) or from every position, as a table 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
-from runner.schema import MethodConfig
+from runner.schema import MethodConfig, light_layers
 
 
 class AttentionQuery(str, Enum):
@@ -26,3 +27,6 @@ class LmAttentionConfig(MethodConfig):
     layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
     heads: Optional[list[int]] = None  # null: every head  # noqa: UP045 (OmegaConf)
     query: AttentionQuery = AttentionQuery.last
+
+    def lightened(self, layers: int) -> LmAttentionConfig:
+        return self if self.layers is not None else dataclasses.replace(self, layers=light_layers(layers))

@@ -4,6 +4,7 @@ prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -121,3 +122,10 @@ class LmEdgesMethodConfig(MethodConfig):
             raise RunnerError(f"method.edges.resamples={e.resamples}: bootstrap resamples, 0 (none) or >= 2.")
         check_corruption(e.corruption, e.min_span, "method.edges")
         return bad
+
+    def lightened(self, layers: int) -> LmEdgesMethodConfig:
+        """Every edge is still scored (a circuit needs them all): fewer interpolation steps, resamples and edges
+        re-patched exactly."""
+        e = self.edges
+        light = dataclasses.replace(e, steps=min(e.steps, 2), resamples=min(e.resamples, 20), top_k=min(e.top_k, 10))
+        return dataclasses.replace(self, edges=light)

@@ -3,13 +3,14 @@ head) of a causal language model, from one forward and one backward of each pair
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.errors import RunnerError
 from runner.options.method.lm_patching import LM_SITES
 from runner.options.registry import LM_FAMILY, METHODS
-from runner.schema import MethodConfig
+from runner.schema import MethodConfig, light_layers
 
 
 @METHODS.option("runner.methods.lm_saliency.grad_x_act:LmGradXAct", tables=("lm_grad_x_act",), family=LM_FAMILY)
@@ -21,6 +22,9 @@ class LmGradXActConfig(MethodConfig):
     name: str = "lm_grad_x_act"
     sites: list[str] = field(default_factory=lambda: ["resid_pre", "attn_out", "mlp_out", "head"])
     layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
+
+    def lightened(self, layers: int) -> LmGradXActConfig:
+        return self if self.layers is not None else dataclasses.replace(self, layers=light_layers(layers))
 
     def check(self) -> list[str]:
         bad = super().check()

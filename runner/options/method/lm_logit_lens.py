@@ -3,11 +3,12 @@ every position of each pair's clean prompt (layer -1: the embeddings; layer l: b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
-from runner.schema import MethodConfig
+from runner.schema import MethodConfig, light_layers
 
 
 @METHODS.option("runner.methods.lm_saliency.logit_lens:LmLogitLens", tables=("lm_logit_lens",), family=LM_FAMILY)
@@ -18,3 +19,6 @@ class LmLogitLensConfig(MethodConfig):
 
     name: str = "lm_logit_lens"
     layers: Optional[list[int]] = None  # null: -1 (the embeddings) and every block  # noqa: UP045 (OmegaConf)
+
+    def lightened(self, layers: int) -> LmLogitLensConfig:
+        return self if self.layers is not None else dataclasses.replace(self, layers=[-1, *light_layers(layers)])

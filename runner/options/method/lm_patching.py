@@ -3,6 +3,7 @@ layer x head) between the clean and corrupted prompt of each pair, in one or bot
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any, ClassVar, Optional
 from runner.errors import RunnerError
 from runner.options.method.patching import PatchDirection, PatchMode
 from runner.options.registry import LM_FAMILY, METHODS
-from runner.schema import MethodConfig
+from runner.schema import MethodConfig, light_layers
 
 LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
 
@@ -83,6 +84,11 @@ class LmPatchingMethodConfig(MethodConfig):
 
     name: str = "lm_patching"
     patching: LmPatchingConfig = field(default_factory=LmPatchingConfig)
+
+    def lightened(self, layers: int) -> LmPatchingMethodConfig:
+        if self.patching.layers is not None:
+            return self
+        return dataclasses.replace(self, patching=dataclasses.replace(self.patching, layers=light_layers(layers)))
 
     def check(self) -> list[str]:
         bad = super().check()
