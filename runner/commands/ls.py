@@ -34,7 +34,7 @@ def _todo_lines(run: RunInfo, indent: str, short: bool = False) -> list[str]:
     lines = []
     if run.error:
         error = run.error if not short or len(run.error) <= MAX_ERROR else run.error[: MAX_ERROR - 3] + "..."
-        lines.append(f"{indent}  {'error' if run.status == 'failed' else 'problem'}: {error}")
+        lines.append(f"{indent}  {'error' if run.status in ('failed', 'refused') else 'problem'}: {error}")
     if run.manifest_error and run.status != "running":
         if run.tables:
             first = run.path / f"{min(run.tables)}.parquet"

@@ -181,7 +181,8 @@ def _job_state(job: RunInfo) -> str:
         return f"stopped after {job.shards_done} of {total} shards" if job.shards_done else "has no complete shard yet"
     # The error without the sweep's own note on the failure (the jobs it left unrun: named here anyway).
     error = (job.manifest_error or job.error).split(" [sweep:")[0].rstrip(".")
-    return f"{job.status}: {error if len(error) <= 160 else error[:157] + '...'}"
+    state = "failed" if job.status == "refused" else job.status  # refused: failed before writing anything
+    return f"{state}: {error if len(error) <= 160 else error[:157] + '...'}"
 
 
 def load(path: str | Path, table: str | None = None, partial: bool = False) -> pd.DataFrame:

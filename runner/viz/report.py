@@ -524,7 +524,7 @@ def run_report(directory: Path, page_dir: Path) -> str:
     run = run_info(directory)
     page = Page()
     complete = run.status == "complete"
-    header = f"<p>Status: {_status_html(_run_status(run), complete, run.status in ('failed', 'damaged'))}"
+    header = f"<p>Status: {_status_html(_run_status(run), complete, run.status in ('failed', 'refused', 'damaged'))}"
     if run.error:
         header += f" ({_e(run.error)})"
     header += "</p>"
@@ -556,7 +556,7 @@ def sweep_report(sweep: SweepInfo, page_dir: Path) -> str:
     page = Page()
     complete = sum(job.status == "complete" for job in sweep.jobs)
     total = sweep.jobs_total if sweep.jobs_total is not None else len(sweep.jobs)
-    failed = any(job.status in ("failed", "damaged") for job in sweep.jobs)
+    failed = any(job.status in ("failed", "refused", "damaged") for job in sweep.jobs)
     header = f"<p>Status: {_status_html(f'{complete} of {total} jobs complete', complete == total, failed)}</p>"
     if complete < total:
         header += '<p class="note">Not every job is complete: the tables and figures show the complete shards only.</p>'
@@ -576,7 +576,9 @@ def sweep_report(sweep: SweepInfo, page_dir: Path) -> str:
         name = _e(job.path.name)
         if (job.path / REPORT_NAME).is_file():  # a job's own report (report=true): linked relatively
             name = f'<a href="{_e(Path(os.path.relpath(job.path / REPORT_NAME, page_dir)).as_posix())}">{name}</a>'
-        status = _status_html(_run_status(job), job.status == "complete", job.status in ("failed", "damaged"))
+        status = _status_html(
+            _run_status(job), job.status == "complete", job.status in ("failed", "refused", "damaged")
+        )
         counts = "".join(f"<td>{job.tables.get(t, 0)}</td>" for t in tables)
         ids = "".join(
             f'<td class="label">{_e(found[job.path].get(k, "unknown"))}</td>' for k in ("config_hash", "run_id")
