@@ -209,9 +209,11 @@ class EdgeRuns(SiteHooks):
             new = rows.clone()
             new[:, 0] = rows.gather(1, index)[:, 0]
         elif spec.kind == "head" and d.reads_writes:
-            # copy 0's writes minus the reference run's, each at its own run's norm scale (post-norm families)
-            z, reference = rows[:, 0], run.reference[f"head.{layer}"].to(rows.dtype)  # (V, B, T, H, d), (B, T, H, d)
-            writes = self.head_writes(layer, z) - self.head_writes(layer, reference)[:, None]  # (H, V, B, T, D)
+            z, reference = rows[:, 0], run.reference[f"head.{layer}"][None].to(rows.dtype)  # (V, B, T, H, d)
+            if self.head_writes.post_norm:  # copy 0's writes minus the reference run's, each at its own run's scale
+                writes = self.head_writes(layer, z) - self.head_writes(layer, reference)  # (H, V, B, T, D)
+            else:  # linear in z: one projection of the difference
+                writes = self.head_writes(layer, z - reference)
             run.add(writes.movedim(0, 1))  # (V, H, B, T, D)
         elif spec.kind == "mlp_out":
             slots = run.slots(layer).to(rows.device)
