@@ -48,6 +48,13 @@ _ASSEMBLY = ".source"
 # A safetensors header longer than this is not one (the format caps it at 100 MB).
 _MAX_HEADER = 100_000_000
 
+# What a converted folder must hold, each found by its file name.
+_NEEDED: dict[str, Callable[[str], bool]] = {
+    "config": lambda name: name == "config.json",
+    "weights": lambda name: name.endswith(".safetensors"),
+    "tokenizer": lambda name: name.startswith("tokenizer"),
+}
+
 # (GGUF file, destination folder) -> None: writes a save_pretrained folder (config, weights, tokenizer).
 Converter = Callable[[Path, Path], None]
 
@@ -119,8 +126,8 @@ def cache_damage(folder: Path, source: list[dict[str, Any]]) -> str | None:
     if stamp.get("source") != source:
         return "converted from another version of the packaged file"
     files: dict[str, dict[str, int]] = stamp.get("files") or {}
-    for needed, what in (("config.json", "config"), (".safetensors", "weights"), ("tokenizer", "tokenizer")):
-        if not any(name == needed or name.endswith(needed) or name.startswith(needed) for name in files):
+    for what, wanted in _NEEDED.items():
+        if not any(wanted(name) for name in files):
             return f"the stamp lists no {what} file"
     for name, seen in files.items():
         path = folder / name

@@ -262,6 +262,18 @@ def _head_position(
 # --- the position axis and the grids ----------------------------------------------------------------------------
 
 
+def shared_label(shown: list[str], roles: pd.Series | None) -> tuple[str, str]:
+    """A position's label over the pairs (`shown`: each pair's token there, `roles`: each pair's role there) and how
+    it was had: their shared token ("token"); where the tokens differ, the roles if every pair has one ("role": `S2`,
+    `IO/S1`), else the first pair's token marked `*` ("first")."""
+    shown = shown or ["?"]
+    if len(set(shown)) == 1:
+        return shown[0], "token"
+    if roles is not None and len(roles) and roles.notna().all():
+        return "/".join(sorted({str(r) for r in roles})), "role"
+    return f"{shown[0]}*", "first"
+
+
 def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """(rows with a position, each with its x slot `_x`; the drawn slots in order with their token `label` and
     `tick`, the token and the slot: `Mary (3)`; the caption's note). Each pair's length and tokens come from `reference` (default: `frame`), the table's rows of the
@@ -297,14 +309,10 @@ def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) ->
     differ = by_role = False
     for slot in slots:
         tokens = order.loc[order["_x"] == slot, "token"] if "token" in order.columns else pd.Series(dtype=object)
-        roles = order.loc[order["_x"] == slot, "role"] if "role" in order.columns else pd.Series(dtype=object)
-        shown = [display_token(t) for t in tokens] or ["?"]
-        named = sorted({r for r in roles if isinstance(r, str)})
-        if len(set(shown)) > 1 and named and roles.notna().all():  # the pairs' tokens differ, their roles say what
-            shown[0], by_role = "/".join(named), True
-        elif len(set(shown)) > 1:
-            shown[0], differ = f"{shown[0]}*", True
-        labels.append(shown[0])
+        roles = order.loc[order["_x"] == slot, "role"] if "role" in order.columns else None
+        label, how = shared_label([display_token(t) for t in tokens], roles)
+        by_role, differ = by_role or how == "role", differ or how == "first"
+        labels.append(label)
     if by_role:
         note += (
             "; where the pairs' tokens differ the label is the position's role (IO/S1: IO in some pairs, S1 in others)"

@@ -94,14 +94,11 @@ def _cell_tokens(frame: pd.DataFrame, group: list[str], cells: list[str], pairs:
         return {}
     found = {}
     rows = frame[frame["position"].notna()].drop_duplicates([*group, *cells, *pairs])
-    roles = "role" in rows.columns
+    from runner.viz.lm_plots import shared_label
+
     for key, part in rows.groupby([*group, *cells], observed=True, dropna=False, sort=False):
-        shown = [show(t) for t in part["token"]]
-        named = sorted({r for r in part["role"] if isinstance(r, str)}) if roles else []
-        if len(set(shown)) > 1 and named and part["role"].notna().all():  # the role says what differs: S2, IO/S1
-            found[_key(key)] = "/".join(named)
-        else:
-            found[_key(key)] = shown[0] + ("*" if len(set(shown)) > 1 else "")
+        roles = part["role"] if "role" in part.columns else None
+        found[_key(key)] = shared_label([show(t) for t in part["token"]], roles)[0]
     return found
 
 
