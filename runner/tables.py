@@ -47,6 +47,9 @@ SAMPLE_FIELDS = (
     pa.field("predicted_name", pa.string()),  # the model's name of the class; null without the model's class names
 )
 ID_FIELDS = (*RUN_FIELDS, *SAMPLE_FIELDS)
+# The sample columns about classes: a table declared with `classes=False` (a language model's, whose samples are
+# prompt pairs with no class label) has none of them.
+CLASS_FIELDS = frozenset(("label", "label_name", "predicted", "predicted_name"))
 # Declared after `layer` in every table that has one: the module's position in model order (`named_modules()`,
 # root excluded; null for a name that is not a module), filled in by the writer, so that tables sort
 # features.2 before features.10. A table declares `layer`; this column comes with it.
@@ -94,6 +97,7 @@ class SchemaError(TypeError):
 
 _DECLARED: dict[str, tuple[pa.Schema, str]] = {}  # table -> (its own columns, the declaring module)
 _PRESENTED: dict[str, Presentation] = {}  # table -> how it is summarised and drawn
+_CLASSLESS: set[str] = set()  # tables declared without the class columns (CLASS_FIELDS)
 
 
 def optional(name: str, type_: pa.DataType, when: str) -> pa.Field:
@@ -106,9 +110,12 @@ def is_optional(field: pa.Field) -> bool:
     return bool(field.metadata) and WHEN in field.metadata
 
 
-def declare(table: str, fields: Sequence[pa.Field], presentation: Presentation | None = None) -> pa.Schema:
+def declare(
+    table: str, fields: Sequence[pa.Field], presentation: Presentation | None = None, classes: bool = True
+) -> pa.Schema:
     """Declare `table`'s own columns (after the ID and swept columns), in the order they are written, and how it is
-    summarised and drawn."""
+    summarised and drawn. `classes=False`: the table's sample columns are `sample` and `sample_id` only, without the
+    class columns (`label`, `predicted` and their names), for samples that have no class (a language model's pairs)."""
     schema = pa.schema(fields)
     if "layer" in schema.names and LAYER_INDEX.name not in schema.names:  # a layer's position comes with its name
         schema = schema.insert(schema.get_field_index("layer") + 1, LAYER_INDEX)
@@ -123,7 +130,22 @@ def declare(table: str, fields: Sequence[pa.Field], presentation: Presentation |
         raise SchemaError(f"table '{table}' is declared twice, differently (in {known[1]} and {owner})")
     _DECLARED[table] = (schema, owner)
     _PRESENTED[table] = presentation or Presentation()
+    if not classes:
+        _CLASSLESS.add(table)
     return schema
+
+
+def sample_fields(table: str) -> tuple[pa.Field, ...]:
+    """The sample ID columns `table` is written with: all of SAMPLE_FIELDS, or without CLASS_FIELDS for a table
+    declared with `classes=False`."""
+    if table in _CLASSLESS:
+        return tuple(f for f in SAMPLE_FIELDS if f.name not in CLASS_FIELDS)
+    return SAMPLE_FIELDS
+
+
+def id_fields(table: str) -> tuple[pa.Field, ...]:
+    """The ID columns `table` starts with (the swept columns go between the run's and the sample's)."""
+    return (*RUN_FIELDS, *sample_fields(table))
 
 
 def presentation(table: str) -> Presentation:
@@ -148,7 +170,7 @@ def own_columns(table: str) -> pa.Schema:
 
 def full_schema(table: str, sweep: Sequence[pa.Field] = ()) -> pa.Schema:
     """The whole table as written: ID columns, the given swept columns, its own columns (optional ones too)."""
-    return pa.schema([*RUN_FIELDS, *sweep, *SAMPLE_FIELDS, *own_columns(table)])
+    return pa.schema([*RUN_FIELDS, *sweep, *sample_fields(table), *own_columns(table)])
 
 
 def conform(table: str, columns: Mapping[str, Any]) -> pa.Table:
@@ -158,7 +180,10 @@ def conform(table: str, columns: Mapping[str, Any]) -> pa.Table:
     """
     own = own_columns(table)
     where = _DECLARED[table][1]
-    expected = {f.name: f for f in (*ID_FIELDS, *own)}
+    samples = sample_fields(table)
+    expected = {f.name: f for f in (*RUN_FIELDS, *samples, *own)}
+    if len(samples) < len(SAMPLE_FIELDS):  # runner/ids.py adds the class columns to every batch; this table has none
+        columns = {n: v for n, v in columns.items() if n not in CLASS_FIELDS}
     extra = [n for n in columns if n not in expected and not n.startswith(SWEEP_PREFIX)]
     if extra:
         raise SchemaError(
@@ -169,11 +194,11 @@ def conform(table: str, columns: Mapping[str, Any]) -> pa.Table:
     if missing:
         raise SchemaError(f"table '{table}': declared column(s) {', '.join(map(repr, missing))} are missing ({where})")
     arrays = {n: _array(table, n, v, None, where) for n, v in columns.items() if n.startswith(SWEEP_PREFIX)}
-    for field in (*RUN_FIELDS, *SAMPLE_FIELDS, *own):
+    for field in (*RUN_FIELDS, *samples, *own):
         if field.name in columns:
             arrays[field.name] = _array(table, field.name, columns[field.name], field, where)
     order = [*(f.name for f in RUN_FIELDS), *(n for n in columns if n.startswith(SWEEP_PREFIX))]
-    order += [f.name for f in (*SAMPLE_FIELDS, *own) if f.name in arrays]
+    order += [f.name for f in (*samples, *own) if f.name in arrays]
     # Plain fields in the file: the `when` notes belong to the declaration, not to the data.
     return pa.Table.from_arrays([arrays[n] for n in order], schema=pa.schema([(n, arrays[n].type) for n in order]))
 

@@ -45,6 +45,7 @@ class Collected:
     sweep_prefix: str
     tables: dict[str, tuple[Any, str]]  # table -> (its own pyarrow schema, the module that declares it)
     optional_when: Callable[[Any], str | None]  # a column's config under which it is written; None: always
+    left_out: dict[str, list[str]]  # table -> the ID columns it is written without (runner/tables.py `classes=False`)
     families: dict[str, Any]  # model_type -> its site adapter (runner.models.lm_sites.Architecture)
     real_weights: dict[str, list[str]]  # model_type -> the model.name values with real weights offline
 
@@ -89,6 +90,10 @@ def collect() -> Collected:
         sweep_prefix=tables.SWEEP_PREFIX,
         tables={name: (schema, owners[name]) for name, schema in tables.declared().items()},
         optional_when=when,
+        left_out={
+            name: [f.name for f in tables.SAMPLE_FIELDS if f not in tables.sample_fields(name)]
+            for name in tables.declared()
+        },
         families={model_type: ARCHITECTURES[family] for model_type, family in sorted(FAMILIES.items())},
         real_weights=_real_weights(),
     )
@@ -366,7 +371,10 @@ def render_tables(c: Collected) -> str:
     written = outputs_descriptions()
     for table, (schema, owner) in sorted(c.tables.items()):
         comments = {**written.get(table, {}), **column_comments(owner)}
-        out += [f"## `{table}`", "", f"Declared in `{owner}`.", "", "| column | type | description |", "|---|---|---|"]
+        left_out = c.left_out[table]
+        without = f" Without the class columns ({', '.join(f'`{n}`' for n in left_out)})." if left_out else ""
+        out += [f"## `{table}`", "", f"Declared in `{owner}`.{without}", "", "| column | type | description |",
+                "|---|---|---|"]  # fmt: skip
         for column in schema:
             text = comments.get(column.name) or shared_description(column.name)
             when = c.optional_when(column)

@@ -83,7 +83,8 @@ def test_pairs_of_different_lengths_align_at_the_last_token() -> None:
     frame = patching_frame()
     short = frame[(frame["sample"] == 1) & (frame["position"] > 0)].assign(position=lambda f: f["position"] - 1)
     frame = pd.concat([frame[frame["sample"] == 0], short])  # pair 1 lacks the BOS: one token shorter
-    moved, slots, note = lm_plots.position_axis(frame)
+    axis = lm_plots.position_axis(frame)
+    slots, note = axis.slots, axis.note
     assert slots["_x"].tolist() == [-3, -2, -1, 0]
     assert slots["label"].tolist() == ["<bos>", "A", "B*", "C"]  # the same roles line up from the end
     assert "aligned at their last token" in note
@@ -103,9 +104,76 @@ def test_where_the_pairs_tokens_differ_the_axis_names_the_roles() -> None:
     frame.loc[(frame["sample"] == 1) & (frame["position"] == 1), "token"] = " E"  # differs, no role names it
     roles = {(0, 2): "IO", (1, 2): "S1", (0, 3): "end", (1, 3): "end"}
     frame = frame.assign(role=[roles.get((s, p)) for s, p in zip(frame["sample"], frame["position"], strict=True)])
-    _, slots, note = lm_plots.position_axis(frame)
+    axis = lm_plots.position_axis(frame)
+    slots, note = axis.slots, axis.note
     labels = dict(zip(slots["_x"], slots["label"], strict=True))
     assert labels[2] == "IO/S1" and labels[1] == "A*" and labels[3] == "C" and "role" in note
+
+
+def fact_frame(prompts: dict[int, list[tuple[str, str | None]]]) -> pd.DataFrame:
+    """One layer of resid_pre rows per (pair, token), restoration = the pair's number + position / 100."""
+    return pd.DataFrame([
+        {"sample": sample, "direction": "denoising", "site": "resid_pre", "layer": 0, "head": None, "position": p,
+         "token": token, "role": role, "metric": "m", "patch_method": "exact", "restoration": sample + p / 100,
+         "small_span": False}
+        for sample, tokens in prompts.items() for p, (token, role) in enumerate(tokens)
+    ])  # fmt: skip
+
+
+def test_prompts_of_different_lengths_align_by_role_never_by_a_mixed_position() -> None:
+    """Two facts whose subjects differ in length and place: aligned at the last token the axis would read as one
+    sentence made of both prompts; by role, each slot holds the same part of each prompt (causal tracing's axis)."""
+    frame = fact_frame({
+        0: [("The", None), (" Eiff", "subject"), ("el", "subject"), (" Tower", "subject"), (" is", None),
+            (" in", "end")],
+        1: [(" Paris", "subject"), (" is", None), (" the", None), (" capital", None), (" of", "end")],
+    })  # fmt: skip
+    axis = lm_plots.position_axis(frame)
+    labels = axis.slots["label"].tolist()
+    assert labels == ["before subject", "first subject", "inner subject", "last subject", "first after subject",
+                      "inner after subject", "last after subject", "end"]  # fmt: skip
+    assert axis.title == "role" and "aligned by role" in axis.note
+    at = {label: axis.frame[axis.frame["_x"] == x] for x, label in zip(axis.slots["_x"], labels, strict=True)}
+    assert at["last subject"][["sample", "token"]].values.tolist() == [[0, " Tower"], [1, " Paris"]]
+    assert at["first subject"]["token"].tolist() == [" Eiff"]  # a one-token subject is its last token
+    assert at["first after subject"]["token"].tolist() == [" is", " is"]
+    assert at["end"]["token"].tolist() == [" in", " of"]
+    assert len(axis.frame) == len(frame)  # every row has its slot
+    caption, fig = lm_plots.lm_patching_figures(frame, None, FiguresConfig())[0]
+    array, ticks, _ = image_of(fig)
+    assert ticks == labels and fig.axes[0].get_xlabel() == "role"
+    assert array[0, labels.index("inner after subject")] == pytest.approx(1.02)  # pair 1's " the" alone
+    assert array[0, labels.index("first after subject")] == pytest.approx((0.04 + 1.01) / 2)  # " is" in both
+    pyplot().close(fig)
+
+
+def test_the_peak_summary_names_role_slots_where_the_figure_aligns_by_role() -> None:
+    from runner.viz.summary import peak_summary
+
+    frame = fact_frame({
+        0: [("The", None), (" Eiff", "subject"), ("el", "subject"), (" Tower", "subject"), (" is", None),
+            (" in", "end")],
+        1: [(" Paris", "subject"), (" is", None), (" the", None), (" capital", None), (" of", "end")],
+    })  # fmt: skip
+    frame["restoration"] = np.where(frame["token"].isin([" Tower", " Paris"]), 0.9, 0.1)  # the subject's last token
+    frame.loc[frame["token"] == " the", "restoration"] = -0.5  # pair 1's second token after the subject
+    summary = peak_summary(frame, ["site"], ["restoration"]).iloc[0]
+    assert summary["restoration max at"] == "last subject" and summary["restoration max"] == pytest.approx(0.9)
+    assert summary["restoration min at"] == "inner after subject, 1 of 2 pairs"
+
+
+def test_pairs_whose_roles_differ_in_order_and_length_draw_one_length() -> None:
+    """ABBA and BABA pairs of different lengths: neither the last token nor the roles line them up, so the axis holds
+    the most common length's pairs only, and says so."""
+    abba = [("<bos>", None), (" Ann", "IO"), (" and", None), (" Bob", "S1"), (" met", None), (" Bob", "S2"),
+            (" gave", None), (" to", "end")]  # fmt: skip
+    baba = [(" Bob", "S1"), (" and", None), (" Ann", "IO"), (" met", None), (" Bob", "S2"), (" gave", None),
+            (" a", None), (" book", None), (" to", "end")]  # fmt: skip
+    frame = fact_frame({0: abba, 1: baba, 2: baba})
+    axis = lm_plots.position_axis(frame)
+    assert set(axis.frame["sample"]) == {1, 2}
+    assert axis.slots["_x"].tolist() == list(range(9)) and axis.title == "token (position)"
+    assert "drawn are the 2 of 3 pairs of length 9" in axis.note
 
 
 def test_long_prompts_show_the_last_positions() -> None:

@@ -192,6 +192,19 @@ def test_the_writer_casts_only_losslessly_and_keeps_the_declared_order(tmp_path:
     assert table.schema.names == [f.name for f in full_schema("hook_check", [pa.field("sweep.seed", pa.int64())])]
 
 
+def test_language_model_tables_have_no_class_columns(tmp_path: Path) -> None:
+    classes = {"label", "label_name", "predicted", "predicted_name"}
+    for table in declared():
+        names = set(full_schema(table).names)
+        if table.startswith("lm_"):  # a pair has no class label, and its prediction is a token, not a class
+            assert not names & classes and {"sample", "sample_id"} <= names, table
+        else:
+            assert classes <= names, table
+    columns = {**valid_batch("lm_edges"), **{n: [None, None] for n in classes}}  # as runner/ids.py hands them over
+    written = write(tmp_path, "lm_edges", columns)
+    assert written.schema.names == full_schema("lm_edges").names
+
+
 def test_optional_columns_are_in_every_batch_or_none(tmp_path: Path) -> None:
     first = {**valid_batch("patching"), "rank_correlation": np.zeros(2, np.float32)}
     with pytest.raises(SchemaError, match="table 'patching': a batch's columns differ .* in rank_correlation"):

@@ -220,7 +220,8 @@ def _layer_position(
     """Layer x position map of `value`'s mean over pairs, one panel per value of `by`, at the positions and tokens
     of `reference` (the table's rows of the same pairs); `notes`: a column whose most frequent value per cell is
     written in it."""
-    frame, ticks, note = position_axis(frame, reference)
+    axis = position_axis(frame, reference)
+    frame, ticks, note = axis.frame, axis.slots, axis.note
     layers = sorted(frame["layer"].dropna().unique().tolist())
     xs = ticks["_x"].tolist()
     parts = _panels(frame, by)
@@ -228,8 +229,8 @@ def _layer_position(
     written = [top_grid(p, notes, "layer", "_x", layers, xs) for _, p in parts] if notes else []
     if len(xs) > MAX_NOTED_COLUMNS:
         written = []  # cells too narrow for a token
-    return Map(panels, title, ticks["tick"].tolist(), "token (position)", [_layer_name(v) for v in layers], "layer",
-               label, f"; tokens on the x axis{note}{_pairs_note(frame, value)}", centred, written)  # fmt: skip
+    return Map(panels, title, ticks["tick"].tolist(), axis.title, [_layer_name(v) for v in layers], "layer",
+               label, f"; {axis.words} on the x axis{note}{_pairs_note(frame, value)}", centred, written)  # fmt: skip
 
 
 def _layer_head(frame: pd.DataFrame, value: str, by: str | None, title: str, label: str) -> Map:
@@ -249,14 +250,15 @@ def _head_position(
     layers = sorted(frame["layer"].dropna().unique().tolist())
     layer = means.idxmax()[0] if means.notna().any() else layers[0]
     part = frame[frame["layer"] == layer]
-    part, ticks, note = position_axis(part, reference)
+    axis = position_axis(part, reference)
+    part, ticks, note = axis.frame, axis.slots, axis.note
     heads = sorted(part["head"].dropna().unique().tolist())
     panels = [(t, mean_grid(p, value, "head", "_x", heads, ticks["_x"].tolist())) for t, p in _panels(part, by)]
     chosen = (f"; layer {_layer_name(layer)}, the layer with the largest |mean| cell of the {len(layers)} patched"
               " (the others are in the table)" if len(layers) > 1 else f"; layer {_layer_name(layer)}")  # fmt: skip
-    return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["tick"].tolist(), "token (position)",
+    return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["tick"].tolist(), axis.title,
                [str(int(h)) for h in heads], f"head (layer {_layer_name(layer)})", label,
-               f"{chosen}; tokens on the x axis{note}{_pairs_note(part, value)}")  # fmt: skip
+               f"{chosen}; {axis.words} on the x axis{note}{_pairs_note(part, value)}")  # fmt: skip
 
 
 # --- the position axis and the grids ----------------------------------------------------------------------------
@@ -274,43 +276,61 @@ def shared_label(shown: list[str], roles: pd.Series | None) -> tuple[str, str]:
     return f"{shown[0]}*", "first"
 
 
-def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """(rows with a position, each with its x slot `_x`; the drawn slots in order with their token `label` and
-    `tick`, the token and the slot: `Mary (3)`; the caption's note). Each pair's length and tokens come from `reference` (default: `frame`), the table's rows of the
-    same pairs, so that rows which hold some positions only (attribution_topk's exact rows) land where the table
-    has them and every slot of the table is drawn. Pairs of one length: `_x` is the position; else positions count
-    back from each pair's last token (0 = last). Only the last MAX_POSITIONS slots are kept."""
+@dataclass(frozen=True)
+class PositionAxis:
+    """The x axis of a position map: `frame`'s rows with their slot `_x`; `slots`, the drawn slots in order with
+    their `label` and `tick`; the caption's `note`; the axis' `title`."""
+
+    frame: pd.DataFrame
+    slots: pd.DataFrame
+    note: str
+    title: str = "token (position)"
+
+    @property
+    def words(self) -> str:
+        """What the axis shows, for a caption."""
+        return "roles" if self.title == "role" else "tokens"
+
+
+def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> PositionAxis:
+    """The position axis of `frame`'s rows. Each pair's length, tokens and roles come from `reference` (default:
+    `frame`), the table's rows of the same pairs, so that rows which hold some positions only (attribution_topk's
+    exact rows) land where the table has them and every slot of the table is drawn. Pairs never mix two prompts'
+    tokens in one slot:
+      - pairs of one length: the slot is the position;
+      - pairs of different lengths whose tokens, counted back from the last token, agree (or differ only where
+        each pair names the position's role): the slot counts back from the last token (0 = last);
+      - else pairs with the same roles in the same order: the slot is a role's first, inner or last token, or a
+        stretch between roles (`aligned_by_role`, as causal tracing averages prompts of different lengths);
+      - else, where the tokens agree at half the slots or more (one template, names of different lengths): from
+        the last token, the other slots' labels marked `*`;
+      - else only the most common length's pairs are drawn, and the note says how many.
+    Only the last MAX_POSITIONS slots are kept."""
     reference = frame if reference is None else reference
     frame = frame[frame["position"].notna()]
     reference = reference[reference["position"].notna()]
     pairs = _pair_columns(reference)
-    lengths = reference.groupby(pairs, observed=True)["position"].max().rename("_length") if pairs else None
-    aligned = lengths is not None and lengths.nunique() > 1
-
-    def slots_of(rows: pd.DataFrame) -> pd.DataFrame:
-        if not aligned:
-            return rows.assign(_x=rows["position"].astype(int))
-        joined = rows.join(lengths, on=pairs)  # each row's pair's length
-        joined = joined[joined["_length"].notna()]
-        return joined.assign(_x=(joined["position"] - joined["_length"]).astype(int)).drop(columns="_length")
-
-    frame, reference = slots_of(frame), slots_of(reference)
-    slots = sorted(reference["_x"].unique().tolist())
-    note = ""
-    if aligned:
-        note += ("; pairs of different lengths aligned at their last token (the prediction): x counts positions back"
-                 " from it")  # fmt: skip
+    keys = [*pairs, "position"]
+    plan = _slot_plan(reference.drop_duplicates(keys).sort_values(keys), pairs)
+    frame = frame.join(plan.slots.set_index(keys)[["_x"]], on=keys)
+    frame = frame[frame["_x"].notna()].astype({"_x": int})
+    named = plan.slots.drop_duplicates("_x").set_index("_x")["_label"] if plan.by_role else None
+    order = plan.slots
+    slots = sorted(order["_x"].unique().tolist())
+    note = plan.note
     if len(slots) > MAX_POSITIONS:
         note += f"; the last {MAX_POSITIONS} of {len(slots)} positions"
         slots = slots[-MAX_POSITIONS:]
         frame = frame[frame["_x"] >= slots[0]]
+    if named is not None:
+        labels = [named[slot] for slot in slots]
+        return PositionAxis(frame, pd.DataFrame({"_x": slots, "label": labels, "tick": labels}), note, "role")
     labels = []
-    order = reference.sort_values(pairs).drop_duplicates([*pairs, "_x"]) if pairs else reference
     differ = by_role = False
     for slot in slots:
-        tokens = order.loc[order["_x"] == slot, "token"] if "token" in order.columns else pd.Series(dtype=object)
-        roles = order.loc[order["_x"] == slot, "role"] if "role" in order.columns else None
-        label, how = shared_label([display_token(t) for t in tokens], roles)
+        here = order[order["_x"] == slot]
+        tokens = here["token"] if "token" in here.columns else pd.Series(dtype=object)
+        label, how = shared_label([display_token(t) for t in tokens], here["role"] if "role" in here.columns else None)
         by_role, differ = by_role or how == "role", differ or how == "first"
         labels.append(label)
     if by_role:
@@ -320,7 +340,122 @@ def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) ->
     if differ:
         note += "; *: the pairs' tokens differ there, the label is the first pair's token"
     ticks = [f"{label} ({slot})" for label, slot in zip(labels, slots, strict=True)]  # the table's position beside it
-    return frame, pd.DataFrame({"_x": slots, "label": labels, "tick": ticks}), note
+    return PositionAxis(frame, pd.DataFrame({"_x": slots, "label": labels, "tick": ticks}), note)
+
+
+def by_role_slots(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """`frame`'s rows with a position, each with its role slot (`_x`) and the slot's name (`_label`: `last
+    subject`), where `position_axis` aligns the pairs by role; None where it does not (one length, or aligned at
+    the last token, or the roles differ in order)."""
+    rows = frame[frame["position"].notna()]
+    pairs = _pair_columns(rows)
+    keys = [*pairs, "position"]
+    plan = _slot_plan(rows.drop_duplicates(keys).sort_values(keys), pairs)
+    if not plan.by_role:
+        return None
+    return rows.join(plan.slots.set_index(keys)[["_x", "_label"]], on=keys)
+
+
+@dataclass(frozen=True)
+class _SlotPlan:
+    slots: pd.DataFrame  # one row per drawn (pair, position): the pair columns, position, token, role, `_x`
+    note: str
+    by_role: bool = False  # `_x` numbers role slots, named in `_label`
+
+
+def _slot_plan(positions: pd.DataFrame, pairs: list[str]) -> _SlotPlan:
+    """Where each pair's positions go on the axis (`positions`: one row per (pair, position), sorted); see
+    `position_axis` for the four cases."""
+    whole = positions.assign(_x=positions["position"].astype(int))
+    if not pairs:
+        return _SlotPlan(whole, "")
+    lengths = positions.groupby(pairs, observed=True)["position"].transform("max")
+    if lengths.nunique() <= 1:
+        return _SlotPlan(whole, "")
+    from_end = positions.assign(_x=(positions["position"] - lengths).astype(int))
+    agree = [_agree(p) for _, p in from_end.groupby("_x") if len(p) > 1]  # the slots that two pairs or more hold
+    aligned_at_end = "; pairs of different lengths aligned at their last token (the prediction): x counts positions"
+    if all(agree):
+        return _SlotPlan(from_end, f"{aligned_at_end} back from it")
+    by_role = aligned_by_role(positions, pairs)
+    if by_role is not None:
+        return _SlotPlan(by_role, "; pairs of different lengths aligned by role: a role's (or a stretch between roles')"
+                         " first, inner and last tokens, the inner ones averaged", by_role=True)  # fmt: skip
+    if 2 * sum(agree) >= len(agree):  # one template whose names differ in length, not two prompts' tokens mixed
+        return _SlotPlan(from_end, f"{aligned_at_end} back from it")
+    common = lengths.value_counts()
+    length = common[common == common.max()].index.max()  # the most common length; of two, the longer
+    drawn = whole[lengths == length]
+    n_drawn, n_all = len(drawn.drop_duplicates(pairs)), len(positions.drop_duplicates(pairs))
+    return _SlotPlan(drawn, f"; the pairs differ in length and in their roles' order: drawn are the {n_drawn} of"
+                     f" {n_all} pairs of length {int(length) + 1} (every pair is in the table)")  # fmt: skip
+
+
+def _agree(slot: pd.DataFrame) -> bool:
+    """Whether the pairs' tokens at one slot are one token, or differ only where each pair names its role."""
+    tokens = slot["token"].map(display_token).tolist() if "token" in slot.columns else []
+    return shared_label(tokens, slot["role"] if "role" in slot.columns else None)[1] != "first"
+
+
+def aligned_by_role(positions: pd.DataFrame, pairs: list[str]) -> pd.DataFrame | None:
+    """`positions` (one row per (pair, position), sorted) with `_x` and `_label` by role, or None where the pairs'
+    roles differ in order (or name no role). Each pair's positions split into runs of one role (a role named twice
+    counts twice: `subject`, `subject (2)`) and the stretches between them (`before subject`, `after subject`,
+    possibly empty). A run or stretch holds one slot when it is one token in every pair, else its first, inner and
+    last tokens (`first subject`, `inner subject`, `last subject`); a one-token role run is its last token (the
+    subject's last token is causal tracing's), a one-token stretch its first."""
+    if "role" not in positions.columns:
+        return None
+    runs = {}
+    for pair, rows in positions.groupby(pairs, observed=True, sort=False):
+        roles = rows["role"].tolist()
+        named, gaps, gap, seen = [], [], [], {}
+        i = 0
+        while i < len(roles):
+            if roles[i] is None or pd.isna(roles[i]):
+                gap.append(rows.index[i])
+                i += 1
+                continue
+            j = i
+            while j < len(roles) and roles[j] == roles[i]:
+                j += 1
+            seen[roles[i]] = seen.get(roles[i], 0) + 1
+            named.append((roles[i] if seen[roles[i]] == 1 else f"{roles[i]} ({seen[roles[i]]})", list(rows.index[i:j])))
+            gaps.append(gap)
+            gap = []
+            i = j
+        runs[pair] = (named, [*gaps, gap])
+    orders = {tuple(name for name, _ in named) for named, _ in runs.values()}
+    if len(orders) != 1 or not next(iter(orders)):
+        return None
+    names = next(iter(orders))
+    segments = []  # (label, is a role, each pair's row indices)
+    for k, name in enumerate(names):
+        gap_name = f"before {name}" if k == 0 else f"after {names[k - 1]}"
+        segments.append((gap_name, False, [gaps[k] for _, gaps in runs.values()]))
+        segments.append((name, True, [named[k][1] for named, _ in runs.values()]))
+    segments.append((f"after {names[-1]}", False, [gaps[-1] for _, gaps in runs.values()]))
+    x, label = pd.Series(np.nan, index=positions.index), pd.Series(None, index=positions.index, dtype=object)
+    slot = 0
+    for name, is_role, members in segments:
+        longest = max(len(m) for m in members)
+        if longest == 0:
+            continue
+        if longest == 1:
+            for m in members:
+                x[m], label[m] = slot, name
+            slot += 1
+            continue
+        parts = ["first", "inner", "last"] if longest > 2 else ["first", "last"]
+        for m in members:
+            for i, index in enumerate(m):
+                if len(m) == 1:
+                    where = "last" if is_role else "first"
+                else:
+                    where = "first" if i == 0 else "last" if i == len(m) - 1 else "inner"
+                x[index], label[index] = slot + parts.index(where), f"{where} {name}"
+        slot += len(parts)
+    return positions.assign(_x=x.astype(int), _label=label)
 
 
 def mean_grid(

@@ -27,7 +27,8 @@ PEAK_WORDS = (
     "Per layer in model order: the cell (position, head) where the mean over pairs is largest (max) and where it is"
     " smallest (min), and those means; the token at that position where the pairs share it (else its role, IO, S1, S2,"
     " subject or end, where the data names one, or the first pair's token marked *), and how many pairs have a value"
-    " there when not all do. A mean over a layer's positions is not"
+    " there when not all do. Pairs of different lengths with their roles in one order are placed by role instead:"
+    " `last subject` is each pair's last subject token, `after subject` the tokens that follow it. A mean over a layer's positions is not"
     " shown: it would average the cell that carries an effect with those that carry none."
 )
 EFFECT_WORDS = " `effect`: the restoration where denoising, the drop 1 - restoration where noising."
@@ -47,7 +48,7 @@ def peak_summary(
     `restoration` is summarised as the `effect` (the drop where noising), so that max is the strongest effect in
     both directions.
     Layers in model order."""
-    from runner.viz.lm_plots import display_token
+    from runner.viz.lm_plots import by_role_slots, display_token
 
     if "restoration" in values and "direction" in frame.columns and frame["direction"].eq("noising").any():
         noising = frame["direction"] == "noising"
@@ -56,7 +57,10 @@ def peak_summary(
     group = ["layer", *(k for k in keys if k in frame.columns and k != "layer")]
     cells = [c for c in CELL_AXES if c in frame.columns]
     pairs = [c for c in PAIR_COLUMNS if c in frame.columns]
-    tokens = _cell_tokens(frame, group, cells, pairs, display_token)
+    slots = by_role_slots(frame) if "position" in cells else None
+    if slots is not None:  # pairs of different lengths: a cell is a role's slot ("last subject"), not a position
+        frame = slots.assign(position=slots["_x"], token=slots["_label"], role=None).drop(columns=["_x", "_label"])
+    tokens = _cell_tokens(frame, group, cells, pairs, display_token if slots is None else str)  # slot names whole
     rows = []
     for key, part in frame.groupby(group, observed=True, dropna=False, sort=False):
         key = key if isinstance(key, tuple) else (key,)
@@ -74,7 +78,8 @@ def peak_summary(
                 if i is None:
                     row[f"{value} {end} at"] = ""
                     continue
-                where = _where(at if isinstance(at, tuple) else (at,), cells, tokens.get(_key((*key, *_tuple(at)))))
+                token = tokens.get(_key((*key, *_tuple(at))))
+                where = _where(at if isinstance(at, tuple) else (at,), cells, token, by_role=slots is not None)
                 fewer = int(counts[value].loc[[at]].iloc[0])
                 row[f"{value} {end} at"] = where + (f", {fewer} of {n} pairs" if fewer < n else "")
         row.update({f"{value} mean": part[value].mean() for value in means})
@@ -111,8 +116,13 @@ def _key(values: tuple) -> tuple:
     return tuple(None if pd.isna(v) else v for v in values)
 
 
-def _where(cell: tuple, axes: list[str], token: str | None) -> str:
-    """A cell's place in words: 'position 8 (t35)', 'head 3', 'head 3, position 8'."""
+def _where(cell: tuple, axes: list[str], token: str | None, by_role: bool = False) -> str:
+    """A cell's place in words: 'position 8 (t35)', 'head 3', 'head 3, position 8'; with `by_role` (the position is
+    a role's slot, `token` its name) 'last subject', 'head 3, last subject'."""
+    if by_role and token:
+        held = dict(zip(axes, cell, strict=True))
+        head = held.get("head")
+        return token if head is None or pd.isna(head) else f"head {int(head)}, {token}"
     parts = [f"{axis} {int(v)}" for axis, v in zip(axes, cell, strict=True) if not pd.isna(v)]
     parts = sorted(parts, key=lambda p: not p.startswith("head"))  # head first: the position qualifies it
     text = ", ".join(parts) or "every position"

@@ -71,6 +71,7 @@ LM_EDGES_SCHEMA = declare(
         shown=("metric",),
         figures="runner.viz.circuit_plots:lm_edges_figures",
     ),
+    classes=False,
 )
 LM_EDGE_PAIR_SCORES_SCHEMA = declare(
     "lm_edge_pair_scores",
@@ -88,6 +89,7 @@ LM_EDGE_PAIR_SCORES_SCHEMA = declare(
         optional("positions", pa.int64(), "method.edges.ablation=mean"),
     ],
     Presentation(keys=("mode", "metric"), values=("clean", "corrupted"), shown=("metric",)),
+    classes=False,
 )
 LM_EDGE_PAIRS_SCHEMA = declare(
     "lm_edge_pairs",
@@ -101,6 +103,7 @@ LM_EDGE_PAIRS_SCHEMA = declare(
         *PAIR_FLAGS,
     ],
     Presentation(keys=("mode", "input", "metric"), values=("score",), shown=("metric",)),
+    classes=False,
 )
 LM_CIRCUIT_SCHEMA = declare(
     "lm_circuit",
@@ -123,6 +126,7 @@ LM_CIRCUIT_SCHEMA = declare(
         *PAIR_FLAGS,
     ],
     Presentation(keys=("split", "scored_by", "edges", "metric"), values=("faithfulness",), shown=("metric",)),
+    classes=False,
 )
 LM_EDGE_EXACT_SCHEMA = declare(
     "lm_edge_exact",
@@ -139,6 +143,7 @@ LM_EDGE_EXACT_SCHEMA = declare(
         *PAIR_FLAGS,
     ],
     Presentation(keys=("chosen", "mode", "metric"), values=("estimate", "exact"), shown=("metric",)),
+    classes=False,
 )
 LM_CIRCUIT_CURVE_SCHEMA = declare(
     "lm_circuit_curve",
@@ -173,6 +178,7 @@ LM_CIRCUIT_CURVE_SCHEMA = declare(
         shown=("metric",),
         figures="runner.viz.circuit_plots:lm_circuit_curve_figures",
     ),
+    classes=False,
 )
 LM_CIRCUIT_SCORES_SCHEMA = declare(
     "lm_circuit_scores",
@@ -188,6 +194,7 @@ LM_CIRCUIT_SCORES_SCHEMA = declare(
         pa.field("points", pa.int64()),  # the curve's points the areas are over (MIB's fractions)
     ],
     Presentation(keys=("split", "scored_by", "ablation", "metric"), values=("cpr", "cmd"), shown=("metric",)),
+    classes=False,
 )
 LM_CIRCUIT_STABILITY_SCHEMA = declare(
     "lm_circuit_stability",
@@ -200,6 +207,7 @@ LM_CIRCUIT_STABILITY_SCHEMA = declare(
         pa.field("resamples", pa.int64()),
     ],
     Presentation(keys=("edges",), values=("inclusion",)),
+    classes=False,
 )
 LM_EDGE_CALIBRATION_SCHEMA = declare(
     "lm_edge_calibration",
@@ -214,6 +222,7 @@ LM_EDGE_CALIBRATION_SCHEMA = declare(
         pa.field("mean_abs_error", pa.float64()),  # mean |estimate - exact| over (edge, pair)
     ],
     Presentation(keys=("chosen", "mode", "metric"), values=("spearman", "sign_agreement", "mean_abs_error")),
+    classes=False,
 )
 
 

@@ -44,6 +44,7 @@ LM_PATCHING_SCHEMA = declare(
         shown=("metric",),
         figures="runner.viz.lm_plots:lm_patching_figures",
     ),
+    classes=False,
 )
 
 

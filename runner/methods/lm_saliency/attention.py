@@ -55,6 +55,7 @@ LM_ATTENTION_SCHEMA = declare(
         shown=(),
         figures="runner.viz.lm_plots:lm_attention_figures",
     ),
+    classes=False,
 )
 
 

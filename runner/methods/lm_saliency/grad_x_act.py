@@ -56,6 +56,7 @@ LM_GRAD_X_ACT_SCHEMA = declare(
         shown=("metric",),
         figures="runner.viz.lm_plots:lm_grad_x_act_figures",
     ),
+    classes=False,
 )
 
 

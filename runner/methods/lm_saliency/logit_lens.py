@@ -59,6 +59,7 @@ LM_LOGIT_LENS_SCHEMA = declare(
         shown=("metric",),
         figures="runner.viz.lm_plots:lm_logit_lens_figures",
     ),
+    classes=False,
 )
 
 
