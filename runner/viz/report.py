@@ -111,9 +111,18 @@ def figures_config(run_dir: Path | None) -> FiguresConfig:
         return FiguresConfig()
 
 
+# The tables a reader of an edges run wants first: the top edges and the graph, the circuits' curve and scores, then
+# the checks; every other table after them, by name.
+READING_ORDER = ("lm_edges", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit", "lm_circuit_stability",
+                 "lm_edge_exact", "lm_edge_calibration", "lm_edge_pair_scores", "lm_edge_pairs")  # fmt: skip
+
+
 def table_names(directories: Iterable[Path]) -> list[str]:
-    """The results tables present in these run directories (their `<table>.parquet` folders), sorted."""
-    return sorted({p.name.removesuffix(".parquet") for d in directories for p in d.glob("*.parquet") if p.is_dir()})
+    """The results tables present in these run directories (their `<table>.parquet` folders), in READING_ORDER,
+    the others by name."""
+    names = {p.name.removesuffix(".parquet") for d in directories for p in d.glob("*.parquet") if p.is_dir()}
+    rank = {name: i for i, name in enumerate(READING_ORDER)}
+    return sorted(names, key=lambda name: (rank.get(name, len(rank)), name))
 
 
 def load_table(directory: Path, table: str) -> tuple[pd.DataFrame | None, str | None]:
