@@ -311,9 +311,11 @@ def _refuse_layer_selection(config: RunConfig) -> None:
     if include in ([], ["auto"]) and not exclude:
         return
     chosen = f"layers.exclude={exclude}" if include in ([], ["auto"]) else f"layers.include={include}"
+    selection = config.method.selection()
+    settings = selection.settings() if selection is not None else ""
+    own = f"its own sites, chosen by {settings}" if settings else "its own sites, in every layer"
     raise RunnerError(
-        f"{chosen} selects modules for image methods; method={config.method.name} chooses its own layers and sites:"
-        " method.patching.layers and .sites (lm_patching), method.layers and .sites (lm_grad_x_act, lm_logit_lens)."
+        f"{chosen} selects modules for image methods; method={config.method.name} reads {own}."
         " Leave layers.include at its default."
     )
 

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from runner.errors import RunnerError
 from runner.fingerprints import file_digest
+from runner.site_kinds import SiteSelection
 
 
 class HookKind(str, Enum):
@@ -205,8 +206,17 @@ class MethodConfig:
 
     def check(self) -> list[str]:
         """`key=value` for each value out of range (the caller names them all in one message); an option
-        with range rules of its own extends this, and raises RunnerError for a rule that needs its own words."""
+        with range rules of its own extends this, and raises RunnerError for a rule that needs its own words. A
+        language-model method's sites and layers are checked here, by one rule (runner/site_kinds.py)."""
+        selection = self.selection()
+        if selection is not None:
+            selection.check()
         return [] if self.top_k >= 1 else [f"method.top_k={self.top_k}"]
+
+    def selection(self) -> SiteSelection | None:
+        """The language-model sites and layers the method reads (`runner layers` marks them); None: an image method,
+        which reads the modules `layers.include` selects."""
+        return None
 
     def lightened(self, layers: int) -> MethodConfig:
         """This config made light for debug=light on a model of `layers` blocks (a language-model method reads

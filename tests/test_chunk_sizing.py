@@ -180,8 +180,8 @@ def test_vision_patching_out_of_memory_gives_the_rows_of_a_run_that_fits(layer: 
 def test_lm_patching_out_of_memory_gives_the_rows_of_a_run_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cells of 3 pairs in chunks of 8 (24 rows) through a readout that fails above 6 rows: the rows of chunk=2 (the
     same forwards), and of chunk=8 within 1e-5 (other prefix starts and batch sizes round differently)."""
+    from runner.methods.lm.readout import Readout
     from runner.methods.lm_patching import lm_patching_on_ids
-    from runner.methods.lm_patching.readout import Readout
     from tests.lm_references import build_tiny_lm
 
     model, _, _ = build_tiny_lm("gpt2", seed=0)

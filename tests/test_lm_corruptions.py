@@ -15,8 +15,8 @@ from runner.data.base import to_batch
 from runner.data.prompts import pairs_batch, prompts_source
 from runner.errors import RunnerError
 from runner.hooks import HookSession
+from runner.hooks.sites import SiteHooks
 from runner.methods.lm_patching import _patch, lm_activation_patching
-from runner.methods.lm_patching.engine import SiteHooks
 from runner.models.lm_sites import layout_of
 from runner.options.data.prompts import PromptsConfig
 from tests.conftest import run_cli
@@ -200,7 +200,7 @@ def test_a_pairs_noise_does_not_depend_on_the_pairs_beside_it(tiny) -> None:  # 
 
 def _noise_method(model, dataset):  # type: ignore[no-untyped-def]
     """The noise corruption of `dataset`, set up on `model` (hooks removed again: only its draws are used)."""
-    from runner.methods.lm_patching.corruptions import Corruption
+    from runner.methods.lm.corruptions import Corruption
     from runner.options.method.lm_patching import LmCorruptionConfig
 
     corruption = Corruption(LmCorruptionConfig(kind="noise"))

@@ -513,7 +513,7 @@ def _by_sites(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[st
     corrupted run with the reader's whole input stream + the writer's clean - corrupted output, its reader site kept;
     then the corrupted run with that site (that head's columns) put in its place. Writers: input, m0."""
     from runner.hooks import HookSession
-    from runner.methods.lm_patching.engine import SiteHooks, _Patch
+    from runner.hooks.sites import SiteHooks, _Patch
 
     layout = layout_of(model)
     clean, corrupted = (torch.tensor([_ids(tokenizer, pair[k])]) for k in ("clean", "corrupted"))

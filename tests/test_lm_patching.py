@@ -255,7 +255,7 @@ def test_the_reused_prefix_gives_the_rows_of_whole_prompts_on_fewer_positions(ti
 def full_vocabulary_readout() -> Iterator[None]:
     """Inside, every Readout takes the full path (the whole vocabulary's logits through the model), whatever the
     target: the reference the answer-only readout is compared with."""
-    from runner.methods.lm_patching.readout import Readout
+    from runner.methods.lm.readout import Readout
 
     original = Readout.__init__
 
@@ -273,7 +273,7 @@ def test_the_answer_readout_equals_the_full_vocabulary(tiny, target: str) -> Non
     """token_logit_diff reads only the answer and distractor logits, so variants compute just those columns of the
     unembedding (readout.py); with token sets of two tokens, the rows equal a run that computes the whole
     vocabulary's logits (1e-5). token_prob_diff needs the whole vocabulary and never takes the shortcut."""
-    from runner.methods.lm_patching.readout import Readout
+    from runner.methods.lm.readout import Readout
     from runner.models.lm_sites import layout_of
     from runner.targets.tokens import TokenLogitDiff, TokenProbDiff
 

@@ -260,7 +260,7 @@ def test_clean_into_clean_is_flagged_degenerate(family) -> None:  # type: ignore
 
 def _readout_gap(model: nn.Module, tokenizer: Any) -> float:
     """The largest |answer-only readout - full-vocabulary readout| over the rows of a patching run."""
-    from runner.methods.lm_patching.readout import Readout
+    from runner.methods.lm.readout import Readout
     from runner.targets.tokens import TokenLogitDiff
 
     assert Readout(model, layout_of(model), TokenLogitDiff()).compact
@@ -347,7 +347,7 @@ def test_the_noise_is_scaled_as_what_the_first_block_receives(family) -> None:  
     """The noise corruption's std is the std of the embedding module's output over the vocabulary (Gemma's modules
     multiply their rows by sqrt(d_model)), and the embedding module's output is what block 0 receives."""
     from runner.hooks import HookSession
-    from runner.methods.lm_patching.corruptions import Corruption
+    from runner.methods.lm.corruptions import Corruption
     from runner.options.method.lm_patching import LmCorruptionConfig
 
     arch, model, tokenizer = family

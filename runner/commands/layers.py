@@ -83,14 +83,13 @@ def site_table(model: torch.nn.Module, config: RunConfig) -> pd.DataFrame:
     prompt: the site (kind.layer), the module and side it is read from, its shape (per-head sites: batch, positions,
     heads, head size); `selected`: the sites the method's `sites` and `layers` choose."""
     from runner.hooks import HookSession
-    from runner.methods.lm_patching.engine import SiteHooks
+    from runner.hooks.sites import SiteHooks
     from runner.models.lm_sites import layout_of
 
     layout = layout_of(model)
     specs = [layout.site(kind, layer) for layer in range(layout.layers) for kind in layout.available()]
-    chooser = getattr(config.method, "patching", config.method)  # lm_patching nests its sites; the others do not
-    kinds = set(getattr(chooser, "sites", None) or [])
-    layers = getattr(chooser, "layers", None)
+    selection = config.method.selection()  # None: an image method on a language model selects no site
+    kinds, layers = (set(selection.sites), selection.layers) if selection is not None else (set(), None)
     chosen = {s.name for s in specs if s.kind in kinds and (layers is None or s.layer in layers)}
     ids = torch.zeros((1, 4), dtype=torch.long, device=next(model.parameters()).device)
     with HookSession(model, []) as session, torch.no_grad():

@@ -9,7 +9,7 @@ attention only). Each is found as a module's input or output (`SiteSpec.module`,
 viewed as (batch, positions, heads, head size) by `get` and written back by `put`; so a site works with hooks alone,
 on transformers 4.x (blocks return tuples) and 5.x (tensors) alike. `pattern` is the one site inside a module's
 forward (`where="softmax"`): the attention module's only softmax, which eager attention computes in every family and
-version (runner/methods/lm_patching/engine.py reads it there); fused kernels (sdpa, flash) never materialise it.
+version (runner/hooks/sites.py reads it there); fused kernels (sdpa, flash) never materialise it.
 
 `resid_mid` is the stream where the MLP's branch reads it (the input of `Architecture.mid_norm`); but a replacement
 given there would reach only the MLP's branch (the skip connection keeps the tensor it already holds). So the site
@@ -33,9 +33,7 @@ import torch
 from torch import nn
 
 from runner.errors import RunnerError, suggest
-
-SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
-PER_HEAD = ("head", "q", "k", "v", "pattern")
+from runner.site_kinds import SITE_KINDS
 
 
 # The functions of a config that some fields of an Architecture are; each docstring's first line is what
@@ -308,15 +306,12 @@ class LanguageModelLayout:
         return torch.tanh(raw / self.logit_softcap) * self.logit_softcap
 
     def block_layers(self, layers: list[int] | None, key: str) -> list[int]:
-        """The blocks `key` (a config key) selects: every block for None; RunnerError for one out of range or named
-        twice (its rows would be written twice: every LM method takes each layer once)."""
+        """The blocks `key` (a config key) selects: every block for None; RunnerError for one out of range. (A layer
+        named twice is refused with the config, runner/site_kinds.py `check_layers`.)"""
         chosen = list(range(self.layers)) if layers is None else list(layers)
         bad = [layer for layer in chosen if not 0 <= layer < self.layers]
         if bad:
             raise RunnerError(f"{key}={bad}: the model has layers 0..{self.layers - 1}.")
-        if len(set(chosen)) != len(chosen):
-            twice = sorted({layer for layer in chosen if chosen.count(layer) > 1})
-            raise RunnerError(f"{key}={chosen} names layer(s) {twice} twice: give each layer once.")
         return chosen
 
     def module_name(self, part: str, layer: int) -> str:

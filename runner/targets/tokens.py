@@ -54,7 +54,7 @@ class TokenTarget:
 
 
 class TokenLogitDiff(TokenTarget):
-    reads_only_answer_logits = True  # a patching engine may compute only those logits (lm_patching/readout.py)
+    reads_only_answer_logits = True  # a patching engine may compute only those logits (lm/readout.py)
 
     def score_tokens(
         self, logits: torch.Tensor, answers: torch.Tensor, distractors: torch.Tensor, clean: torch.Tensor | None

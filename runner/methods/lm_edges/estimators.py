@@ -45,11 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.methods.language_model import forward_last
+from runner.hooks.sites import SiteHooks
+from runner.methods.lm.base import forward_last
+from runner.methods.lm.corruptions import Corrupted, Corruption, EmbeddingEdit
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.scores import reader_gradients
-from runner.methods.lm_patching.corruptions import Corrupted, Corruption, EmbeddingEdit
-from runner.methods.lm_patching.engine import SiteHooks
 from runner.options.method.lm_edges import EdgeMode
 from runner.progress import within_batch
 

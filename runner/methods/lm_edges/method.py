@@ -30,7 +30,9 @@ from runner.data.base import Batch
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.language_model import PromptPairs, forward_last
+from runner.methods.lm.base import CorruptedPairsMethod, TokenPairs, forward_last
+from runner.methods.lm.corruptions import Corrupted, EmbeddingEdit
+from runner.methods.lm.pairs import PairMetrics, pair_metrics, score
 from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
 from runner.methods.lm_edges.export import write_eap_ig_graph
 from runner.methods.lm_edges.graph import EdgeGraph
@@ -39,9 +41,6 @@ from runner.methods.lm_edges.rows import edge_columns, typed
 from runner.methods.lm_edges.run_scores import RunScores, final_tables
 from runner.methods.lm_edges.scores import edge_scores, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
-from runner.methods.lm_patching.corruptions import Corrupted, EmbeddingEdit
-from runner.methods.lm_patching.metric import PairMetrics, pair_metrics, score
-from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeAblation, EdgeMode, LmEdgesMethodConfig
 from runner.progress import within_batch
@@ -163,7 +162,7 @@ class LmEdges(CorruptedPairsMethod):
         predicted[index] = clean_logits.argmax(dim=1).to(predicted.device)
         return BatchOutput(predicted=predicted, tables=tables)
 
-    def _clean_run(self, model: nn.Module, batch: Batch) -> tuple[PromptPairs, Corrupted, torch.Tensor,
+    def _clean_run(self, model: nn.Module, batch: Batch) -> tuple[TokenPairs, Corrupted, torch.Tensor,
                                                                     dict[str, torch.Tensor]]:  # fmt: skip
         """The batch's prompts and their corruption, and the clean run traced without gradients: its last logits and
         views."""
@@ -174,7 +173,7 @@ class LmEdges(CorruptedPairsMethod):
         return prompts, corrupted, clean_logits, self.hooks.kept
 
     def _metrics(
-        self, prompts: PromptPairs, corrupted: Corrupted, clean_logits: torch.Tensor, corrupted_logits: torch.Tensor,
+        self, prompts: TokenPairs, corrupted: Corrupted, clean_logits: torch.Tensor, corrupted_logits: torch.Tensor,
         ids: list[str],
     ) -> PairMetrics:  # fmt: skip
         """The pairs' clean and corrupted metrics and flags (a flagged pair is warned about once, and left out of the

@@ -16,7 +16,7 @@ for its input. They come from the one backward of the metric plus one batched ve
 layer (`is_grads_batched`), in the autograd graph of the traced run (SiteHooks.keep(grad=True)). A head's write is its
 output through the attention's output projection alone (that projection is linear: o_proj(z_h) - o_proj(0)); in a
 family that norms the attention's output after the heads are summed, times the norm's factor in its own run
-(intervene.HeadWrites): the clean write at the clean run's scale minus the corrupted write at the corrupted run's.
+(runner/methods/lm/writes.py HeadWrites): the clean write at the clean run's scale minus the corrupted write at the corrupted run's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from runner.methods.lm.writes import HeadWrites, each_head_alone
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.intervene import HeadWrites, each_head_alone
 
 
 def writes(

@@ -3,7 +3,7 @@
 For each prompt pair and direction (denoising: the corrupted prompt with one clean activation put in place;
 noising: the clean prompt with one corrupted activation), the metric of the patched run is reported raw and as
 restoration = (patched - corrupted) / (clean - corrupted), as for vision. Variants are stacked along the batch
-(engine.py), or estimated to first order from one backward per direction (attribution.py, mode=attribution);
+(runner/hooks/sites.py), or estimated to first order from one backward per direction (attribution.py, mode=attribution);
 the table is method.py's `lm_patching`. `lm_activation_patching` runs it on a model and a list of
 pairs from a notebook, with no run directory.
 """

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.methods.language_model import forward_last
-from runner.methods.lm_patching.engine import Cell
+from runner.hooks.sites import Cell
+from runner.methods.lm.base import forward_last
+from runner.methods.lm.pairs import PairMetrics, Receiver
 from runner.methods.lm_patching.exact import ExactPatcher
-from runner.methods.lm_patching.metric import PairMetrics, Receiver
 from runner.methods.lm_patching.rows import cell_rows
 from runner.progress import WHOLE_BATCH, Stage
 from runner.ranking import spearman, toward_source

@@ -1,5 +1,5 @@
 """Exact patching of a causal LM: each cell's metric with its value put into the receiving run, many cells per
-forward (stacked along the batch: row c * B + b is cell c of pair b, engine.py).
+forward (stacked along the batch: row c * B + b is cell c of pair b, runner/hooks/sites.py).
 
 The chunks are sized by `StackSizer` (probed on CUDA, ~`ROWS_PER_FORWARD` rows on the CPU). With
 method.patching.reuse_prefix a chunk runs only the positions and blocks its cells can change, on the receiving run's
@@ -18,8 +18,9 @@ from torch import nn
 from runner.chunk_sizing import CAP, StackSizer
 from runner.data.prompts import position_ids
 from runner.hooks import HookSession
-from runner.methods.lm_patching.corruptions import Corruption, EmbeddingEdit
-from runner.methods.lm_patching.engine import Cell, SiteHooks
+from runner.hooks.sites import Cell, SiteHooks
+from runner.methods.lm.corruptions import Corruption, EmbeddingEdit
+from runner.methods.lm.readout import Readout
 from runner.methods.lm_patching.prefix import (
     BlockReplay,
     cache_name,
@@ -28,7 +29,6 @@ from runner.methods.lm_patching.prefix import (
     receiving_cache,
     start_of,
 )
-from runner.methods.lm_patching.readout import Readout
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec
 from runner.options.method.lm_patching import LmPatchingConfig
 from runner.progress import WHOLE_BATCH, Stage

@@ -12,12 +12,11 @@ from torch import nn
 from runner.data.base import Batch
 from runner.hooks import HookSession
 from runner.layers import Layer
-from runner.methods.language_model import forward_last
+from runner.methods.lm.base import CorruptedPairsMethod, forward_last
+from runner.methods.lm.pairs import Receiver, pair_metrics
 from runner.methods.lm_patching.attribution import attribution_rows
 from runner.methods.lm_patching.engine import cells_of
 from runner.methods.lm_patching.exact import ExactPatcher, first_difference
-from runner.methods.lm_patching.metric import Receiver, pair_metrics
-from runner.methods.lm_patching.paired import CorruptedPairsMethod
 from runner.methods.lm_patching.rows import cell_rows
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig

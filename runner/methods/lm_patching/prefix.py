@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.methods.lm_patching.engine import Cell
+from runner.hooks.sites import Cell
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 import torch
 
 from runner.data.prompts import pair_texts
-from runner.methods.lm_patching.engine import Cell
-from runner.methods.lm_patching.metric import PairMetrics, Receiver
+from runner.hooks.sites import Cell
+from runner.methods.lm.pairs import PairMetrics, Receiver
 from runner.rows import Columns
 from runner.tables import Presentation, declare, optional
 

@@ -22,9 +22,9 @@ from runner.data.base import Batch
 from runner.data.prompts import pair_texts
 from runner.errors import RunnerError
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod, chosen_once, forward_last
-from runner.methods.lm_patching.engine import SiteHooks
-from runner.methods.lm_saliency.common import taken_views, token_strings
+from runner.hooks.sites import SiteHooks
+from runner.methods.lm.base import LanguageModelMethod, chosen_once, forward_last
+from runner.methods.lm.cells import taken_views, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
 from runner.progress import within_batch

@@ -20,14 +20,15 @@ from torch import nn
 from runner.data.base import Batch
 from runner.data.prompts import pair_texts
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod, forward_last
-from runner.methods.lm_patching.engine import SiteHooks
-from runner.methods.lm_patching.metric import score
-from runner.methods.lm_saliency.common import real_cells, taken_views, token_strings
-from runner.models.lm_sites import PER_HEAD, LanguageModelLayout, SiteSpec, layout_of
+from runner.hooks.sites import SiteHooks
+from runner.methods.lm.base import LanguageModelMethod, forward_last
+from runner.methods.lm.cells import real_cells, taken_views, token_strings
+from runner.methods.lm.pairs import score
+from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
+from runner.site_kinds import PER_HEAD
 from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenTarget, target_name, token_target
 

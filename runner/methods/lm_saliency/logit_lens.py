@@ -20,8 +20,8 @@ from torch import nn
 from runner.data.base import Batch
 from runner.data.prompts import pair_texts, tokenizer_of
 from runner.hooks import HookSession
-from runner.methods.language_model import LanguageModelMethod, PromptPairs, chosen_once, forward_last
-from runner.methods.lm_saliency.common import real_cells, token_strings
+from runner.methods.lm.base import LanguageModelMethod, TokenPairs, chosen_once, forward_last
+from runner.methods.lm.cells import real_cells, token_strings
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.progress import within_batch
@@ -131,7 +131,7 @@ class LmLogitLens(LanguageModelMethod):
             predicted=out.logits[:, -1].float().argmax(dim=1), tables={self.table: concat_columns(parts)}
         )
 
-    def _rows(self, batch: Batch, layer: int, logits: torch.Tensor, final: torch.Tensor, prompts: PromptPairs,
+    def _rows(self, batch: Batch, layer: int, logits: torch.Tensor, final: torch.Tensor, prompts: TokenPairs,
               rows: torch.Tensor, index: torch.Tensor, strings: list[dict[str, Any]]) -> Columns:  # fmt: skip
         """One row per real (pair, position) of one layer; `logits` and `final` (N, V) at those cells."""
         device = logits.device

@@ -10,6 +10,7 @@ from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
+from runner.site_kinds import SiteSelection
 
 
 class AttentionQuery(str, Enum):
@@ -27,6 +28,10 @@ class LmAttentionConfig(MethodConfig):
     layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
     heads: Optional[list[int]] = None  # null: every head  # noqa: UP045 (OmegaConf)
     query: AttentionQuery = AttentionQuery.last
+
+    def selection(self) -> SiteSelection:
+        layers = None if self.layers is None else tuple(self.layers)
+        return SiteSelection("method", ("pattern",), layers, sites_chosen=False)
 
     def lightened(self, layers: int) -> LmAttentionConfig:
         return self if self.layers is not None else dataclasses.replace(self, layers=light_layers(layers))

@@ -13,6 +13,7 @@ from runner.errors import RunnerError
 from runner.options.method.lm_patching import LmCorruptionConfig, check_corruption
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
+from runner.site_kinds import SiteSelection
 
 
 class EdgeMode(str, Enum):
@@ -122,6 +123,11 @@ class LmEdgesMethodConfig(MethodConfig):
             raise RunnerError(f"method.edges.resamples={e.resamples}: bootstrap resamples, 0 (none) or >= 2.")
         check_corruption(e.corruption, e.min_span, "method.edges")
         return bad
+
+    def selection(self) -> SiteSelection:
+        """Every layer's writers and readers (runner/methods/lm_edges/graph.py `sites`)."""
+        kinds = ("resid_pre", "head", "q", "k", "v", "mlp_out")
+        return SiteSelection("method.edges", kinds, None, sites_chosen=False, layers_chosen=False)
 
     def lightened(self, layers: int) -> LmEdgesMethodConfig:
         """Every edge is still scored (a circuit needs them all): fewer interpolation steps, resamples and edges

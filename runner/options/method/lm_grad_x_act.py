@@ -7,10 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from runner.errors import RunnerError
-from runner.options.method.lm_patching import LM_SITES
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
+from runner.site_kinds import SiteSelection
 
 
 @METHODS.option("runner.methods.lm_saliency.grad_x_act:LmGradXAct", tables=("lm_grad_x_act",), family=LM_FAMILY)
@@ -26,11 +25,5 @@ class LmGradXActConfig(MethodConfig):
     def lightened(self, layers: int) -> LmGradXActConfig:
         return self if self.layers is not None else dataclasses.replace(self, layers=light_layers(layers))
 
-    def check(self) -> list[str]:
-        bad = super().check()
-        unknown = [s for s in self.sites if s not in LM_SITES]
-        if unknown or not self.sites or len(set(self.sites)) != len(self.sites):
-            raise RunnerError(
-                f"method.sites={list(self.sites)}: each one of {', '.join(LM_SITES)}, once (at least one)."
-            )
-        return bad
+    def selection(self) -> SiteSelection:
+        return SiteSelection("method", tuple(self.sites), None if self.layers is None else tuple(self.layers))

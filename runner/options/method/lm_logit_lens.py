@@ -9,6 +9,7 @@ from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
+from runner.site_kinds import SiteSelection
 
 
 @METHODS.option("runner.methods.lm_saliency.logit_lens:LmLogitLens", tables=("lm_logit_lens",), family=LM_FAMILY)
@@ -19,6 +20,10 @@ class LmLogitLensConfig(MethodConfig):
 
     name: str = "lm_logit_lens"
     layers: Optional[list[int]] = None  # null: -1 (the embeddings) and every block  # noqa: UP045 (OmegaConf)
+
+    def selection(self) -> SiteSelection:
+        layers = None if self.layers is None else tuple(self.layers)
+        return SiteSelection("method", ("resid_post",), layers, sites_chosen=False)
 
     def lightened(self, layers: int) -> LmLogitLensConfig:
         return self if self.layers is not None else dataclasses.replace(self, layers=[-1, *light_layers(layers)])

@@ -14,8 +14,7 @@ from runner.errors import RunnerError
 from runner.options.method.patching import PatchDirection, PatchMode
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
-
-LM_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
+from runner.site_kinds import SiteSelection
 
 
 class LmCorruption(str, Enum):
@@ -90,14 +89,13 @@ class LmPatchingMethodConfig(MethodConfig):
             return self
         return dataclasses.replace(self, patching=dataclasses.replace(self.patching, layers=light_layers(layers)))
 
+    def selection(self) -> SiteSelection:
+        p = self.patching
+        return SiteSelection("method.patching", tuple(p.sites), None if p.layers is None else tuple(p.layers))
+
     def check(self) -> list[str]:
         bad = super().check()
         p = self.patching
-        unknown = [s for s in p.sites if s not in LM_SITES]
-        if unknown or not p.sites:
-            raise RunnerError(
-                f"method.patching.sites={list(p.sites)}: each one of {', '.join(LM_SITES)} (at least one)."
-            )
         if p.chunk is not None and p.chunk < 1:
             bad.append(f"method.patching.chunk={p.chunk}")
         if p.top_k < 1:

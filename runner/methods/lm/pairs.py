@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.methods.language_model import PromptPairs
-from runner.methods.lm_patching.corruptions import EmbeddingEdit
+from runner.methods.lm.base import TokenPairs
+from runner.methods.lm.corruptions import EmbeddingEdit
 from runner.methods.patching.rows import small_spans
 from runner.options.method.patching import PatchDirection
 from runner.targets.tokens import TokenTarget, target_name
@@ -77,7 +77,7 @@ class PairMetrics:
 
 
 def pair_metrics(
-    target: TokenTarget, prompts: PromptPairs, corrupted_ids: torch.Tensor, edit: EmbeddingEdit | None,
+    target: TokenTarget, prompts: TokenPairs, corrupted_ids: torch.Tensor, edit: EmbeddingEdit | None,
     clean_logits: torch.Tensor, corrupted_logits: torch.Tensor, sample_ids: Sequence[str], min_span: float,
     warned: set[str], method: str = "lm_patching", settings: str = "method.patching",
     consequence: str = "restoration is NaN",

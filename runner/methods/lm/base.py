@@ -18,12 +18,13 @@ from runner.data.prompts import pair_strings, position_ids
 from runner.errors import RunnerError
 from runner.layers import Layer
 from runner.methods.base import Method
+from runner.methods.lm.corruptions import Corruption
 from runner.runtime import Runtime
 from runner.schema import MethodConfig
 
 
 @dataclass
-class PromptPairs:
+class TokenPairs:
     """A batch of prompt pairs as the LM methods read it (the saliency methods read only the clean prompts)."""
 
     clean: torch.Tensor  # (B, T) left-padded token ids
@@ -59,12 +60,12 @@ class LanguageModelMethod(Method):
     def check_layout(cls, cfg: MethodConfig, layout: Any, target: Any) -> None:
         cls.planned(cfg, layout, target)
 
-    def prompts(self, batch: Batch) -> PromptPairs:
+    def prompts(self, batch: Batch) -> TokenPairs:
         """The batch's prompt pairs; refused: another kind of batch (these methods read token ids, not images)."""
         if batch.x.dim() != 3 or batch.extras is None:
             raise RunnerError(f"method={self.name} takes prompt pairs: use data=prompts.")
         extras = batch.extras
-        return PromptPairs(batch.x[:, 0], batch.x[:, 1], extras["attention_mask"], extras["answers"],
+        return TokenPairs(batch.x[:, 0], batch.x[:, 1], extras["attention_mask"], extras["answers"],
                            extras["distractors"])  # fmt: skip
 
     def strings(self, batch: Batch) -> list[dict[str, Any]]:
@@ -87,3 +88,21 @@ def chosen_once(key: str, chosen: list[int] | None, every: list[int], first: str
     if not picked or len(set(picked)) != len(picked) or any(value not in every for value in picked):
         raise RunnerError(f"{key}={picked}: each of {first} .. {every[-1]}, once (at least one).")
     return picked
+
+
+class CorruptedPairsMethod(LanguageModelMethod):
+    """The base of the methods that run each pair's corrupted prompt beside its clean one (lm_patching, lm_edges):
+    the corruption, made from the method's settings and prepared from the data set, and the flags already warned
+    about in the run."""
+
+    def __init__(self, cfg: Any, layers: list[Layer], runtime: Runtime, settings: Any, key: str) -> None:
+        """`settings`: the method's own block of the config, with its `corruption`; `key`: where that block sits
+        (method.patching, method.edges), as messages name it."""
+        super().__init__(cfg, layers, runtime)
+        self.p, self.key = settings, key
+        self.warned: set[str] = set()  # flags (degenerate, small_span) already warned about in this run
+        self.corruption = Corruption(settings.corruption, f"{key}.corruption")
+
+    def prepare(self, dataset: Dataset) -> None:
+        super().prepare(dataset)
+        self.corruption.prepare(dataset)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from runner.errors import RunnerError
-from runner.methods.lm_patching.engine import SiteHooks
+from runner.hooks.sites import SiteHooks
 from runner.models.lm_sites import SiteSpec
 
 

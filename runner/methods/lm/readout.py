@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.methods.lm_patching.metric import score
+from runner.methods.lm.pairs import score
 from runner.models.lm_sites import LanguageModelLayout, unembedding
 
 
