@@ -176,7 +176,8 @@ def _say_where(out: Path, report_written: bool) -> None:
 
 def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult:
     """`run` once this process (or its rank 0) holds the output directory's lock."""
-    runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures)
+    runtime = Runtime(device, config.precision, out / "pictures" if _pictures_on(config) else None, config.figures,
+                      output_dir=out)  # fmt: skip
     runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
     if method_class(config.method).modality == "text":  # before the model's weights load
         _refuse_layer_selection(config)
@@ -249,7 +250,9 @@ def _run_prepared(
     log.info(
         "run %s: %s on %s, %d samples, device %s", run_id, config.method.name, id_columns["model"], len(dataset), device
     )
-    side_dirs = [d for d in (out / "tensors", runtime.pictures_dir) if d is not None and not d.exists()]
+    # A method's own folders only in a single process: another rank may still be writing into them.
+    own = [out / folder for folder in method.side_folders] if world == 1 else []
+    side_dirs = [d for d in (out / "tensors", runtime.pictures_dir, *own) if d is not None and not d.exists()]
     try:
         with HookSession(model, hooks, out / "tensors") as session, stop_on_signals() as stop:
             method.setup(session, len(dataset))

@@ -164,6 +164,9 @@ def field_comments(cls: type) -> dict[str, str]:
 COLUMN_LINE = re.compile(r"""(?:pa\.field|optional)\(\s*["'](\w+)["'].*#\s*(.*)$""")
 
 
+SHARED_FIELDS = "runner.methods.lm.cells"  # the columns several tables declare from one list (PAIR_TEXT_FIELDS)
+
+
 def column_comments(module: str) -> dict[str, str]:
     """{column: its comment} from the declaring module's source: the comment on a `pa.field("name", ...)` line."""
     source = inspect.getsource(sys.modules[module])
@@ -370,7 +373,8 @@ def render_tables(c: Collected) -> str:
     ]
     written = outputs_descriptions()
     for table, (schema, owner) in sorted(c.tables.items()):
-        comments = {**written.get(table, {}), **column_comments(owner)}
+        shared = column_comments(SHARED_FIELDS) if "PAIR_TEXT_FIELDS" in inspect.getsource(sys.modules[owner]) else {}
+        comments = {**written.get(table, {}), **shared, **column_comments(owner)}
         left_out = c.left_out[table]
         without = f" Without the class columns ({', '.join(f'`{n}`' for n in left_out)})." if left_out else ""
         out += [f"## `{table}`", "", f"Declared in `{owner}`.{without}", "", "| column | type | description |",

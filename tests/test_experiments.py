@@ -44,6 +44,7 @@ TABLES = {
     "ioi_gemma3": {"lm_patching"},
     "factual_recall_gemma3": {"lm_patching"},
     "ioi_edges_gemma3": EDGE_TABLES,
+    "ioi_paths_smollm2": {"lm_edges", "lm_edge_pair_scores", "lm_paths"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -63,6 +64,8 @@ TABLES = {
 # tables whose rows are about the whole run (no sample)
 RUN_ROWS = {"lm_edges", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit_stability", "lm_edge_calibration"}
 ONE_PHOTO = {"patching_channels", "patching_effnet"}  # they set data.photos: [chelsea]
+# Paths that name SmolLM2's layers (23.3's query): its two-layer stand-in gets paths of its own
+STAND_IN_PATHS = {"ioi_paths_smollm2": ["method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]"]}
 
 
 @pytest.fixture
@@ -95,7 +98,8 @@ def offline(name: str, folder: Path) -> list[str]:
     if model in (EMBEDDED, SHIPPED_LM):
         return []
     if model == SMOLLM2:
-        return [f"model.name={build_tokenizer_lm(converted_folder(SMOLLM2), folder)}", "data.keep=all"]
+        stand_in = build_tokenizer_lm(converted_folder(SMOLLM2), folder)
+        return [f"model.name={stand_in}", "data.keep=all", *STAND_IN_PATHS.get(name, [])]
     if model == GEMMA3:
         stand_in = build_tokenizer_lm(converted_folder(GEMMA3), folder, same_family=True)
         return [f"model.name={stand_in}", "data.keep=all"]

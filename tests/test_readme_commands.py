@@ -496,8 +496,14 @@ PLACEHOLDERS: list[tuple[str, Callable[[Workspace], str]]] = [
         "outputs/2026-11-22/03-22-24_gradcam_effnet",
         lambda ws: str(ws.output_of("python -m runner experiment=gradcam_effnet")),
     ),
+    # the activation cache docs/language_models.md loads: the lm_cache run just above it
+    ("outputs/2026-11-28/12-04-39_default", lambda ws: str(ws.output_of(LM_CACHE))),
 ]
 METHOD_SWEEP = "python -m runner -m experiment=gradcam_effnet method=gradcam,layercam,hirescam"
+LM_CACHE = (
+    "python -m runner model=hf_lm model.name=smollm2-135m data=ioi method=lm_cache debug=light data.limit=8"
+    " data.batch_size=4"
+)
 # The README's worked example: its folder, outputs/example, is a relative path the snippets read as written.
 EXAMPLE = "python -m runner experiment=gradcam_effnet data.image_size=64 hydra.run.dir=outputs/example"
 EXAMPLE_LOAD = 'from runner.results import load\ncam = load("outputs/example")'

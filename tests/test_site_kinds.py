@@ -21,7 +21,8 @@ def lm_configs() -> dict[str, object]:
 
 def test_every_language_model_method_says_which_sites_it_reads() -> None:
     configs = lm_configs()
-    assert set(configs) == {"lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges"}
+    assert set(configs) == {"lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_dla",
+                            "lm_cache"}  # fmt: skip
     for name, cfg in configs.items():
         selection = cfg.selection()
         assert selection is not None and selection.sites and set(selection.sites) <= set(SITE_KINDS), name
@@ -35,7 +36,7 @@ def with_layers(cfg: object, layers: list[int]) -> object:
     return dataclasses.replace(cfg, layers=layers)
 
 
-@pytest.mark.parametrize("name", ["lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention"])
+@pytest.mark.parametrize("name", ["lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_cache"])
 def test_a_repeated_or_empty_layer_list_is_refused_by_every_method_alike(name: str) -> None:
     cfg = lm_configs()[name]
     key = "method.patching.layers" if name == "lm_patching" else "method.layers"

@@ -78,6 +78,8 @@ RUNS = {
     ],
     "lm_logit_lens": ["model=hf_lm", "data=prompts", "method=lm_logit_lens", "target=token_logit_diff"],
     "lm_attention": ["model=hf_lm", "data=prompts", "method=lm_attention", "target=token_logit_diff"],
+    "lm_cache": ["model=hf_lm", "data=prompts", "method=lm_cache", "method.sites=[resid_pre,head,pattern]"],
+    "lm_dla": ["model=hf_lm", "data=prompts", "method=lm_dla", "target=token_logit_diff"],
     "lm_edges": [
         "model=hf_lm",
         "data=prompts",
@@ -88,6 +90,7 @@ RUNS = {
         "method.edges.circuit=[0,5]",
         "method.edges.per_pair=true",
         "method.edges.ablation=mean",
+        "method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]",
     ],
 }
 # The command line the first run pretends to have: one swept column of each type.
@@ -134,7 +137,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         == {"cam", "hooks", "patching", "sanity", "hook_check", "evaluation", "mprt", "cam_vs_patching", "lm_patching"}
         | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_circuit", "lm_circuit_curve"}
         | {"lm_circuit_scores", "lm_circuit_stability", "lm_edge_pair_scores", "lm_edge_pairs", "lm_edge_exact"}
-        | {"lm_edge_calibration"}
+        | {"lm_edge_calibration", "lm_dla", "lm_cache", "lm_paths"}
     )
     for table, files in written.items():
         seen: set[str] = set()

@@ -44,6 +44,9 @@ class Method:
     # Passes over the data (an lm_edges run scores every pair, then evaluates the run's circuits on every pair): each
     # pass is a set of shards (resumed as any shard), `begin_pass` between them.
     passes: int = 1
+    # Folders of the run directory the method writes files into besides its tables (lm_cache: `activations`): like
+    # `tensors/` and `pictures/`, removed again when a failed single-process run keeps no complete shard.
+    side_folders: tuple[str, ...] = ()
 
     @classmethod
     def check_layout(cls, cfg: MethodConfig, layout: Any, target: Any) -> None:

@@ -173,6 +173,59 @@ def lm_logit_lens_figures(frame: pd.DataFrame, by: str | None, figures: FiguresC
     return out
 
 
+def lm_dla_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+    """At each pair's last position: a layer x head map of the heads' mean direct logit attribution, and per layer
+    the attention's (heads and bias), the MLP's and the accumulated stream's, mean over pairs."""
+    if not {"kind", "value", "layer", "head", "position"} <= set(frame.columns):
+        return []
+    frame = _numeric(frame)
+    pairs = _pair_columns(frame)
+    last = frame.groupby(pairs, observed=True)["position"].transform("max") if pairs else frame["position"].max()
+    frame = frame[frame["position"] == last]
+    heads = frame[frame["kind"] == "head"]
+    out = []
+    if not heads.empty:
+        drawn = _layer_head(heads, "value", by, "direct logit attribution of each head", "contribution")
+        caption = ("Direct logit attribution at each pair's last position: each head's write through the final norm"
+                   " (at the run's scale) onto the answer - distractor unembedding, mean over pairs per layer and head"
+                   f" (red: toward the answer){drawn.caption}.")  # fmt: skip
+        out += _draw_groups({(): [replace(drawn, caption=caption)]}, figures, "")
+    out += _dla_layers(frame, figures)
+    return out
+
+
+def _dla_layers(frame: pd.DataFrame, figures: FiguresConfig) -> list[tuple[str, Figure]]:
+    """Per layer, mean over pairs: the attention's contribution (its heads and bias), the MLP's, and the accumulated
+    stream's (left of block l: the stream before it)."""
+    per_pair = _pair_columns(frame)
+    attention = frame[frame["kind"].isin(["head", "attn_bias"])]
+    parts = {
+        "attention": attention.groupby([*per_pair, "layer"], observed=True)["value"].sum(),
+        "MLP": frame[frame["kind"] == "mlp"].groupby([*per_pair, "layer"], observed=True)["value"].sum(),
+        "accumulated stream": frame[frame["kind"] == "accumulated"]
+        .groupby([*per_pair, "layer"], observed=True)["value"]
+        .sum(),
+    }
+    means = {name: series.groupby("layer", observed=True).mean() for name, series in parts.items() if len(series)}
+    if not means:
+        return []
+    plt = style.pyplot()
+    fig, ax = plt.subplots(figsize=(style.full_width(figures), 3.2), layout="constrained")
+    for name, series in means.items():
+        ax.plot(series.index.astype(float), series.to_numpy(float), marker="o", markersize=3, label=name)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("layer (accumulated stream: before block l; the last point is the final stream)",
+                  fontsize=style.PANEL_TITLE_SIZE)  # fmt: skip
+    ax.set_ylabel("logit difference", fontsize=style.PANEL_TITLE_SIZE)
+    ax.set_title("direct logit attribution per layer", fontsize=style.PANEL_TITLE_SIZE)
+    ax.legend(fontsize=style.TICK_SIZE, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    caption = ("Direct logit attribution per layer at each pair's last position, mean over pairs: each layer's"
+               " attention (its heads and output bias) and MLP, and the accumulated stream before each block read"
+               " through the final norm at the run's scale (TransformerLens' accumulated_resid)"
+               f"{_pairs_note(frame, 'value')}.")  # fmt: skip
+    return [(caption, fig)]
+
+
 def lm_attention_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
     """From each pair's last position: layer x head maps of the mean attention to the answer's token and to the
     distractor's (summed over the positions that hold it, 0 where the prompt has none), and a head x position map

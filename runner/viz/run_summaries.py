@@ -1,6 +1,7 @@
 """Summaries of the tables whose rows are not cells of layers, written for what a reader of the run asks of them:
 the top edges (`lm_edges`), the circuit's faithfulness by size and the smallest circuit that keeps 80%
-(`lm_circuit_curve`), CPR and CMD (`lm_circuit_scores`), the heads that attend most to the answer (`lm_attention`).
+(`lm_circuit_curve`), CPR and CMD (`lm_circuit_scores`), the heads that attend most to the answer (`lm_attention`), the writers of largest direct logit
+attribution (`lm_dla`).
 The console summary and the report both show them (runner/viz/summary.py, runner/viz/report.py)."""
 
 from __future__ import annotations
@@ -69,9 +70,26 @@ def attending_heads(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
     return words, shown
 
 
+def top_writers(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
+    """At each pair's last position: the writers of largest |mean contribution|, with their mean share of the total."""
+    pair = "sample_id" if "sample_id" in frame.columns else "sample"
+    last = frame[frame["position"] == frame.groupby(pair)["position"].transform("max")]
+    writers = last[last["kind"] != "accumulated"]
+    means = writers.groupby(["writer", "kind"], observed=True)[["value"]].mean()
+    total = float(last.drop_duplicates(pair)["total"].mean())
+    means["share of total"] = means["value"] / total if total else float("nan")
+    shown = means.assign(_size=means["value"].abs()).nlargest(TOP_EDGES, "_size").drop(columns="_size").reset_index()
+    words = (
+        f"The {len(shown)} writers of largest |contribution| at the last position, mean over pairs (total: the logit"
+        f" difference they sum to, mean {total:.4g}); positive: toward the answer."
+    )
+    return words, shown
+
+
 RUN_SUMMARIES: dict[str, Callable[[pd.DataFrame], tuple[str, pd.DataFrame]]] = {
     "lm_edges": top_edges,
     "lm_circuit_curve": circuit_curve,
     "lm_circuit_scores": circuit_scores,
     "lm_attention": attending_heads,
+    "lm_dla": top_writers,
 }

@@ -6,11 +6,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from runner.errors import RunnerError
 from runner.hooks.sites import SiteHooks
 from runner.models.lm_sites import SiteSpec
+
+# A position's text in every LM table with positions, in this order (after its `position`)
+PAIR_TEXT_FIELDS = [
+    pa.field("token", pa.string()),  # the clean prompt's token at `position`
+    pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
+    pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
+    pa.field("answer", pa.string()),
+    pa.field("distractor", pa.string()),
+    pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
+    pa.field("distractor_text", pa.string()),  # the distractor decoded
+]
 
 
 def taken_views(hooks: SiteHooks, specs: Sequence[SiteSpec], method: str) -> dict[str, torch.Tensor]:

@@ -68,3 +68,39 @@ class HeadWrites:
             return writes
         summed = self.out_proj[layer].forward(z.flatten(-2))  # the run's attention output before the norm
         return (writes.float() * frozen_scale(norm, summed)[None]).to(writes.dtype)
+
+
+class FrozenNorm:
+    """A norm (LayerNorm or RMSNorm, any family's form: Gemma's 1 + weight, OLMo's weightless LayerNorm) made linear
+    by freezing its scale at a run's stream `x` (..., D): `self(c)` = gain * centred(c) / scale(x), the share of
+    norm(x) - bias that is c's when x is a sum of such c (TransformerLens' `apply_ln_to_stack` with the cached scale).
+    Read from the module's own forward, not from its weights' names: `bias` = norm(0); the norm centres when norm(c + 1)
+    = norm(c); then norm(c) - bias = gain * centred(c) / scale(c) gives each c's share at x's scale."""
+
+    def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
+        self.norm = norm
+        self.eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0)) or 0.0)
+        d = x.shape[-1]
+        probe = torch.linspace(-2.0, 3.0, d, dtype=torch.float32, device=x.device)[None].sin() * 3.0
+        with torch.no_grad():
+            self.bias = self._forward(torch.zeros(1, d, device=x.device))[0]  # (D,)
+            self.centres = bool(torch.allclose(self._forward(probe), self._forward(probe + 1.0), atol=1e-4, rtol=1e-4))
+        self.scale = self.spread(x.float())  # (..., 1)
+
+    def _forward(self, v: torch.Tensor) -> torch.Tensor:
+        """The module's own forward in float32 (not its hooks)."""
+        weight = next(self.norm.parameters(), None)
+        dtype = weight.dtype if weight is not None else torch.float32
+        return self.norm.forward(v.to(dtype)).float()
+
+    def spread(self, v: torch.Tensor) -> torch.Tensor:
+        """(..., 1) the norm's denominator for `v` (..., D): sqrt(mean of (centred) squares + eps)."""
+        centred = v - v.mean(-1, keepdim=True) if self.centres else v
+        return (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+    def __call__(self, c: torch.Tensor) -> torch.Tensor:
+        """(..., D) float32 share of each `c` (W, ..., D), at x's scale (broadcast over the leading W)."""
+        c = c.float()
+        spread = self.spread(c)
+        normed = (self._forward(c) - self.bias) * spread
+        return torch.where(spread > 0, normed, torch.zeros_like(normed)) / self.scale

@@ -13,7 +13,8 @@ rows.py           the tables' columns
 export.py         the scores in the graph file the EAP-IG code and the MIB circuit track read
 method.py         `method=lm_edges`: scoring, then evaluation, over the data
 
-`lm_edge_attribution` runs it on a model and a list of pairs from a notebook, with no run directory.
+`lm_edge_attribution` and `lm_path_patching` run it on a model and a list of pairs from a notebook, with no run
+directory.
 """
 
 from __future__ import annotations
@@ -48,4 +49,19 @@ def lm_edge_attribution(
     return as_frame(tables["lm_edge_pairs" if method.p.per_pair else "lm_edges"])
 
 
-__all__ = ["lm_edge_attribution"]
+def lm_path_patching(
+    model: nn.Module, tokenizer: Any, pairs: list[dict[str, Any]], paths: list[dict[str, Any]],
+    target: str = "token_logit_diff", bos: bool = True, **settings: Any,
+) -> pd.DataFrame:  # fmt: skip
+    """The `lm_paths` table of `model` on `pairs`: per path set ({senders, receivers, name}: node names or patterns,
+    as method.edges.paths) and pair, the corrupted run with the receivers reading the senders' clean writes through
+    their direct edges; every pair in one batch, none held out. `settings`: LmEdgesConfig's other fields."""
+    settings = {"fractions": [], "held_out": 0.0, "mode": "eap", "resamples": 0, "top_k": 0, **settings}
+    dataset, batch = pairs_batch(pairs, tokenizer, bos, next(model.parameters()).device)
+    check_positions(model, dataset)
+    cfg = library_config(LmEdgesMethodConfig, edges={**settings, "paths": paths})
+    method = LmEdges(cfg, [], library_token_runtime(batch.x.device, target))
+    return as_frame(run_prepared(method, model, batch, dataset).tables["lm_paths"])
+
+
+__all__ = ["lm_edge_attribution", "lm_path_patching"]

@@ -14,10 +14,13 @@ key-value head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
 
+from runner.errors import RunnerError, suggest
 from runner.models.lm_sites import LanguageModelLayout
 
 INPUT_KINDS = ("q", "k", "v", "mlp", "logits")  # what a reader reads with
@@ -84,3 +87,30 @@ class EdgeGraph:
         final stream (resid_post of the last layer)."""
         kinds = ["resid_pre", "head", "q", "k", "v", "mlp_out"] + ([] if self.parallel else ["resid_mid"])
         return [(kind, layer) for layer in range(self.layers) for kind in kinds] + [("resid_post", self.layers - 1)]
+
+    def path_mask(self, senders: Sequence[str], receivers: Sequence[str], key: str) -> torch.Tensor:
+        """(writers, readers) bool: the edges from the writers `senders` to the readers `receivers` name (names or
+        shell patterns: `a22.h*`); RunnerError for a pattern that names no node, or sets joined by no edge."""
+        sent = self._matching(self.writers, senders, f"{key}.senders", "writers")
+        received = self._matching(self.readers, receivers, f"{key}.receivers", "readers")
+        mask = self.edges & sent[:, None] & received[None, :]
+        if not bool(mask.any()):
+            raise RunnerError(
+                f"{key}: no edge joins senders {list(senders)} to receivers {list(receivers)}: a reader reads the writers"
+                " of earlier layers (and an MLP its own layer's heads), so give senders before the receivers."
+            )
+        return mask
+
+    @staticmethod
+    def _matching(nodes: list[Node], patterns: Sequence[str], key: str, what: str) -> torch.Tensor:
+        names = [n.name for n in nodes]
+        chosen = torch.zeros(len(nodes), dtype=torch.bool)
+        for pattern in patterns:
+            hits = torch.tensor([fnmatchcase(name, pattern) for name in names])
+            if not bool(hits.any()):
+                raise RunnerError(
+                    f"{key}: '{pattern}' names none of the model's {what}.{suggest(pattern, names)} {what.capitalize()}:"
+                    f" {', '.join(names[:4])}, ..., {names[-1]} (`runner layers` lists the layers and heads)."
+                )
+            chosen |= hits
+        return chosen

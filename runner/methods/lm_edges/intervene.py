@@ -74,12 +74,12 @@ class Patched(Deltas):
         return mine[:, :, None, None, None] * self.writes[self.writer][:, None]
 
 
-class Circuit(Deltas):
-    """Circuit evaluation: variant v keeps the edges `kept[v]` (writers, readers) bool; every other edge's reader reads
-    minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order."""
+class ReaderCopies(Deltas):
+    """Deltas whose copies play a block's readers in `by_layer`'s order (each layer's list of reader indices), the
+    same in every variant; copy c + 1 plays the layer's c-th reader, -1: none."""
 
-    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]], copies: int) -> None:
-        self.kept, self.variants, self.copies = kept, kept.shape[0], copies
+    def __init__(self, variants: int, by_layer: list[list[int]], copies: int) -> None:
+        self.variants, self.copies = variants, copies
         self.by_layer = [torch.tensor(r + [-1] * (self.copies - 1 - len(r))) for r in by_layer]
 
     def slots(self, layer: int) -> torch.Tensor:
@@ -87,12 +87,39 @@ class Circuit(Deltas):
             torch.full((self.variants, self.copies - 1), -1)
         )  # fmt: skip
 
+
+class Circuit(ReaderCopies):
+    """Circuit evaluation: variant v keeps the edges `kept[v]` (writers, readers) bool; every other edge's reader reads
+    minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order."""
+
+    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]], copies: int) -> None:
+        super().__init__(kept.shape[0], by_layer, copies)
+        self.kept = kept
+
     def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         w = current.shape[1]
         slots = slots.to(self.kept.device)
         index = slots.clamp(min=0)[:, None, :].expand(-1, w, -1)  # (V, W, n)
         dropped = (~self.kept[:, :w].gather(2, index)) & (slots >= 0)[:, None, :]  # (V, W, n)
         return -torch.einsum("vwn,vwbtd->vnbtd", dropped.to(current.dtype), current)
+
+
+class Paths(ReaderCopies):
+    """Path patching (Wang et al. 2022): variant v's receivers read + the clean - corrupted write of each of their
+    senders in `patched[v]` (writers, readers) bool, fixed deltas on the corrupted run; every other reader reads what
+    that run computes. Readers take copies as in a circuit (`by_layer`); a variant of one edge is `Patched`'s."""
+
+    def __init__(self, patched: torch.Tensor, writes: torch.Tensor, by_layer: list[list[int]], copies: int) -> None:
+        super().__init__(patched.shape[0], by_layer, copies)
+        self.patched, self.writes = patched, writes
+        self.reads_writes = False  # fixed deltas
+
+    def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        w = self.patched.shape[1]
+        slots = slots.to(self.patched.device)
+        index = slots.clamp(min=0)[:, None, :].expand(-1, w, -1)  # (V, W, n)
+        sending = self.patched.gather(2, index) & (slots >= 0)[:, None, :]  # (V, W, n)
+        return torch.einsum("vwn,wbtd->vnbtd", sending.to(self.writes.dtype), self.writes)
 
 
 class EdgeRuns(SiteHooks):
@@ -117,6 +144,13 @@ class EdgeRuns(SiteHooks):
 
     def circuit(self, kept: torch.Tensor) -> Circuit:
         return Circuit(kept, self.by_layer, self.circuit_copies)
+
+    def paths(self, patched: torch.Tensor, writes: torch.Tensor) -> Paths:
+        """Path patching of the sets `patched` (V, writers, readers): copies only for the readers some set reaches
+        (a set of one receiver runs 2 copies a variant, not a circuit's one per reader of a block)."""
+        touched = patched.any(0).any(0).cpu()  # (readers,)
+        by_layer = [[r for r in readers if touched[r]] for readers in self.by_layer]
+        return Paths(patched, writes, by_layer, 1 + max(1, *(len(r) for r in by_layer)))
 
     def run(self, deltas: Deltas, pairs: int, reference: dict[str, torch.Tensor]) -> _Running:
         """`with hooks.run(deltas, B, views):` the forward inside (of variants x deltas.copies x pairs rows, row

@@ -42,7 +42,7 @@ from runner.methods.lm_edges.run_scores import RunScores, final_tables
 from runner.methods.lm_edges.scores import edge_scores, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
 from runner.models.lm_sites import LanguageModelLayout, layout_of
-from runner.options.method.lm_edges import EdgeAblation, EdgeMode, LmEdgesMethodConfig
+from runner.options.method.lm_edges import EdgeAblation, EdgeMode, EdgePaths, LmEdgesConfig, LmEdgesMethodConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, Ragged
 from runner.runtime import Runtime
@@ -73,7 +73,9 @@ class LmEdges(CorruptedPairsMethod):
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
         """The run's token target; refused: a target that scores no tokens, a circuit larger than the model's graph."""
         scored = token_target(target, cls.name, per_position=True)
-        total = EdgeGraph.of(layout).count
+        graph = EdgeGraph.of(layout)
+        path_masks(cfg.edges, graph)  # a path naming no node, or no edge, is refused before the weights load
+        total = graph.count
         larger = [n for n in cfg.edges.circuit if n > total]
         if larger:
             raise RunnerError(
@@ -99,6 +101,7 @@ class LmEdges(CorruptedPairsMethod):
         self.width = getattr(getattr(model, "config", None), "hidden_size", None)  # d_model, for the export
         self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader: lm_edges' row order
         self.columns = edge_columns(self.graph, self.edge_index)
+        self.path_masks = path_masks(self.p, self.graph)  # (paths, writers, readers)
         log.info("lm_edges: %d edges (%d writers, %d readers)", len(self.edge_index), len(self.graph.writers),
                  len(self.graph.readers))  # fmt: skip
 
@@ -155,6 +158,9 @@ class LmEdges(CorruptedPairsMethod):
             del gradients
         per_edge = per_edge.float().cpu()  # (E, B)
         tables = {"lm_edge_pair_scores": self._pair_scores(per_edge, metrics, index, clean_sites, mask)}
+        if len(self.path_masks):
+            run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
+            tables["lm_paths"] = self._paths(model, run, deltas, index)
         if self.p.per_pair:
             tables["lm_edge_pairs"] = self._pair_rows(per_edge, metrics, index)
         kept.clear()
@@ -353,6 +359,35 @@ class LmEdges(CorruptedPairsMethod):
             out.append(self._intervened(model, patched, run) - run.metrics.corrupted[None].to(deltas.device))
         return torch.cat(out)
 
+    def _paths(self, model: nn.Module, run: _Receiving, deltas: torch.Tensor, index: list[int]) -> Columns:
+        """lm_paths: per (path set, pair) the corrupted run with each receiver reading + the clean - corrupted write
+        of each of its senders, and that run's metric; `index`: the pairs' rows in the batch."""
+        masks = self.path_masks.to(deltas.device)
+        step = self._variants(run.ids.shape[0], self.hooks.paths(masks, deltas).copies)
+        patched = torch.cat([
+            self._intervened(model, self.hooks.paths(masks[i : i + step], deltas), run)
+            for i in range(0, len(masks), step)
+        ]).float().cpu()  # fmt: skip  # (P, B)
+        metrics, b, n = run.metrics, run.ids.shape[0], len(masks)
+        clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
+        restoration = metrics.restoration(patched).float().cpu()
+        described = [_path_words(p, mask, self.graph) for p, mask in zip(self.p.paths, self.path_masks, strict=True)]
+        return {
+            "sample_index": index * n,
+            "path": [d[0] for d in described for _ in range(b)],
+            "senders": [d[1] for d in described for _ in range(b)],
+            "receivers": [d[2] for d in described for _ in range(b)],
+            "edges_patched": [int(mask.sum()) for mask in self.path_masks for _ in range(b)],
+            "metric": [target_name(self.target)] * (n * b),
+            "clean": clean.repeat(n),
+            "corrupted": corrupted.repeat(n),
+            "patched": patched.reshape(-1),
+            "effect": (patched - corrupted[None]).reshape(-1),
+            "restoration": restoration.reshape(-1),
+            "degenerate": [metrics.reasons[i] is not None for i in range(b)] * n,
+            "small_span": [metrics.small[i] for i in range(b)] * n,
+        }
+
     def _circuit(
         self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
         metrics: PairMetrics, splits: list[str],
@@ -472,3 +507,18 @@ def _toward(
     scale = torch.ones(b, t, 1, device=clean.device) if edit is None else edit.scale.to(clean.device)
     shift = torch.zeros_like(clean) if edit is None else edit.shift.to(clean.device, clean.dtype)
     return EmbeddingEdit(scale * (1 - alpha), shift * (1 - alpha) + clean * alpha)
+
+
+def path_masks(p: LmEdgesConfig, graph: EdgeGraph) -> torch.Tensor:
+    """(paths, writers, readers) bool: each of method.edges.paths' edges (graph.py `path_mask`)."""
+    masks = [
+        graph.path_mask(path.senders, path.receivers, f"method.edges.paths[{i}]") for i, path in enumerate(p.paths)
+    ]
+    return torch.stack(masks) if masks else torch.zeros((0, len(graph.writers), len(graph.readers)), dtype=torch.bool)
+
+
+def _path_words(path: EdgePaths, mask: torch.Tensor, graph: EdgeGraph) -> tuple[str, str, str]:
+    """(name, senders, receivers) of a path set: the nodes its edges join, in model order."""
+    senders = " ".join(graph.writers[i].name for i in mask.any(1).nonzero().flatten().tolist())
+    receivers = " ".join(graph.readers[i].name for i in mask.any(0).nonzero().flatten().tolist())
+    return path.name or f"{senders} -> {receivers}", senders, receivers

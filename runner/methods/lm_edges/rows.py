@@ -224,6 +224,22 @@ LM_EDGE_CALIBRATION_SCHEMA = declare(
     Presentation(keys=("chosen", "mode", "metric"), values=("spearman", "sign_agreement", "mean_abs_error")),
     classes=False,
 )
+LM_PATHS_SCHEMA = declare(
+    "lm_paths",
+    [
+        pa.field("path", pa.string()),  # the set's name (method.edges.paths[i].name), else "senders -> receivers"
+        pa.field("senders", pa.string()),  # the writers the set's edges leave, joined by spaces
+        pa.field("receivers", pa.string()),  # the readers they reach, joined by spaces
+        pa.field("edges_patched", pa.int64()),  # the set's edges: senders x receivers joined by an edge
+        pa.field("metric", pa.string()),
+        *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched")),
+        pa.field("effect", pa.float32()),  # patched - corrupted
+        pa.field("restoration", pa.float32()),  # (patched - corrupted) / (clean - corrupted); NaN for a flagged pair
+        *PAIR_FLAGS,
+    ],
+    Presentation(keys=("path", "metric"), values=("effect", "restoration"), shown=("metric",)),
+    classes=False,
+)
 
 
 def typed(table: str, columns: Columns) -> Columns:

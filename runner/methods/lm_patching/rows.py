@@ -10,6 +10,7 @@ import torch
 
 from runner.data.prompts import pair_texts
 from runner.hooks.sites import Cell
+from runner.methods.lm.cells import PAIR_TEXT_FIELDS
 from runner.methods.lm.pairs import PairMetrics, Receiver
 from runner.rows import Columns
 from runner.tables import Presentation, declare, optional
@@ -23,13 +24,7 @@ LM_PATCHING_SCHEMA = declare(
         pa.field("layer", pa.int64()),  # the block's index
         pa.field("head", pa.int64()),  # null for whole-site cells
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended); null: every position
-        pa.field("token", pa.string()),  # the clean prompt's token at `position`
-        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
-        pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
-        pa.field("answer", pa.string()),
-        pa.field("distractor", pa.string()),
-        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
-        pa.field("distractor_text", pa.string()),  # the distractor decoded
+        *PAIR_TEXT_FIELDS,
         pa.field("metric", pa.string()),  # the run's target
         pa.field("patch_method", pa.string()),  # exact | attribution (a first-order estimate)
         *(pa.field(n, pa.float32()) for n in ("clean", "corrupted", "patched", "restoration")),

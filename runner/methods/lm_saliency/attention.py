@@ -24,7 +24,7 @@ from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.hooks.sites import SiteHooks
 from runner.methods.lm.base import LanguageModelMethod, chosen_once, forward_last
-from runner.methods.lm.cells import taken_views, token_strings
+from runner.methods.lm.cells import PAIR_TEXT_FIELDS, taken_views, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
 from runner.progress import within_batch
@@ -40,13 +40,7 @@ LM_ATTENTION_SCHEMA = declare(
         pa.field("query_token", pa.string()),
         pa.field("query_token_text", pa.string()),  # the query's token decoded
         pa.field("position", pa.int64()),  # the attended (key) token's position
-        pa.field("token", pa.string()),  # the clean prompt's token at `position`
-        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
-        pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
-        pa.field("answer", pa.string()),
-        pa.field("distractor", pa.string()),
-        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
-        pa.field("distractor_text", pa.string()),  # the distractor decoded
+        *PAIR_TEXT_FIELDS,
         pa.field("weight", pa.float32()),  # the attention weight (a row over keys sums to 1)
     ],
     Presentation(

@@ -22,7 +22,7 @@ from runner.data.prompts import pair_texts
 from runner.hooks import HookSession
 from runner.hooks.sites import SiteHooks
 from runner.methods.lm.base import LanguageModelMethod, forward_last
-from runner.methods.lm.cells import real_cells, taken_views, token_strings
+from runner.methods.lm.cells import PAIR_TEXT_FIELDS, real_cells, taken_views, token_strings
 from runner.methods.lm.pairs import score
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_grad_x_act import LmGradXActConfig
@@ -39,13 +39,7 @@ LM_GRAD_X_ACT_SCHEMA = declare(
         pa.field("layer", pa.int64()),  # the block's index
         pa.field("head", pa.int64()),  # null for whole sites
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
-        pa.field("token", pa.string()),  # the clean prompt's token at `position`
-        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
-        pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
-        pa.field("answer", pa.string()),
-        pa.field("distractor", pa.string()),
-        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
-        pa.field("distractor_text", pa.string()),  # the distractor decoded
+        *PAIR_TEXT_FIELDS,
         pa.field("metric", pa.string()),  # the run's target, differentiated
         pa.field("value", pa.float32()),  # gradient . activation over the hidden (or head) dimension
         pa.field("grad_norm", pa.float32()),  # |gradient| over the same dimension

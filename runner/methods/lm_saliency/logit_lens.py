@@ -21,7 +21,7 @@ from runner.data.base import Batch
 from runner.data.prompts import pair_texts, tokenizer_of
 from runner.hooks import HookSession
 from runner.methods.lm.base import LanguageModelMethod, TokenPairs, chosen_once, forward_last
-from runner.methods.lm.cells import real_cells, token_strings
+from runner.methods.lm.cells import PAIR_TEXT_FIELDS, real_cells, token_strings
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, read_site, unembedding
 from runner.options.method.lm_logit_lens import LmLogitLensConfig
 from runner.progress import within_batch
@@ -36,13 +36,7 @@ LM_LOGIT_LENS_SCHEMA = declare(
     [
         pa.field("layer", pa.int64()),  # -1: the embeddings; l: block l's output
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended)
-        pa.field("token", pa.string()),  # the clean prompt's token at `position`
-        pa.field("token_text", pa.string()),  # that token decoded alone: " Jacob" for `ĠJacob` or `▁Jacob`
-        pa.field("role", pa.string()),  # the position's role: IO, S1, S2 (data=ioi), subject, end (the last), ...
-        pa.field("answer", pa.string()),
-        pa.field("distractor", pa.string()),
-        pa.field("answer_text", pa.string()),  # the answer decoded (" Mary"; a set's tokens joined by |)
-        pa.field("distractor_text", pa.string()),  # the distractor decoded
+        *PAIR_TEXT_FIELDS,
         pa.field("answer_logit", pa.float32()),  # the lens logit of the answer (mean over a token set)
         pa.field("distractor_logit", pa.float32()),
         pa.field("answer_logprob", pa.float32()),  # the lens log-probability of the answer (of any of its set)

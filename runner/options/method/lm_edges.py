@@ -49,6 +49,16 @@ MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # t
 
 
 @dataclass
+class EdgePaths:
+    """One path-patching set: the senders' clean writes reach the receivers through their direct edges only (node
+    names of runner/methods/lm_edges/graph.py, or shell patterns of them: `a22.h*`, `a2[0-2].h*`, `a23.h3<q>`)."""
+
+    senders: list[str] = field(default_factory=list)  # writers: input, a{l}.h{h}, m{l}
+    receivers: list[str] = field(default_factory=list)  # readers: a{l}.h{h}<q>, a{l}.g{g}<k>, <v>, m{l}, logits
+    name: Optional[str] = None  # the path's name in lm_paths; null: "senders -> receivers"  # noqa: UP045 (OmegaConf)
+
+
+@dataclass
 class LmEdgesConfig:
     mode: EdgeMode = EdgeMode.eap_ig
     # eap_ig's and eap_ig_activations' interpolation steps (read by those two only: eap is one run, the corrupted run;
@@ -76,6 +86,9 @@ class LmEdgesConfig:
     # A pair whose |clean - corrupted| is below min_span x max(|clean|, |corrupted|) is flagged small_span (as in
     # lm_patching); flagged pairs are left out of the run's means.
     min_span: float = 0.05
+    # Path patching (table lm_paths), on the discovery pairs: per set, the corrupted run with each receiver reading
+    # + the clean - corrupted write of each of its senders (Wang et al. 2022); [] for none
+    paths: list[EdgePaths] = field(default_factory=list)
 
 
 @METHODS.option(
@@ -90,6 +103,7 @@ class LmEdgesConfig:
         "lm_edge_pairs",
         "lm_edge_exact",
         "lm_edge_calibration",
+        "lm_paths",
     ),
     family=LM_FAMILY,
 )
@@ -121,6 +135,12 @@ class LmEdgesMethodConfig(MethodConfig):
             raise RunnerError(f"method.edges.held_out={e.held_out}: the fraction of pairs held out, in [0, 1).")
         if e.resamples < 0 or e.resamples == 1:
             raise RunnerError(f"method.edges.resamples={e.resamples}: bootstrap resamples, 0 (none) or >= 2.")
+        for i, path in enumerate(e.paths):
+            if not path.senders or not path.receivers:
+                raise RunnerError(
+                    f"method.edges.paths[{i}]: give senders (writers: input, a3.h2, m3, or patterns: a3.h*) and"
+                    " receivers (readers: a5.h1<q>, a5.g0<k>, a5.g0<v>, m5, logits)."
+                )
         check_corruption(e.corruption, e.min_span, "method.edges")
         return bad
 
