@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from runner.errors import RunnerError, suggest
 
 SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
 PER_HEAD = ("head", "q", "k", "v", "pattern")  # sites with a head axis
+
+
+class Positions(str, Enum):
+    """Which positions of each pair a language-model method reads (lm_attention's queries, lm_dla's, lm_cache's)."""
+
+    last = "last"  # the last position (where the answer is read)
+    all = "all"  # every real position
 
 
 def check_sites(key: str, sites: Sequence[str]) -> None:

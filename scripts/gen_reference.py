@@ -129,7 +129,7 @@ SECTION = re.compile(r"^[A-Za-z][\w /-]{0,40} \([^)]*\)(:.*)?$|: no settings")
 
 def clean_comment(text: str) -> str:
     """A comment without lint directives (`noqa: X (why)`, `type: ignore[...]`, `fmt: skip`)."""
-    text = re.sub(r"noqa(: [A-Z0-9, ]+)?( \([^)]*\))?", "", text)
+    text = re.sub(r"#?\s*noqa(: [A-Z0-9, ]+)?(\s*\([^)]*\))?", "", text)
     text = re.sub(r"type: ignore(\[[^\]]*\])?|fmt: skip", "", text)
     return " ".join(text.split()).strip(" ;")
 

@@ -34,9 +34,10 @@ from runner.hooks.sites import SiteHooks
 from runner.methods.lm.base import LanguageModelMethod, forward_last
 from runner.methods.lm.cells import taken_views
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
-from runner.options.method.lm_cache import CachePositions, LmCacheConfig
+from runner.options.method.lm_cache import LmCacheConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns
+from runner.site_kinds import Positions
 from runner.store.layout import temp_name
 from runner.tables import Presentation, declare
 
@@ -87,7 +88,7 @@ class LmCache(LanguageModelMethod):
         self.folder = self.runtime.output_dir / FOLDER
         self.specs = self.planned(self.cfg, layout_of(session.model), self.runtime.target)
         self.hooks = SiteHooks(session.model, self.specs, session)
-        self.last = CachePositions(self.cfg.positions) is CachePositions.last
+        self.last = Positions(self.cfg.positions) is Positions.last
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         prompts = self.prompts(batch)

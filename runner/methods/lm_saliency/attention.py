@@ -26,9 +26,10 @@ from runner.hooks.sites import SiteHooks
 from runner.methods.lm.base import LanguageModelMethod, chosen_once, forward_last
 from runner.methods.lm.cells import PAIR_TEXT_FIELDS, taken_views, token_strings
 from runner.models.lm_sites import LanguageModelLayout, layout_of
-from runner.options.method.lm_attention import AttentionQuery, LmAttentionConfig
+from runner.options.method.lm_attention import LmAttentionConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
+from runner.site_kinds import Positions
 from runner.tables import Presentation, declare
 
 LM_ATTENTION_SCHEMA = declare(
@@ -89,7 +90,7 @@ class LmAttention(LanguageModelMethod):
         pads = prompts.pads.cpu()
         t = ids.shape[1]
         # every (row, head, query, key) kept: real query and key, key at or before the query
-        queries = [t - 1] if AttentionQuery(self.cfg.query) is AttentionQuery.last else list(range(t))
+        queries = [t - 1] if Positions(self.cfg.query) is Positions.last else list(range(t))
         row, head, query, key = (g.reshape(-1) for g in torch.meshgrid(
             torch.arange(ids.shape[0]), torch.tensor(self.heads), torch.tensor(queries), torch.arange(t),
             indexing="ij"))  # fmt: skip

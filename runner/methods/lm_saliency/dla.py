@@ -37,9 +37,10 @@ from runner.methods.lm.base import LanguageModelMethod, forward_last
 from runner.methods.lm.cells import PAIR_TEXT_FIELDS, real_cells, taken_views, token_strings
 from runner.methods.lm.writes import FrozenNorm, HeadWrites
 from runner.models.lm_sites import LanguageModelLayout, layout_of, unembedding
-from runner.options.method.lm_dla import DlaPositions, LmDlaConfig
+from runner.options.method.lm_dla import LmDlaConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns
+from runner.site_kinds import Positions
 from runner.tables import Presentation, declare
 from runner.targets.tokens import TokenLogitDiff, TokenTarget, set_mean, target_name, token_target
 
@@ -116,7 +117,7 @@ class LmDla(LanguageModelMethod):
             out = forward_last(model, ids, prompts.mask)
         views = taken_views(self.hooks, self.specs, self.name)
         b, t = ids.shape
-        if DlaPositions(self.cfg.positions) is DlaPositions.last:
+        if Positions(self.cfg.positions) is Positions.last:
             rows, index = torch.arange(b), torch.full((b,), t - 1)
         else:
             rows, index, _ = real_cells(prompts.pads, t)

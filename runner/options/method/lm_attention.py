@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
-from runner.site_kinds import SiteSelection
-
-
-class AttentionQuery(str, Enum):
-    last = "last"  # the last position's weights over every key (the prediction's)
-    all = "all"  # every query position's weights over the keys up to it
+from runner.site_kinds import Positions, SiteSelection
 
 
 @METHODS.option("runner.methods.lm_saliency.attention:LmAttention", tables=("lm_attention",), family=LM_FAMILY)
@@ -27,7 +21,7 @@ class LmAttentionConfig(MethodConfig):
     name: str = "lm_attention"
     layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
     heads: Optional[list[int]] = None  # null: every head  # noqa: UP045 (OmegaConf)
-    query: AttentionQuery = AttentionQuery.last
+    query: Positions = Positions.last  # last: the last position's weights over every key; all: every query's
 
     def selection(self) -> SiteSelection:
         layers = None if self.layers is None else tuple(self.layers)

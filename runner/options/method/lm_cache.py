@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Optional
 
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig, light_layers
-from runner.site_kinds import SiteSelection
-
-
-class CachePositions(str, Enum):
-    all = "all"  # every real position of the prompt (no padding)
-    last = "last"  # the last position only (where the answer is read)
+from runner.site_kinds import Positions, SiteSelection
 
 
 @METHODS.option("runner.methods.lm_cache:LmCache", tables=("lm_cache",), family=LM_FAMILY)
@@ -28,7 +22,7 @@ class LmCacheConfig(MethodConfig):
     name: str = "lm_cache"
     sites: list[str] = field(default_factory=lambda: ["resid_pre", "attn_out", "mlp_out"])  # any, per-head ones too
     layers: Optional[list[int]] = None  # null: every layer  # noqa: UP045 (OmegaConf)
-    positions: CachePositions = CachePositions.all  # all: each pair's real positions; last: its last one
+    positions: Positions = Positions.all  # all: each pair's real positions; last: its last one
 
     def selection(self) -> SiteSelection:
         return SiteSelection("method", tuple(self.sites), None if self.layers is None else tuple(self.layers))

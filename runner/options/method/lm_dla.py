@@ -6,16 +6,10 @@ layer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from runner.options.registry import LM_FAMILY, METHODS
 from runner.schema import MethodConfig
-from runner.site_kinds import SiteSelection
-
-
-class DlaPositions(str, Enum):
-    last = "last"  # the last position of each pair (where the answer is read)
-    all = "all"  # every real position (the direction is the pair's answer - distractor at each)
+from runner.site_kinds import Positions, SiteSelection
 
 
 @METHODS.option("runner.methods.lm_saliency.dla:LmDla", tables=("lm_dla",), family=LM_FAMILY)
@@ -25,7 +19,7 @@ class LmDlaConfig(MethodConfig):
     logits (target=token_logit_diff: the answer's minus the distractor's logit, each the mean over its token set)."""
 
     name: str = "lm_dla"
-    positions: DlaPositions = DlaPositions.last
+    positions: Positions = Positions.last  # last: each pair's last position; all: every real position
     accumulated: bool = True  # also each layer's accumulated stream (TransformerLens' accumulated_resid)
 
     def selection(self) -> SiteSelection:
