@@ -45,6 +45,8 @@ TABLES = {
     "factual_recall_gemma3": {"lm_patching"},
     "ioi_edges_gemma3": EDGE_TABLES,
     "ioi_paths_smollm2": {"lm_edges", "lm_edge_pair_scores", "lm_paths"},
+    "ioi_dla_smollm2": {"lm_dla"},
+    "ioi_cache_smollm2": {"lm_cache"},
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -64,8 +66,11 @@ TABLES = {
 # tables whose rows are about the whole run (no sample)
 RUN_ROWS = {"lm_edges", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit_stability", "lm_edge_calibration"}
 ONE_PHOTO = {"patching_channels", "patching_effnet"}  # they set data.photos: [chelsea]
-# Paths that name SmolLM2's layers (23.3's query): its two-layer stand-in gets paths of its own
-STAND_IN_PATHS = {"ioi_paths_smollm2": ["method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]"]}
+# Settings that name SmolLM2's layers (23.3's query, layers 23 and 29): its two-layer stand-in gets its own
+STAND_IN_PATHS = {
+    "ioi_paths_smollm2": ["method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]"],
+    "ioi_cache_smollm2": ["method.layers=[0,1]"],
+}
 
 
 @pytest.fixture
