@@ -46,18 +46,21 @@ def test_dla_equals_transformerlens_logit_attrs_on_gpt2(gpt2) -> None:  # type: 
     _, batch = pairs_batch(SAME_LENGTH, tokenizer, True, torch.device("cpu"))
     ids, answers, distractors = batch.x[:, 0], batch.extras["answers"][:, 0], batch.extras["distractors"][:, 0]
     bridge = tl_bridge(model, tokenizer)
-    # fold_value_biases off: it moves each head's b_V into the attention's b_O, and so out of the head's write
-    bridge.enable_compatibility_mode(disable_warnings=True, fold_value_biases=False)
+    # fold_value_biases off: it moves each head's b_V into the attention's b_O, and so out of the head's write;
+    # center_unembed off: it shifts every logit by the same amount, which a difference cancels but a single logit keeps
+    bridge.enable_compatibility_mode(disable_warnings=True, fold_value_biases=False, center_unembed=False)
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(ids)
 
-        def attrs(stack: torch.Tensor) -> torch.Tensor:  # (components, batch) at the last position
-            return cache.logit_attrs(stack, tokens=answers, incorrect_tokens=distractors, pos_slice=-1)
+        def attrs(stack: torch.Tensor, wrong: torch.Tensor | None = distractors) -> torch.Tensor:
+            """(components, batch) at the last position: onto answer - distractor, or the answer alone."""
+            return cache.logit_attrs(stack, tokens=answers, incorrect_tokens=wrong, pos_slice=-1)
 
         parts, labels = cache.decompose_resid(layer=-1, mode="all", apply_ln=False, pos_slice=-1, return_labels=True)
         whole = dict(zip(labels, attrs(parts), strict=True))
         heads, head_labels = cache.stack_head_results(layer=-1, pos_slice=-1, apply_ln=False, return_labels=True)
         per_head = dict(zip(head_labels, attrs(heads), strict=True))
+        answer_only = dict(zip(head_labels, attrs(heads, None), strict=True))
         streams, stream_labels = cache.accumulated_resid(layer=-1, pos_slice=-1, apply_ln=False, return_labels=True)
         accumulated = attrs(streams)
     values = by_writer(ours)
@@ -67,6 +70,9 @@ def test_dla_equals_transformerlens_logit_attrs_on_gpt2(gpt2) -> None:  # type: 
         for layer in range(2):
             heads_here = [float(per_head[f"L{layer}H{h}"][row]) for h in range(4)]
             assert [mine[f"a{layer}.h{h}"] for h in range(4)] == pytest.approx(heads_here, abs=1e-4)
+            toward_answer = [float(answer_only[f"L{layer}H{h}"][row]) for h in range(4)]
+            answer_part = ours.set_index(["sample_index", "writer"])["answer_value"].astype(float).xs(row)
+            assert [answer_part[f"a{layer}.h{h}"] for h in range(4)] == pytest.approx(toward_answer, abs=1e-4)
             attention = sum(mine[f"a{layer}.h{h}"] for h in range(4)) + mine[f"a{layer}.bias"]
             assert attention == pytest.approx(float(whole[f"{layer}_attn_out"][row]), abs=1e-4)
             assert mine[f"m{layer}"] == pytest.approx(float(whole[f"{layer}_mlp_out"][row]), abs=1e-4)
@@ -75,6 +81,7 @@ def test_dla_equals_transformerlens_logit_attrs_on_gpt2(gpt2) -> None:  # type: 
         )
         assert stream_labels == ["0_pre", "1_pre", "final_post"]
     assert values.abs().max() > 0.05  # not a comparison of zeros
+    assert (ours["answer_value"] - ours["distractor_value"] - ours["value"]).abs().max() < 1e-5
     # the bias row is what TL folds into b_U: the final LN's bias on the direction
     last = ours.drop_duplicates("sample_index").sort_values("sample_index")
     true = logits[torch.arange(len(ids)), -1, answers] - logits[torch.arange(len(ids)), -1, distractors]

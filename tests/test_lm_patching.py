@@ -18,6 +18,7 @@ from runner.hooks import count_hooks
 from runner.methods.lm_patching import lm_activation_patching
 from runner.models.lm_sites import layout_of
 from runner.options.data.prompts import PromptsConfig
+from runner.options.registry import lm_method_names
 from tests.conftest import run_cli
 from tests.lm_references import build_tiny_lm, logit_diff, loop_patching
 
@@ -163,7 +164,7 @@ def test_cli_runs_a_folder_model_and_refuses_mixed_modalities(tiny, tmp_path: Pa
     table = load(tmp_path / "run")
     assert set(table.site) == {"resid_pre", "attn_out", "mlp_out", "head"} and len(set(table.sample_id)) == 3
     refused = run_cli("model=hf_lm", f"model.name={folder}", f"hydra.run.dir={tmp_path / 'bad'}")
-    message = "is a language model: it takes a method for language models (method=lm_attention | lm_edges | lm_grad_x_act | lm_logit_lens"
+    message = f"is a language model: it takes a method for language models (method={' | '.join(lm_method_names())})"
     assert refused.returncode == 2 and message in refused.stderr
     assert "Traceback" not in refused.stderr
     from runner.commands.layers import main as layers_main

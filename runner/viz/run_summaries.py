@@ -75,13 +75,15 @@ def top_writers(frame: pd.DataFrame) -> tuple[str, pd.DataFrame]:
     pair = "sample_id" if "sample_id" in frame.columns else "sample"
     last = frame[frame["position"] == frame.groupby(pair)["position"].transform("max")]
     writers = last[last["kind"] != "accumulated"]
-    means = writers.groupby(["writer", "kind"], observed=True)[["value"]].mean()
+    parts = [c for c in ("value", "answer_value", "distractor_value") if c in writers.columns]
+    means = writers.groupby(["writer", "kind"], observed=True)[parts].mean()
     total = float(last.drop_duplicates(pair)["total"].mean())
     means["share of total"] = means["value"] / total if total else float("nan")
     shown = means.assign(_size=means["value"].abs()).nlargest(TOP_EDGES, "_size").drop(columns="_size").reset_index()
     words = (
         f"The {len(shown)} writers of largest |contribution| at the last position, mean over pairs (total: the logit"
-        f" difference they sum to, mean {total:.4g}); positive: toward the answer."
+        f" difference they sum to, mean {total:.4g}); positive: toward the answer. answer_value and distractor_value:"
+        " its parts on the answer's and the distractor's logit (value = answer_value - distractor_value)."
     )
     return words, shown
 

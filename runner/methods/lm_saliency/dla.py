@@ -7,8 +7,9 @@ family has one), each attention's output bias o(0) where the projection has one,
 post-norm, where the family has one). Each write c goes through the final norm made linear at the run's own scale
 (`FrozenNorm`: gain * centred(c) / scale(x), the scale of the run's final stream x, as TransformerLens'
 `apply_ln_to_stack`) and onto the target's direction, the unembedding's answer row minus its distractor row (each the
-mean over its token set). The row `bias` holds what no writer owns: the final norm's bias and the unembedding's bias
-on that direction. So the contributions sum to the logit difference exactly (to float rounding) before the family's
+mean over its token set); `answer_value` and `distractor_value` are the two rows' parts (a head that raises the
+difference by lowering the distractor shows it there). The row `bias` holds what no writer owns: the final norm's
+bias and the unembedding's bias on that direction. So the contributions sum to the logit difference exactly (to float rounding) before the family's
 final softcap; `total` is that sum, `logit_diff` the model's own (after the softcap, Gemma 2's: there they differ).
 
 `accumulated`: the stream before each block l (resid_pre.l) and the final stream, each through the same frozen norm
@@ -59,6 +60,8 @@ LM_DLA_SCHEMA = declare(
         *PAIR_TEXT_FIELDS,
         pa.field("metric", pa.string()),  # the run's target (token_logit_diff)
         pa.field("value", pa.float32()),  # the writer's contribution to the logit difference
+        pa.field("answer_value", pa.float32()),  # ... to the answer's logit (value = answer_value - distractor_value)
+        pa.field("distractor_value", pa.float32()),  # ... to the distractor's logit
         pa.field("total", pa.float32()),  # the sum of the contributions: the logit difference before any softcap
         pa.field("logit_diff", pa.float32()),  # the model's own logit difference at this position (after a softcap)
     ],
@@ -158,20 +161,22 @@ class LmDla(LanguageModelMethod):
         frozen = FrozenNorm(self.norm, stream.to(device))
         a, d = answers.to(device)[rows.to(device)], distractors.to(device)[rows.to(device)]  # (N, A)
         weight = self.unembed.weight.float()  # (V, D)
-        direction = _set_rows(weight, a) - _set_rows(weight, d)  # (N, D)
-        values = torch.einsum("wnd,nd->wn", frozen(writes.to(device)), direction)  # (W, N)
-        bias = (frozen.bias[None] * direction).sum(-1)  # the final norm's bias on the direction (N,)
+        # each writer toward the answer's row and toward the distractor's (the last axis); the value is their difference
+        rows_of = torch.stack([_set_rows(weight, a), _set_rows(weight, d)], dim=-1)  # (N, D, 2)
+        toward = torch.einsum("wnd,ndk->wnk", frozen(writes.to(device)), rows_of)  # (W, N, 2)
+        bias = torch.einsum("d,ndk->nk", frozen.bias, rows_of)  # the final norm's bias on each row (N, 2)
         if getattr(self.unembed, "bias", None) is not None:
             unembed_bias = self.unembed.bias.float()[None].expand(len(a), -1)
-            bias = bias + set_mean(unembed_bias, a) - set_mean(unembed_bias, d)
-        values = torch.cat([values, bias[None]])
+            bias = bias + torch.stack([set_mean(unembed_bias, a), set_mean(unembed_bias, d)], dim=-1)
+        toward = torch.cat([toward, bias[None]])
         names.append(("bias", "bias", None, None))
         if self.cfg.accumulated:
             streams = [views[f"resid_pre.{layer}"] for layer in range(self.layout.layers)] + [views[self.final]]
             at = torch.stack([s[rows.to(s.device), index.to(s.device)].to(device) for s in streams])  # (L + 1, N, D)
-            values = torch.cat([values, torch.einsum("lnd,nd->ln", frozen(at), direction)])
+            toward = torch.cat([toward, torch.einsum("lnd,ndk->lnk", frozen(at), rows_of)])
             names += [("accumulated", f"resid_pre.{layer}", layer, None) for layer in range(self.layout.layers)]
             names.append(("accumulated", self.final, self.layout.layers, None))
+        values = toward[..., 0] - toward[..., 1]  # (W', N)
         total = values[: writes.shape[0] + 1].sum(0)  # (N,) the writers and the bias row
         logits = self.layout.logits(self.unembed.forward(self.norm.forward(stream.to(device))).float())  # (N, V)
         logit_diff = set_mean(logits, a) - set_mean(logits, d)
@@ -186,6 +191,8 @@ class LmDla(LanguageModelMethod):
             "head": np.repeat(heads, n),
             "metric": [target_name(self.target)] * (w * n),
             "value": values.reshape(-1).cpu(),
+            "answer_value": toward[..., 0].reshape(-1).cpu(),
+            "distractor_value": toward[..., 1].reshape(-1).cpu(),
             "total": total.cpu()[cell],
             "logit_diff": logit_diff.cpu()[cell],
         }
