@@ -59,7 +59,7 @@ class SiteSelection:
         """The settings that choose what the method reads, in words: 'method.patching.layers and .sites' ('': none,
         the method reads every layer)."""
         chosen = [name for name, own in (("layers", self.layers_chosen), ("sites", self.sites_chosen)) if own]
-        return " and .".join(f"{self.key}.{chosen[0]}" if i == 0 else n for i, n in enumerate(chosen))
+        return f"{self.key}." + " and .".join(chosen) if chosen else ""
 
     def check(self) -> None:
         """The one rule for every LM method: known sites and layers, each named once."""

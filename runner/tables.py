@@ -143,11 +143,6 @@ def sample_fields(table: str) -> tuple[pa.Field, ...]:
     return SAMPLE_FIELDS
 
 
-def id_fields(table: str) -> tuple[pa.Field, ...]:
-    """The ID columns `table` starts with (the swept columns go between the run's and the sample's)."""
-    return (*RUN_FIELDS, *sample_fields(table))
-
-
 def presentation(table: str) -> Presentation:
     """How a declared table is summarised and drawn (the plain default for one declared without)."""
     return _PRESENTED.get(table, Presentation())

@@ -362,9 +362,7 @@ def position_axis(frame: pd.DataFrame, reference: pd.DataFrame | None = None) ->
     reference = frame if reference is None else reference
     frame = frame[frame["position"].notna()]
     reference = reference[reference["position"].notna()]
-    pairs = _pair_columns(reference)
-    keys = [*pairs, "position"]
-    plan = _slot_plan(reference.drop_duplicates(keys).sort_values(keys), pairs)
+    plan, keys = _planned(reference)
     frame = frame.join(plan.slots.set_index(keys)[["_x"]], on=keys)
     frame = frame[frame["_x"].notna()].astype({"_x": int})
     named = plan.slots.drop_duplicates("_x").set_index("_x")["_label"] if plan.by_role else None
@@ -401,12 +399,16 @@ def by_role_slots(frame: pd.DataFrame) -> pd.DataFrame | None:
     subject`), where `position_axis` aligns the pairs by role; None where it does not (one length, or aligned at
     the last token, or the roles differ in order)."""
     rows = frame[frame["position"].notna()]
-    pairs = _pair_columns(rows)
-    keys = [*pairs, "position"]
-    plan = _slot_plan(rows.drop_duplicates(keys).sort_values(keys), pairs)
+    plan, keys = _planned(rows)
     if not plan.by_role:
         return None
     return rows.join(plan.slots.set_index(keys)[["_x", "_label"]], on=keys)
+
+
+def _planned(rows: pd.DataFrame) -> tuple[_SlotPlan, list[str]]:
+    """The slot plan of the (pair, position)s of `rows` (each with a position), and the columns that key them."""
+    keys = [*_pair_columns(rows), "position"]
+    return _slot_plan(rows.drop_duplicates(keys).sort_values(keys), keys[:-1]), keys
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,16 @@ def head_writes(out_proj: nn.Module, z: torch.Tensor) -> torch.Tensor:
     return out_proj.forward(alone) - out_proj.forward(torch.zeros_like(alone.flatten(0, -2)[:1]))
 
 
+def epsilon(norm: nn.Module) -> float:
+    """A norm module's epsilon, by either name transformers gives it (`eps`, `variance_epsilon`); 0 without one."""
+    return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0)) or 0.0)
+
+
 def frozen_scale(norm: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """(..., D) float32: the factor an RMS norm multiplies `y` (..., D) by, gain / RMS(y), with the RMS of `y` itself:
     norm(y) = frozen_scale(norm, y) * y. The gain is read from the module's own forward on a vector of ones
     (Gemma's 1 + weight, OLMo 2's weight), its epsilon from the module."""
-    eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0)))
+    eps = epsilon(norm)
     ones = torch.ones(1, y.shape[-1], dtype=y.dtype, device=y.device)
     gain = norm.forward(ones)[0].float() * (1.0 + eps) ** 0.5
     return gain * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -79,7 +84,7 @@ class FrozenNorm:
 
     def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
         self.norm = norm
-        self.eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0)) or 0.0)
+        self.eps = epsilon(norm)
         d = x.shape[-1]
         probe = torch.linspace(-2.0, 3.0, d, dtype=torch.float32, device=x.device)[None].sin() * 3.0
         with torch.no_grad():

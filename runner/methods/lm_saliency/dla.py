@@ -9,8 +9,9 @@ post-norm, where the family has one). Each write c goes through the final norm m
 `apply_ln_to_stack`) and onto the target's direction, the unembedding's answer row minus its distractor row (each the
 mean over its token set); `answer_value` and `distractor_value` are the two rows' parts (a head that raises the
 difference by lowering the distractor shows it there). The row `bias` holds what no writer owns: the final norm's
-bias and the unembedding's bias on that direction. So the contributions sum to the logit difference exactly (to float rounding) before the family's
-final softcap; `total` is that sum, `logit_diff` the model's own (after the softcap, Gemma 2's: there they differ).
+bias and the unembedding's bias on that direction. So the contributions sum to the logit difference exactly (to
+float rounding) before the family's final softcap; `total` is that sum, `logit_diff` the model's own (after the
+softcap, Gemma 2's: there they differ).
 
 `accumulated`: the stream before each block l (resid_pre.l) and the final stream, each through the same frozen norm
 onto the direction, without the bias row (TransformerLens' `accumulated_resid` with `logit_attrs`): the last one plus
