@@ -130,3 +130,15 @@ def test_a_bad_path_on_the_cli_is_refused_before_the_weights_load(tmp_path: Path
                       f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert refused.returncode == 2 and "'a5.h0' names none of the model's writers" in refused.stderr, refused.stderr
     assert not (tmp_path / "run" / "lm_paths.parquet").exists()
+
+
+def test_path_effects_do_not_change_with_batching_or_padding(llama) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = llama
+    pairs = [*PAIRS, {"clean": "t01 t02 t01", "corrupted": "t05 t02 t01", "answer": "t02", "distractor": "t05"}]
+    together = lm_path_patching(model, tokenizer, pairs, PATHS)  # one left-padded batch
+    for i, pair in enumerate(pairs):
+        alone = lm_path_patching(model, tokenizer, [pair], PATHS)
+        mine = together[together["sample_index"] == i]
+        assert mine["effect"].tolist() == pytest.approx(alone["effect"].tolist(), abs=1e-5)
+        assert mine["path"].tolist() == alone["path"].tolist()
+    assert together["effect"].abs().max() > 0.05
