@@ -40,6 +40,7 @@ TABLES = {
     "ioi_attention_smollm2": {"lm_attention"},
     "edges_lm_induction": EDGE_TABLES,
     "ioi_edges_smollm2": EDGE_TABLES,
+    "ioi_edge_positions_smollm2": EDGE_TABLES,
     "ioi_edges_smollm2_templates": EDGE_TABLES,
     "ioi_gemma3": {"lm_patching"},
     "factual_recall_gemma3": {"lm_patching"},

@@ -92,6 +92,17 @@ RUNS = {
         "method.edges.ablation=mean",
         "method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]",
     ],
+    "lm_edge_positions": [
+        "model=hf_lm",
+        "data=prompts",
+        "method=lm_edges",
+        "target=token_logit_diff",
+        "method.edges.mode=eap",
+        "method.edges.top_k=2",
+        "method.edges.circuit=[0,5]",
+        "method.edges.per_pair=true",
+        "method.edges.per_position=true",
+    ],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -205,7 +216,7 @@ def test_language_model_tables_have_no_class_columns(tmp_path: Path) -> None:
             assert classes <= names, table
     columns = {**valid_batch("lm_edges"), **{n: [None, None] for n in classes}}  # as runner/ids.py hands them over
     written = write(tmp_path, "lm_edges", columns)
-    assert written.schema.names == full_schema("lm_edges").names
+    assert written.schema.names == [f.name for f in full_schema("lm_edges") if not is_optional(f)]
 
 
 def test_optional_columns_are_in_every_batch_or_none(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ head's query, key or value input, MLP or the logits, carries the behaviour.
 graph.py          the edge graph of a model, from its site layout (per key-value head for keys and values)
 scores.py         each edge's first-order effect: writes x readers' gradients (EAP; EAP-IG averages the gradients)
 estimators.py     two more averages of the gradients: at the clean and corrupted runs, over runs interpolating outputs
-intervene.py      edge interventions in one forward: exact edge patching, circuits
+intervene.py      edge interventions in one forward: exact edge patching, circuits, path patching
+positions.py      position slots of per-position edges (IO, S1+1, S2, end, ...; or counted back from the end)
 split.py          the pairs that find the circuit and those held out to test it
 faithfulness.py   the MIB circuit track's curve sizes, faithfulness, CPR and CMD
 stability.py      bootstrap resamples of the pairs: intervals, inclusion, Jaccard of circuits

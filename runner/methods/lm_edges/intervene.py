@@ -59,19 +59,27 @@ class Patched(Deltas):
 
     COPIES = 2
 
-    def __init__(self, edges: Sequence[tuple[int, int]], writes: torch.Tensor, graph: EdgeGraph) -> None:
+    def __init__(
+        self, edges: Sequence[tuple[int, int]], writes: torch.Tensor, graph: EdgeGraph,
+        positions: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """`positions` (V, B, T) bool: where variant v's write is added (per-position edges; None: everywhere)."""
         self.edges, self.writes, self.variants, self.copies = list(edges), writes, len(edges), self.COPIES
         self.reads_writes = False  # fixed deltas: no (V, writers, B, T, D) of copy 0's writes kept
         self.layer = torch.tensor([graph.readers[r].layer for _, r in edges])
         self.reader = torch.tensor([r for _, r in edges])
         self.writer = torch.tensor([w for w, _ in edges], device=writes.device)
+        self.positions = positions
 
     def slots(self, layer: int) -> torch.Tensor:
         return torch.where(self.layer == layer, self.reader, -1)[:, None]  # (V, 1)
 
     def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         mine = (slots == self.reader[:, None].to(slots.device)).to(self.writes.device, self.writes.dtype)  # (V, n)
-        return mine[:, :, None, None, None] * self.writes[self.writer][:, None]
+        added = self.writes[self.writer]  # (V, B, T, D)
+        if self.positions is not None:
+            added = added * self.positions[..., None].to(added.device, added.dtype)
+        return mine[:, :, None, None, None] * added[:, None]
 
 
 class ReaderCopies(Deltas):
@@ -90,18 +98,31 @@ class ReaderCopies(Deltas):
 
 class Circuit(ReaderCopies):
     """Circuit evaluation: variant v keeps the edges `kept[v]` (writers, readers) bool; every other edge's reader reads
-    minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order."""
+    minus (this run's write - the reference run's). Every reader of a layer has its copy, in `by_layer`'s order.
+    Per-position edges: `kept[v]` (writers, readers, slots) keeps units, and `positions` (B, T) gives each position's
+    slot (-1: padding, where nothing is changed)."""
 
-    def __init__(self, kept: torch.Tensor, by_layer: list[list[int]], copies: int) -> None:
+    def __init__(
+        self, kept: torch.Tensor, by_layer: list[list[int]], copies: int, positions: torch.Tensor | None = None
+    ) -> None:  # fmt: skip
         super().__init__(kept.shape[0], by_layer, copies)
-        self.kept = kept
+        self.kept, self.positions = kept, positions
 
     def of(self, slots: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         w = current.shape[1]
         slots = slots.to(self.kept.device)
-        index = slots.clamp(min=0)[:, None, :].expand(-1, w, -1)  # (V, W, n)
-        dropped = (~self.kept[:, :w].gather(2, index)) & (slots >= 0)[:, None, :]  # (V, W, n)
-        return -torch.einsum("vwn,vwbtd->vnbtd", dropped.to(current.dtype), current)
+        reading = (slots >= 0)[:, None, :]  # (V, 1, n)
+        if self.positions is None:
+            index = slots.clamp(min=0)[:, None, :].expand(-1, w, -1)  # (V, W, n)
+            dropped = (~self.kept[:, :w].gather(2, index)) & reading  # (V, W, n)
+            return -torch.einsum("vwn,vwbtd->vnbtd", dropped.to(current.dtype), current)
+        count = self.kept.shape[-1]
+        index = slots.clamp(min=0)[:, None, :, None].expand(-1, w, -1, count)  # (V, W, n, S)
+        kept = self.kept[:, :w].gather(2, index)
+        kept = torch.cat([kept, kept.new_ones(*kept.shape[:3], 1)], dim=3)  # padding: kept, nothing changed
+        where = torch.where(self.positions >= 0, self.positions, count).to(kept.device)  # (B, T)
+        dropped = (~kept[..., where]) & reading[..., None, None]  # (V, W, n, B, T)
+        return -torch.einsum("vwnbt,vwbtd->vnbtd", dropped.to(current.dtype), current)
 
 
 class Paths(ReaderCopies):
@@ -142,8 +163,8 @@ class EdgeRuns(SiteHooks):
     def _active(self, spec: SiteSpec) -> bool:
         return self.keeping or self.running is not None or spec.name in self.patches
 
-    def circuit(self, kept: torch.Tensor) -> Circuit:
-        return Circuit(kept, self.by_layer, self.circuit_copies)
+    def circuit(self, kept: torch.Tensor, positions: torch.Tensor | None = None) -> Circuit:
+        return Circuit(kept, self.by_layer, self.circuit_copies, positions)
 
     def paths(self, patched: torch.Tensor, writes: torch.Tensor) -> Paths:
         """Path patching of the sets `patched` (V, writers, readers): copies only for the readers some set reaches

@@ -15,7 +15,7 @@ pairs and the seed, not on the batch size or the order of the pairs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,10 @@ from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
 from runner.methods.lm_edges.export import write_eap_ig_graph
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
-from runner.methods.lm_edges.rows import edge_columns, typed
+from runner.methods.lm_edges.positions import Slots, pair_roles
+from runner.methods.lm_edges.rows import typed, unit_columns
 from runner.methods.lm_edges.run_scores import RunScores, final_tables
-from runner.methods.lm_edges.scores import edge_scores, integrated, writes
+from runner.methods.lm_edges.scores import edge_scores, integrated, unit_scores, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeAblation, EdgeMode, EdgePaths, LmEdgesConfig, LmEdgesMethodConfig
@@ -68,6 +69,7 @@ class LmEdges(CorruptedPairsMethod):
         self.evaluating = False  # the pass: scoring (False) or evaluation
         self.run: RunScores | None = None  # the run's scores, read back before the evaluation
         self.parts: dict[str, str] = {}  # pair id -> discovery | held_out
+        self.slots: Slots | None = None  # per-position edges: the run's position slots
 
     @classmethod
     def planned(cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, target: Any) -> TokenTarget:
@@ -75,20 +77,16 @@ class LmEdges(CorruptedPairsMethod):
         scored = token_target(target, cls.name, per_position=True)
         graph = EdgeGraph.of(layout)
         path_masks(cfg.edges, graph)  # a path naming no node, or no edge, is refused before the weights load
-        total = graph.count
-        larger = [n for n in cfg.edges.circuit if n > total]
-        if larger:
-            raise RunnerError(
-                f"method.edges.circuit={list(cfg.edges.circuit)}: this model's graph has {total} edges, so a circuit of"
-                f" {', '.join(map(str, larger))} cannot be chosen. Give sizes up to {total}, or fractions"
-                " (method.edges.fractions)."
-            )
+        if not cfg.edges.per_position:  # else the units are counted once the data's slots are known (prepare)
+            _check_sizes(cfg.edges.circuit, graph.count, f"this model's graph has {graph.count} edges")
         return scored
 
     def prepare(self, dataset: Dataset) -> None:
         super().prepare(dataset)
         ids = [dataset[i][2] for i in range(len(dataset))]  # type: ignore[arg-type]
         self.parts = split_pairs(ids, self.p.held_out, self.p.held_out_by, self.p.seed)
+        if self.p.per_position:
+            self.slots = Slots.of(self.p.positions, pair_roles(dataset), self.key)
 
     def setup(self, session: HookSession, num_samples: int) -> None:
         model = session.model
@@ -100,10 +98,25 @@ class LmEdges(CorruptedPairsMethod):
         self.embed = dict(model.named_modules())[self.layout.arch.embed]
         self.width = getattr(getattr(model, "config", None), "hidden_size", None)  # d_model, for the export
         self.edge_index = self.graph.edges.nonzero()  # (E, 2) writer, reader: lm_edges' row order
-        self.columns = edge_columns(self.graph, self.edge_index)
+        labels = None if self.slots is None else self.slots.labels
+        self.columns = unit_columns(self.graph, self.edge_index, labels)  # per unit: edge, or (edge, slot)
         self.path_masks = path_masks(self.p, self.graph)  # (paths, writers, readers)
         log.info("lm_edges: %d edges (%d writers, %d readers)", len(self.edge_index), len(self.graph.writers),
                  len(self.graph.readers))  # fmt: skip
+        if self.slots is not None:
+            units = len(self.edge_index) * len(self.slots)
+            _check_sizes(self.p.circuit, units, f"this run has {units} units (edges x position slots)")
+            log.info("lm_edges: per position, %d slots (%s): %d units", len(self.slots), ", ".join(self.slots.labels),
+                     len(self.edge_index) * len(self.slots))  # fmt: skip
+
+    @property
+    def per_edge(self) -> int:
+        """Units per edge: its position slots (per-position edges), else 1."""
+        return 1 if self.slots is None else len(self.slots)
+
+    def _positions(self, sample_ids: list[str], mask: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) each position's slot (per-position edges), else None."""
+        return None if self.slots is None else self.slots.of_batch(sample_ids, mask)
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
         return self._evaluate(model, batch) if self.evaluating else self._score(model, batch)
@@ -111,7 +124,7 @@ class LmEdges(CorruptedPairsMethod):
     def begin_pass(self, number: int, read: Callable[[str], pd.DataFrame | None]) -> None:
         """Before the evaluation: the run's scores read back, ranked once; its circuits and checked edges chosen."""
         self.evaluating = True
-        self.run = RunScores.read(read, self.p, self.graph, self.edge_index)
+        self.run = RunScores.read(read, self.p, self.graph, self.edge_index, self.per_edge)
         log.info("lm_edges: the run's ranking from %d discovery pairs; circuits of %s edges evaluated on every pair",
                  self.run.pairs, ", ".join(map(str, self.run.sizes)) or "no")  # fmt: skip
 
@@ -123,7 +136,9 @@ class LmEdges(CorruptedPairsMethod):
     def finish(self, out: Path) -> None:
         """The run's edge scores in the graph file the EAP-IG code and the MIB circuit track read (export.py)."""
         edges = getattr(self, "tables", {}).get("lm_edges")
-        if edges is not None:
+        if edges is not None and self.slots is not None:
+            log.info("lm_edges: per-position edges are not exported to the EAP-IG graph file (it has no positions)")
+        elif edges is not None:
             names = ("edge", "upstream", "downstream", "input", "downstream_layer", "downstream_head", "score")
             frame = pd.DataFrame({k: edges[k] for k in names})
             layout = self.layout
@@ -150,9 +165,13 @@ class LmEdges(CorruptedPairsMethod):
             gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
         metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits[0], batch.sample_ids)
         deltas = writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask)  # (writers, B, T, D)
+        positions = self._positions(batch.sample_ids, mask)
         if gradients is None:
             run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
-            per_edge = self._exact(model, run, self.edge_index.tolist(), deltas)
+            per_edge = self._exact(model, run, range(len(self.columns["edge"])), deltas, positions)
+        elif positions is not None:
+            per_edge = unit_scores(deltas, gradients, self.edge_index.to(deltas.device), positions, self.per_edge)
+            del gradients
         else:
             per_edge = edge_scores(deltas, gradients, self.graph.edges)[self.edge_index[:, 0], self.edge_index[:, 1]]
             del gradients
@@ -305,16 +324,19 @@ class LmEdges(CorruptedPairsMethod):
         splits = [self.parts.get(s, DISCOVERY) for s in batch.sample_ids]
         if self.run.sizes:
             ablated = runs.kept if self.p.ablation is EdgeAblation.corrupted else self.run.means_like(runs.clean_sites)
-            tables["lm_circuit"] = self._circuit(model, runs.clean_ids, runs.mask, ablated, runs.metrics, splits)
+            positions = self._positions(batch.sample_ids, runs.mask)
+            tables["lm_circuit"] = self._circuit(model, runs.clean_ids, runs.mask, ablated, runs.metrics, splits,
+                                                 positions)  # fmt: skip
         predicted = runs.clean_logits.argmax(dim=1)
         index = [i for i, part in enumerate(splits) if part == DISCOVERY]
         if len(self.run.checked) and index:
+            discovery = _pairs_of(batch, index)
             if len(index) < len(splits):  # the held-out pairs have no estimate to check: not patched
-                runs = self._runs(model, _pairs_of(batch, index))
+                runs = self._runs(model, discovery)
             deltas = writes(self.graph, self.hooks.head_writes, runs.clean_sites, runs.kept, runs.mask)
             receiving = _Receiving(runs.corrupted.ids, runs.corrupted.edit, runs.mask, runs.kept, runs.metrics)
-            edges = self.edge_index[torch.as_tensor(self.run.checked)].tolist()
-            exact = self._exact(model, receiving, edges, deltas).float().cpu()  # (checked, discovery pairs)
+            positions = self._positions(discovery.sample_ids, runs.mask)
+            exact = self._exact(model, receiving, self.run.checked, deltas, positions).float().cpu()  # (checked, pairs)
             tables["lm_edge_exact"] = self._exact_rows(exact, runs.metrics, index, [batch.sample_ids[i] for i in index])
         self.hooks.clear()
         return BatchOutput(predicted=predicted, tables=tables)
@@ -348,14 +370,22 @@ class LmEdges(CorruptedPairsMethod):
         return score(self.target, measured, m.answers.repeat(v, 1), m.distractors.repeat(v, 1),
                      m.clean_logits.repeat(v, 1)).view(v, b)  # fmt: skip
 
-    def _exact(self, model: nn.Module, run: _Receiving, edges: list[list[int]], deltas: torch.Tensor) -> torch.Tensor:
-        """(len(edges), B) each edge's exact effect: the corrupted run with the edge's reader reading + the writer's
-        clean - corrupted write, minus the corrupted run's metric."""
+    def _exact(
+        self, model: nn.Module, run: _Receiving, units: Sequence[int], deltas: torch.Tensor,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """(len(units), B) each unit's exact effect: the corrupted run with the edge's reader reading + the writer's
+        clean - corrupted write (per-position edges: at the unit's slot's positions, `positions` (B, T) the slots),
+        minus the corrupted run's metric."""
         step = self._variants(run.ids.shape[0], Patched.COPIES)
         out = []
-        for i in range(0, len(edges), step):
-            within_batch(0.5 + 0.3 * i / len(edges), f"lm_edges: exact edges {i}/{len(edges)}")
-            patched = Patched([tuple(e) for e in edges[i : i + step]], deltas, self.graph)
+        for i in range(0, len(units), step):
+            within_batch(0.5 + 0.3 * i / len(units), f"lm_edges: exact edges {i}/{len(units)}")
+            chosen = torch.as_tensor(list(units[i : i + step]), dtype=torch.long)
+            edges = [tuple(e) for e in self.edge_index[chosen // self.per_edge].tolist()]
+            where = None if positions is None else positions[None] == (chosen % self.per_edge)[:, None, None].to(
+                positions.device)  # fmt: skip  # (V, B, T)
+            patched = Patched(edges, deltas, self.graph, where)
             out.append(self._intervened(model, patched, run) - run.metrics.corrupted[None].to(deltas.device))
         return torch.cat(out)
 
@@ -390,13 +420,14 @@ class LmEdges(CorruptedPairsMethod):
 
     def _circuit(
         self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
-        metrics: PairMetrics, splits: list[str],
+        metrics: PairMetrics, splits: list[str], positions: torch.Tensor | None,
     ) -> Columns:  # fmt: skip
         """Per (size, pair): the clean run with every edge outside the run's circuit of that size given the value of
         its writer in `ablated` (the corrupted run's views, or the discovery pairs' means), its metric, and the
-        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge."""
+        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge. Per-position edges: circuits
+        of units, `positions` (B, T) each position's slot."""
         assert self.run is not None
-        sizes, total = self.run.sizes, len(self.edge_index)
+        sizes, total = self.run.sizes, len(self.columns["edge"])
         b, n = clean_ids.shape[0], len(sizes)
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
         # Circuits whose metric is known without a forward: every edge kept is the clean run, none kept (every edge
@@ -413,7 +444,7 @@ class LmEdges(CorruptedPairsMethod):
             within_batch(0.2 + 0.6 * at / len(rows), f"lm_edges: circuits {at}/{len(rows)}")
             chosen = rows[at : at + step]
             masks = self.run.circuit_masks(chosen).to(device)
-            measured = self._intervened(model, self.hooks.circuit(masks), run).float().cpu()  # (len(chosen), B)
+            measured = self._intervened(model, self.hooks.circuit(masks, positions), run).float().cpu()  # (chosen, B)
             found.update(zip(chosen, measured, strict=True))
         measured = torch.stack([known[s] if s in known else found[i] for i, s in enumerate(sizes)])  # (sizes, B)
         empty = measured[sizes.index(0)]  # (B,) m(empty), measured: sizes always hold 0
@@ -448,7 +479,8 @@ class LmEdges(CorruptedPairsMethod):
         edges = np.repeat(np.asarray(run.checked), pairs)
         pair = np.tile(np.arange(pairs), checked)
         out: Columns = {"sample_index": [index[i] for i in pair]}
-        out.update({key: [self.columns[key][e] for e in edges] for key in ("edge", "upstream", "downstream", "input")})
+        keys = ("edge", "upstream", "downstream", "input", *(("slot",) if self.slots is not None else ()))
+        out.update({key: [self.columns[key][e] for e in edges] for key in keys})
         out.update({
             "chosen": np.repeat(run.chosen, pairs).tolist(), "rank": run.rank[edges],
             "estimate": [run.estimate(ids[i], e) for e, i in zip(edges.tolist(), pair.tolist(), strict=True)],
@@ -507,6 +539,18 @@ def _toward(
     scale = torch.ones(b, t, 1, device=clean.device) if edit is None else edit.scale.to(clean.device)
     shift = torch.zeros_like(clean) if edit is None else edit.shift.to(clean.device, clean.dtype)
     return EmbeddingEdit(scale * (1 - alpha), shift * (1 - alpha) + clean * alpha)
+
+
+def _check_sizes(circuit: list[int], total: int, has: str) -> None:
+    """Refused: a circuit size (method.edges.circuit) larger than the run's `total` edges (or units); `has` says
+    what the run has."""
+    larger = [n for n in circuit if n > total]
+    if larger:
+        raise RunnerError(
+            f"method.edges.circuit={list(circuit)}: {has}, so a circuit of"
+            f" {', '.join(map(str, larger))} cannot be chosen. Give sizes up to {total}, or fractions"
+            " (method.edges.fractions)."
+        )
 
 
 def path_masks(p: LmEdgesConfig, graph: EdgeGraph) -> torch.Tensor:

@@ -36,6 +36,8 @@ EDGE_FIELDS = [
     pa.field("downstream_layer", pa.int64()),  # null for logits
     pa.field("downstream_head", pa.int64()),  # the head (q), the key-value head (k, v); null otherwise
 ]
+# method.edges.per_position: the unit's position slot (positions.py), its `edge` then edge@slot (a3.h1->a7.h2<q>@S2)
+SLOT_FIELD = optional("slot", pa.string(), "method.edges.per_position=true")
 PAIR_FLAGS = [
     pa.field("degenerate", pa.bool_()),  # as in lm_patching: a pair whose restoration is undefined
     pa.field("small_span", pa.bool_()),  # |clean - corrupted| below method.edges.min_span
@@ -45,6 +47,7 @@ LM_EDGES_SCHEMA = declare(
     "lm_edges",
     [
         *EDGE_FIELDS,
+        SLOT_FIELD,
         pa.field("mode", pa.string()),  # the estimator: eap | eap_ig | ... | exact
         pa.field("steps", pa.int64()),  # the gradient's runs (eap: 1)
         pa.field("metric", pa.string()),  # the run's target
@@ -95,6 +98,7 @@ LM_EDGE_PAIRS_SCHEMA = declare(
     "lm_edge_pairs",
     [
         *EDGE_FIELDS,
+        SLOT_FIELD,
         pa.field("mode", pa.string()),
         pa.field("metric", pa.string()),
         pa.field("score", pa.float32()),  # the edge's score for the pair
@@ -132,6 +136,7 @@ LM_EDGE_EXACT_SCHEMA = declare(
     "lm_edge_exact",
     [
         *EDGE_FIELDS[:4],
+        SLOT_FIELD,
         pa.field("chosen", pa.string()),  # top (the run's top_k) | random (as many others, drawn with the seed)
         pa.field("rank", pa.int64()),
         pa.field("mode", pa.string()),
@@ -201,6 +206,7 @@ LM_CIRCUIT_STABILITY_SCHEMA = declare(
     [
         pa.field("edges", pa.int64()),  # the circuit's size
         *EDGE_FIELDS[:4],
+        SLOT_FIELD,
         pa.field("rank", pa.int64()),  # the edge's rank in the run
         pa.field("in_circuit", pa.bool_()),  # in the run's circuit of this size
         pa.field("inclusion", pa.float32()),  # the fraction of resamples whose circuit of this size holds it
@@ -249,6 +255,19 @@ def typed(table: str, columns: Columns) -> Columns:
     for field in schema:
         if field.name in out and field.type == pa.float32() and not isinstance(out[field.name], torch.Tensor):
             out[field.name] = np.asarray(out[field.name], dtype=np.float32)
+    return out
+
+
+def unit_columns(graph: EdgeGraph, index: Any, slots: list[str] | None) -> dict[str, list[Any]]:
+    """The identifier columns of the edges `index` (E, 2), or with `slots` (per-position edges) of their units, edge
+    by edge and each edge's slots in order: `edge` named edge@slot, and the column `slot`."""
+    edges = edge_columns(graph, index)
+    if slots is None:
+        return edges
+    n = len(slots)
+    out = {key: [v for v in values for _ in range(n)] for key, values in edges.items()}
+    out["edge"] = [f"{edge}@{slot}" for edge in edges["edge"] for slot in slots]
+    out["slot"] = list(slots) * len(edges["edge"])
     return out
 
 

@@ -53,22 +53,25 @@ class RunScores:
     checked: list[int] = field(init=False)  # edges patched exactly in the evaluation
     chosen: list[str] = field(init=False)  # per checked edge: top | random
     stability: Stability | None = field(init=False, default=None)
+    slots: int = 1  # per-position edges: position slots per edge (a unit is (edge, slot), edge-major); else 1
 
     @classmethod
     def read(
-        cls, read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig, graph: EdgeGraph, edge_index: torch.Tensor
-    ) -> RunScores:
+        cls, read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig, graph: EdgeGraph, edge_index: torch.Tensor,
+        slots: int = 1,
+    ) -> RunScores:  # fmt: skip
         frame = read("lm_edge_pair_scores")
         if frame is None or frame.empty:
             raise RunnerError("lm_edges: no discovery pair was scored, so no circuit can be chosen.")
         frame = frame.sort_values("sample", kind="stable").reset_index(drop=True)
-        scores = np.stack([np.asarray(s, dtype=np.float32) for s in frame["scores"]])  # (N, E)
-        if scores.shape[1] != len(edge_index):
+        scores = np.stack([np.asarray(s, dtype=np.float32) for s in frame["scores"]])  # (N, units)
+        if scores.shape[1] != len(edge_index) * slots:
             raise RunnerError(
-                f"lm_edges: the scores kept in this directory have {scores.shape[1]} edges a pair, this model's graph"
-                f" {len(edge_index)}: they are another model's. Use a new output directory."
+                f"lm_edges: the scores kept in this directory have {scores.shape[1]} units a pair, this run"
+                f" {len(edge_index) * slots} ({len(edge_index)} edges x {slots} position slots): they are another"
+                " model's or another setting's. Use a new output directory."
             )
-        return cls(p, graph, edge_index, list(frame["sample_id"]), scores, ~_flagged(frame), frame)
+        return cls(p, graph, edge_index, list(frame["sample_id"]), scores, ~_flagged(frame), frame, slots=slots)
 
     def __post_init__(self) -> None:
         rows = self.scores[self.kept] if self.kept.any() else self.scores
@@ -95,13 +98,15 @@ class RunScores:
         return int(self.kept.sum())
 
     def circuit_masks(self, rows: list[int]) -> torch.Tensor:
-        """(len(rows), writers, readers) bool: the run's circuit of each size self.sizes[row]."""
+        """(len(rows), writers, readers) bool: the run's circuit of each size self.sizes[row]; per-position edges:
+        (len(rows), writers, readers, slots), its units."""
         chosen = [self.sizes[i] for i in rows]
-        masks = torch.zeros(len(chosen), *self.graph.edges.shape, dtype=torch.bool)
+        masks = torch.zeros(len(chosen), *self.graph.edges.shape, self.slots, dtype=torch.bool)
         for i, n in enumerate(chosen):
-            edges = self.edge_index[torch.as_tensor(self.order[:n], dtype=torch.long)]
-            masks[i, edges[:, 0], edges[:, 1]] = True
-        return masks
+            units = torch.as_tensor(self.order[:n], dtype=torch.long)
+            edges = self.edge_index[units // self.slots]
+            masks[i, edges[:, 0], edges[:, 1], units % self.slots] = True
+        return masks if self.p.per_position else masks[..., 0]
 
     def estimate(self, sample_id: str, edge: int) -> float:
         """A discovery pair's score of `edge` (NaN for a pair not scored)."""
@@ -243,7 +248,8 @@ def _areas(run: RunScores, curve: Columns, metric: str) -> Columns:
 
 def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, list[Any]]) -> Columns:
     """Per (size up to STABILITY_MAX_EDGES, edge in the run's circuit or in some resample's): its inclusion."""
-    rows: dict[str, list[Any]] = {k: [] for k in ("edges", "edge", "upstream", "downstream", "input", "rank",
+    slot = ("slot",) if "slot" in columns else ()
+    rows: dict[str, list[Any]] = {k: [] for k in ("edges", "edge", "upstream", "downstream", "input", *slot, "rank",
                                                   "in_circuit", "inclusion")}  # fmt: skip
     for n in run.sizes:
         if not 0 < n <= STABILITY_MAX_EDGES or n not in stability.inclusion:
@@ -253,7 +259,7 @@ def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, lis
         listed = listed[np.argsort(run.rank[listed], kind="stable")]
         for e in listed.tolist():
             rows["edges"].append(n)
-            for key in ("edge", "upstream", "downstream", "input"):
+            for key in ("edge", "upstream", "downstream", "input", *slot):
                 rows[key].append(columns[key][e])
             rows["rank"].append(int(run.rank[e]))
             rows["in_circuit"].append(bool(run.rank[e] <= n))

@@ -93,6 +93,20 @@ def edge_scores(writes: torch.Tensor, gradients: torch.Tensor, edges: torch.Tens
     return scores * edges[:, :, None].to(scores.device, scores.dtype)
 
 
+def unit_scores(
+    writes: torch.Tensor, gradients: torch.Tensor, edge_index: torch.Tensor, slots: torch.Tensor, count: int
+) -> torch.Tensor:  # fmt: skip
+    """(E x count, B) float32: each (edge, position slot) unit's score per pair, edge-major (unit e count + s): the
+    edge's score at each position where its reader reads the write (the key's position for a key or value reader),
+    summed over the pair's positions of slot s (`slots` (B, T): each position's slot, -1 at padding; positions.py).
+    Summed over the slots they are `edge_scores`, to float rounding."""
+    per = torch.einsum("wbtd,rbtd->wrbt", writes, gradients)[edge_index[:, 0], edge_index[:, 1]]  # (E, B, T)
+    where = torch.where(slots >= 0, slots, count).to(per.device)  # padding to one more slot, dropped
+    out = per.new_zeros(*per.shape[:2], count + 1)
+    out.scatter_add_(2, where[None].expand_as(per), per)
+    return out[..., :count].transpose(1, 2).reshape(-1, per.shape[1])
+
+
 def integrated(
     steps: int, run: Callable[[float], tuple[dict[str, torch.Tensor], torch.Tensor]], graph: EdgeGraph
 ) -> torch.Tensor:

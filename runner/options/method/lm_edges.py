@@ -39,6 +39,14 @@ class EdgeRanking(str, Enum):
     signed = "signed"  # ... the n of largest score (edges that work against the metric come last)
 
 
+class PositionSlots(str, Enum):
+    """How method.edges.per_position names a pair's positions (runner/methods/lm_edges/positions.py)."""
+
+    auto = "auto"  # role where every pair names a role besides `end` (data=ioi: IO, S1, S2), else index
+    role = "role"  # a role (IO, S1, S2, subject, end), the token after one (S1+1), the rest after it (after S1), start
+    index = "index"  # counted back from the last token: end, end-1, end-2, ...
+
+
 class HeldOutBy(str, Enum):
     pair = "pair"  # each pair by a seeded hash of its id
     template = "template"  # data=ioi: whole templates (the id's -t<k>), so no template is in both parts
@@ -89,6 +97,11 @@ class LmEdgesConfig:
     # Path patching (table lm_paths), on the discovery pairs: per set, the corrupted run with each receiver reading
     # + the clean - corrupted write of each of its senders (Wang et al. 2022); [] for none
     paths: list[EdgePaths] = field(default_factory=list)
+    # Score, rank and keep each edge at each position (a unit: edge x position slot, where the reader reads the write:
+    # the reader's own position for a query, an MLP and the logits, the key's position for a key or a value), not
+    # summed over positions; circuits are sets of units. `positions`: how the slots are named across pairs
+    per_position: bool = False
+    positions: PositionSlots = PositionSlots.auto
 
 
 @METHODS.option(
