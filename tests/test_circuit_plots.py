@@ -59,3 +59,22 @@ def test_a_key_value_head_sits_between_the_query_heads_that_share_it() -> None:
     assert shape.column("a4.h5<q>") == (5.0, "q", 4) and shape.column("m4") == (9.0, "", 4)
     assert Shape.of(_smollm2_edges(0).edge).heads == 9 and Shape.of(_smollm2_edges(0).edge).kv_heads == 3
     assert TOP_EDGES == 40
+
+
+def test_per_position_units_are_drawn_at_their_edges() -> None:
+    """Units (edge@slot) of one edge are drawn as one line at that edge, their scores summed; the caption names the
+    units and their slots."""
+    edges = _smollm2_edges(0)
+    slots = ["S2", "end"]
+    frame = pd.concat([edges.assign(edge=edges.edge + f"@{s}", slot=s, score=edges.score * w)
+                       for s, w in zip(slots, (0.25, 0.75), strict=True)], ignore_index=True)  # fmt: skip
+    ((caption, fig),) = lm_edges_figures(frame, None, FiguresConfig())
+    try:
+        assert f"units (edge@slot) of largest |mean eap_ig score| (token_logit_diff) of {len(frame)}" in caption
+        assert "their slots: end, S2" in caption
+        # one line per edge among the 40 largest units (an edge's end and S2 units can both be among them)
+        top = frame.assign(size=frame.score.abs()).nlargest(TOP_EDGES, "size")
+        lines = [line for line in fig.axes[0].lines if len(line.get_xdata()) == 2]
+        assert len(lines) == top.edge.str.split("@").str[0].nunique() < TOP_EDGES
+    finally:
+        pyplot().close(fig)

@@ -37,9 +37,19 @@ def lm_edges_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
         top = scored.dropna().reindex(scored.abs().sort_values(ascending=False).index).head(TOP_EDGES)
         if top.empty:
             continue
-        shape = Shape.of(part["edge"].astype(str))
+        names = part["edge"].astype(str)
+        headline = f"the {len(top)} edges of largest |mean {mode} score| ({metric}) of {len(scored)}."
+        if "slot" in part.columns and part["slot"].notna().any():  # per-position units: edge@slot
+            names = names.str.rsplit("@", n=1).str[0]
+            slots = ", ".join(dict.fromkeys(top.index.str.rsplit("@", n=1).str[1]))
+            drawn = top.groupby(top.index.str.rsplit("@", n=1).str[0], sort=False).sum()
+            headline = (f"the {len(top)} per-position units (edge@slot) of largest |mean {mode} score| ({metric}) of"
+                        f" {len(scored)}, drawn at their {len(drawn)} edges (the units of one edge summed); their"
+                        f" slots: {slots}.")  # fmt: skip
+            top = drawn
+        shape = Shape.of(names)
         out.append((
-            f"The circuit: the {len(top)} edges of largest |mean {mode} score| ({metric}) of {len(scored)}. Rows are"
+            f"The circuit: {headline} Rows are"
             " the layers the edges touch (the embeddings at the bottom, the logits at the top), columns the heads and,"
             " on the right, the MLP; a key or value edge ends at its key-value head's marker (between the query heads"
             " that share it). Width: |score|; red: positive (moving the edge toward its clean value raises the"
