@@ -11,7 +11,7 @@ from torch import nn
 from runner.errors import RunnerError
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int | None:
     """Free memory on the device (CUDA: the driver's figure; CPU: MemAvailable), or None when unknown."""
     try:
         if device.type == "cuda":
@@ -33,7 +33,7 @@ def check_input(model: nn.Module, sample: torch.Tensor, batch_size: int, device:
     Runs one forward of one sample (no hooks are registered yet, no gradients).
     """
     batch_bytes = batch_size * sample.numel() * 4  # float32 inputs alone; activations need more
-    free = _available_bytes(device)
+    free = available_bytes(device)
     if free is not None and batch_bytes > free:
         raise RunnerError(
             f"One batch of inputs ({batch_size} x {list(sample.shape)}) is {batch_bytes / 1e9:.1f} GB, more than the"

@@ -31,8 +31,9 @@ Where this differs from their code:
 
 A batch's runs are stacked in the rows of traced forwards, RUN_ROWS rows at most (one run at least), run j's pairs at
 rows j B .. (j + 1) B - 1: runs and pairs are independent, so one backward of the metrics' sum gives every run's
-gradients, summed over the runs site by site as they come (scores.reader_gradients). Memory grows with a forward's
-rows, not with the runs; the forwards with the runs / (RUN_ROWS // B).
+gradients, summed over the runs site by site as they come and handed to the edge scores a chunk of layers at a time
+(scores.reader_gradients, ScoreSum). Memory grows with a forward's rows, not with the runs; the forwards with the
+runs / (RUN_ROWS // B).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from runner.hooks.sites import SiteHooks
 from runner.methods.lm.base import forward_last
 from runner.methods.lm.corruptions import Corrupted, Corruption, EmbeddingEdit
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.scores import reader_gradients
+from runner.methods.lm_edges.scores import Sink, reader_gradients
 from runner.options.method.lm_edges import EdgeMode
 from runner.progress import within_batch
 
@@ -66,18 +67,12 @@ class Run:
 
 
 @dataclass
-class Estimate:
-    """The readers' gradients (readers, B, T, D), and the corrupted run's views and last logits (B, V)."""
-
-    gradients: torch.Tensor
-    corrupted_views: dict[str, torch.Tensor]
-    corrupted_logits: torch.Tensor
-
-
-@dataclass
 class Runs:
     """What a batch's runs need of the method: the model, its site hooks (on the graph's sites), the embedding edit's
-    hook, the autocast, the graph, the prompts' mask (B, T), the metric of a run's last logits (B, V) -> (B,)."""
+    hook, the autocast, the graph, the prompts' mask (B, T), the metric of a run's last logits (B, V) -> (B,), where
+    the readers' gradients go (scores.reader_gradients' sink, `chunk_bytes` at a time), and where the corrupted run's
+    views and last logits (B, V) go as soon as they are made (`kept`, `kept_logits`: before any gradient reaches the
+    sink, which reads them)."""
 
     model: nn.Module
     hooks: SiteHooks
@@ -86,34 +81,32 @@ class Runs:
     graph: EdgeGraph
     mask: torch.Tensor
     metric: Callable[[torch.Tensor], torch.Tensor]
+    sink: Sink
+    kept: dict[str, torch.Tensor]
+    kept_logits: list[torch.Tensor]
+    chunk_bytes: int | None = None
 
     def views(self, run: Run) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """`run` without gradients: its sites' views and its last logits (B, V)."""
         return self._forward([run], grad=False)
 
-    def gradients(self, run: Callable[[int], Run], count: int, keep: int | None = None) -> Estimate:
-        """The sum over the runs `run(0)` .. `run(count - 1)` of the readers' gradients (readers, B, T, D), the runs
-        stacked RUN_ROWS rows a forward (each made when its forward comes); with `keep`, that run's views and logits
-        (else empty)."""
+    def gradients(self, run: Callable[[int], Run], count: int, keep: int | None = None) -> None:
+        """The readers' gradients of the runs `run(0)` .. `run(count - 1)` into the sink (their sum), the runs stacked
+        RUN_ROWS rows a forward (each made when its forward comes); with `keep`, that run's views and logits go to
+        `kept` and `kept_logits` first."""
         pairs = self.mask.shape[0]
         step = max(1, RUN_ROWS // pairs)
-        total: torch.Tensor | None = None
-        kept: dict[str, torch.Tensor] = {}
-        kept_logits = torch.empty(0)
         for start in range(0, count, step):
             within_batch(0.5 * start / count, f"lm_edges: gradient runs {start}/{count}")
             chunk = [run(j) for j in range(start, min(start + step, count))]
             views, logits = self._forward(chunk, grad=True)
             if keep is not None and start <= keep < start + len(chunk):
                 rows = slice((keep - start) * pairs, (keep - start + 1) * pairs)
-                kept = {name: view[rows].detach().clone() for name, view in views.items()}
-                kept_logits = logits[rows].detach().clone()
+                self.kept.update({name: view[rows].detach().clone() for name, view in views.items()})
+                self.kept_logits.append(logits[rows].detach().clone())
             metric = torch.cat([self.metric(part) for part in logits.split(pairs)])  # (runs x B,)
-            found = reader_gradients(self.graph, views, metric, runs=len(chunk))
+            reader_gradients(self.graph, views, metric, self.sink, runs=len(chunk), chunk_bytes=self.chunk_bytes)
             del views, logits, metric
-            total = found if total is None else total + found
-        assert total is not None
-        return Estimate(total, kept, kept_logits)
 
     def _forward(self, chunk: list[Run], grad: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The runs `chunk` stacked in one forward (kept, traced where `grad`): its views and last logits."""
@@ -146,20 +139,22 @@ def _stacked(edits: list[EmbeddingEdit | None]) -> EmbeddingEdit | None:
     return EmbeddingEdit(torch.cat([e.scale for e in chosen]), torch.cat([e.shift for e in chosen]))
 
 
-def clean_corrupted(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> Estimate:
-    """The mean of the readers' gradients at the corrupted and at the clean run (`clean`: the clean prompts' ids);
-    `steps` unread."""
+def clean_corrupted(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> int:
+    """The readers' gradients at the corrupted and at the clean run (`clean`: the clean prompts' ids) into the sink;
+    their mean is the sum / the runs returned. `steps` unread."""
     both = [Run(corrupted.ids, corrupted.edit), Run(clean)]
-    estimate = runs.gradients(both.__getitem__, len(both), keep=0)
-    estimate.gradients /= len(both)
-    return estimate
+    runs.gradients(both.__getitem__, len(both), keep=0)
+    return len(both)
 
 
-def ig_activations(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> Estimate:
-    """The mean of the readers' gradients over the runs of the clean prompt with one writer group's output at
-    a = k / steps of the way from its corrupted to its clean value, k = 1 .. steps (module docstring)."""
+def ig_activations(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> int:
+    """The readers' gradients of the runs of the clean prompt with one writer group's output at a = k / steps of the
+    way from its corrupted to its clean value, k = 1 .. steps (module docstring), into the sink; their mean is the
+    sum / the runs returned."""
     clean_views, _ = runs.views(Run(clean))
     corrupted_views, corrupted_logits = runs.views(Run(corrupted.ids, corrupted.edit))
+    runs.kept.update(corrupted_views)
+    runs.kept_logits.append(corrupted_logits)
     groups = runs.graph.writer_sites()  # the embeddings, then per layer its attention and its MLP
 
     def run(j: int) -> Run:
@@ -168,12 +163,11 @@ def ig_activations(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps:
         return Run(clean, None, {group: value})
 
     count = len(groups) * steps
-    estimate = runs.gradients(run, count)
-    estimate.gradients /= count
-    return Estimate(estimate.gradients, corrupted_views, corrupted_logits)
+    runs.gradients(run, count)
+    return count
 
 
-ESTIMATORS: dict[EdgeMode, Callable[[Runs, torch.Tensor, Corrupted, int], Estimate]] = {
+ESTIMATORS: dict[EdgeMode, Callable[[Runs, torch.Tensor, Corrupted, int], int]] = {
     EdgeMode.clean_corrupted: clean_corrupted,
     EdgeMode.eap_ig_activations: ig_activations,
 }

@@ -40,8 +40,9 @@ from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.positions import Slots, pair_roles
 from runner.methods.lm_edges.rows import typed, unit_columns
 from runner.methods.lm_edges.run_scores import RunScores, final_tables
-from runner.methods.lm_edges.scores import edge_scores, integrated, unit_scores, writes
+from runner.methods.lm_edges.scores import ScoreSum, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
+from runner.models.check import available_bytes
 from runner.models.lm_sites import LanguageModelLayout, layout_of
 from runner.options.method.lm_edges import EdgeAblation, EdgeMode, EdgePaths, LmEdgesConfig, LmEdgesMethodConfig
 from runner.progress import within_batch
@@ -157,24 +158,24 @@ class LmEdges(CorruptedPairsMethod):
         clean_ids, mask = prompts.clean, prompts.mask
         kept: dict[str, torch.Tensor] = {}  # the corrupted run's views
         corrupted_logits: list[torch.Tensor] = []
+        positions = self._positions(batch.sample_ids, mask)
+        # every edge's score summed as the readers' gradients come, a chunk of layers at a time
+        scores = ScoreSum(lambda: writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask),
+                          len(self.graph.readers), positions, self.per_edge)  # fmt: skip
+        runs = 0
         if self.p.mode is EdgeMode.exact:
             kept, logits = self._corrupted_run(model, corrupted, mask)
             corrupted_logits.append(logits)
-            gradients = None
         else:
-            gradients = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits)
+            runs = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits, scores)
         metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits[0], batch.sample_ids)
-        deltas = writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask)  # (writers, B, T, D)
-        positions = self._positions(batch.sample_ids, mask)
-        if gradients is None:
+        deltas = scores.writes  # (writers, B, T, D)
+        if not runs:
             run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
             per_edge = self._exact(model, run, range(len(self.columns["edge"])), deltas, positions)
-        elif positions is not None:
-            per_edge = unit_scores(deltas, gradients, self.edge_index.to(deltas.device), positions, self.per_edge)
-            del gradients
         else:
-            per_edge = edge_scores(deltas, gradients, self.graph.edges)[self.edge_index[:, 0], self.edge_index[:, 1]]
-            del gradients
+            per_edge = scores.per_edge(self.edge_index.to(deltas.device), 1.0 / runs)
+        del scores
         per_edge = per_edge.float().cpu()  # (E, B)
         tables = {"lm_edge_pair_scores": self._pair_scores(per_edge, metrics, index, clean_sites, mask)}
         if len(self.path_masks):
@@ -269,18 +270,17 @@ class LmEdges(CorruptedPairsMethod):
 
     def _gradients(
         self, model: nn.Module, prompts: Any, corrupted: Any, clean_ids: torch.Tensor, clean_logits: torch.Tensor,
-        kept: dict[str, torch.Tensor], corrupted_logits: list[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
-        """(readers, B, T, D) the readers' gradients (eap: at the corrupted run; eap_ig: averaged over `steps` runs;
-        clean_corrupted, eap_ig_activations: estimators.py); the corrupted run's views and logits go to `kept` and
-        `corrupted_logits`."""
+        kept: dict[str, torch.Tensor], corrupted_logits: list[torch.Tensor], scores: ScoreSum,
+    ) -> int:  # fmt: skip
+        """The readers' gradients into `scores` (eap: at the corrupted run; eap_ig: of `steps` runs;
+        clean_corrupted, eap_ig_activations: estimators.py), and how many runs they sum (the scores are their mean);
+        the corrupted run's views and logits go to `kept` and `corrupted_logits` before any gradient does."""
+        chunk = self._chunk_bytes(prompts.mask)
         if self.p.mode in ESTIMATORS:
             runs = Runs(model, self.hooks, self.corruption, self.runtime.autocast, self.graph, prompts.mask,
-                        lambda logits: score(self.target, logits, prompts.answers, prompts.distractors, clean_logits))  # fmt: skip
-            estimate = ESTIMATORS[self.p.mode](runs, clean_ids, corrupted, self.p.steps)
-            kept.update(estimate.corrupted_views)
-            corrupted_logits.append(estimate.corrupted_logits)
-            return estimate.gradients
+                        lambda logits: score(self.target, logits, prompts.answers, prompts.distractors, clean_logits),
+                        scores.add, kept, corrupted_logits, chunk)  # fmt: skip
+            return ESTIMATORS[self.p.mode](runs, clean_ids, corrupted, self.p.steps)
         with torch.no_grad():
             # the embedding outputs the interpolation runs between (the edit hook sits on this module)
             clean_embedding = self.embed(clean_ids)
@@ -301,7 +301,16 @@ class LmEdges(CorruptedPairsMethod):
                 corrupted_logits.append(logits.detach())
             return views, score(self.target, logits, prompts.answers, prompts.distractors, clean_logits)
 
-        return integrated(self.steps, run, self.graph)
+        integrated(self.steps, run, self.graph, scores.add, chunk)
+        return self.steps
+
+    def _chunk_bytes(self, mask: torch.Tensor) -> int | None:
+        """The readers' gradients held at once (bytes): method.edges.gradient_memory GiB, else a quarter of the
+        device's free memory (at least one layer's readers are held; None: unknown, every layer at once)."""
+        if self.p.gradient_memory is not None:
+            return int(self.p.gradient_memory * 2**30)
+        free = available_bytes(mask.device)
+        return None if free is None else free // 4
 
     @property
     def steps(self) -> int:

@@ -45,29 +45,97 @@ def writes(
     return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
 
 
+Sink = Callable[[int, torch.Tensor], None]  # (the first reader's index, the gradients of a run of readers)
+
+
 def reader_gradients(
-    graph: EdgeGraph, views: dict[str, torch.Tensor], metric: torch.Tensor, runs: int = 1
-) -> torch.Tensor:  # fmt: skip
-    """(readers, B, T, D) float32: dM/d(each reader's input), from the traced run's `views` (site name -> the tensor
-    the forward read, in the autograd graph) and its metric (B,) (pairs are independent: one backward of the sum);
-    `runs` runs stacked in the forward's rows (run j's B pairs at rows j B .. (j + 1) B - 1): the sum of their
-    gradients, summed one reader site at a time."""
+    graph: EdgeGraph, views: dict[str, torch.Tensor], metric: torch.Tensor, sink: Sink, runs: int = 1,
+    chunk_bytes: int | None = None,
+) -> None:  # fmt: skip
+    """dM/d(each reader's input), float32, handed to `sink` a run of readers at a time in reader order: (first reader,
+    (n, B, T, D)). From the traced run's `views` (site name -> the tensor the forward read, in the autograd graph) and
+    its metric (B,) (pairs are independent: one backward of the sum); `runs` runs stacked in the forward's rows (run j's
+    B pairs at rows j B .. (j + 1) B - 1): the sum of their gradients, summed one reader site at a time. Whole layers'
+    readers go to the sink together up to `chunk_bytes` of gradients (at least one layer; None: every layer at once),
+    so the readers' gradients (readers, B, T, D) are never held whole."""
     last = graph.layers - 1
     outputs = [f"{kind}.{layer}" for layer in range(graph.layers) for kind in ("q", "k", "v", "mlp_out")]
     outputs.append(f"resid_post.{last}")
     found = torch.autograd.grad(metric.sum(), [views[n] for n in outputs], retain_graph=True, allow_unused=True)
     grads = {n: torch.zeros_like(views[n]) if g is None else g for n, g in zip(outputs, found, strict=True)}
+    del found
     parts: list[torch.Tensor] = []
+    first = held = 0
+
+    def flush() -> None:
+        nonlocal first, held, parts
+        if parts:
+            block = torch.cat(parts)
+            parts, held = [], 0
+            sink(first, block)
+            first += block.shape[0]
+
     for layer in range(graph.layers):
         stream = views[f"resid_pre.{layer}"]
+        mine = []
         for kind in ("q", "k", "v"):
-            site, grad = views[f"{kind}.{layer}"], grads[f"{kind}.{layer}"]  # (B, T, H, d)
-            parts.append(_per_pair(_vjp(site, stream, each_head_alone(grad), batched=True), runs))  # (H, B, T, D)
+            site, grad = views[f"{kind}.{layer}"], grads.pop(f"{kind}.{layer}")  # (B, T, H, d)
+            mine.append(_per_pair(_vjp(site, stream, each_head_alone(grad), batched=True), runs))  # (H, B, T, D)
         mlp_in = stream if graph.parallel else views[f"resid_mid.{layer}"]
-        mlp = _vjp(views[f"mlp_out.{layer}"], mlp_in, grads[f"mlp_out.{layer}"], batched=False)
-        parts.append(_per_pair(mlp[None], runs))
-    parts.append(_per_pair(grads[f"resid_post.{last}"].float()[None], runs))
-    return torch.cat(parts)
+        mlp = _vjp(views[f"mlp_out.{layer}"], mlp_in, grads.pop(f"mlp_out.{layer}"), batched=False)
+        mine.append(_per_pair(mlp[None], runs))
+        size = sum(p.numel() * p.element_size() for p in mine)
+        if chunk_bytes is not None and held + size > chunk_bytes:  # the layers held so far first (at least one)
+            flush()
+        parts += mine
+        held += size
+    flush()
+    sink(first, _per_pair(grads[f"resid_post.{last}"].float()[None], runs))
+
+
+class ScoreSum:
+    """Every edge's score summed one run of readers at a time: total[w, r] += write_w . g_r over the chunks the
+    gradient runs hand over (`add`, a sink of reader_gradients), so that only a chunk of the readers' gradients is
+    held. `writes_of()` gives the writes (writers, B, T, D); it is called at the first chunk (by then the corrupted
+    run's views are kept). Per-position edges: `positions` (B, T) each position's slot (-1: padding), `count` slots;
+    the total is then per slot (writers, readers, B, slots)."""
+
+    def __init__(
+        self, writes_of: Callable[[], torch.Tensor], readers: int, positions: torch.Tensor | None = None,
+        count: int = 1,
+    ) -> None:  # fmt: skip
+        self.writes_of, self.readers, self.positions, self.count = writes_of, readers, positions, count
+        self._writes: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+
+    @property
+    def writes(self) -> torch.Tensor:
+        if self._writes is None:
+            self._writes = self.writes_of()
+        return self._writes
+
+    def add(self, first: int, gradients: torch.Tensor) -> None:
+        """Readers first .. first + n - 1's gradients (n, B, T, D)."""
+        w = self.writes
+        if self.total is None:
+            slots = () if self.positions is None else (self.count,)
+            self.total = w.new_zeros(w.shape[0], self.readers, w.shape[1], *slots)
+        readers = slice(first, first + gradients.shape[0])
+        if self.positions is None:
+            self.total[:, readers] += torch.einsum("wbtd,rbtd->wrb", w, gradients)
+            return
+        per = torch.einsum("wbtd,rbtd->wrbt", w, gradients)  # (W, n, B, T)
+        where = torch.where(self.positions >= 0, self.positions, self.count).to(per.device)  # padding: one more slot
+        slotted = per.new_zeros(*per.shape[:3], self.count + 1)
+        slotted.scatter_add_(3, where[None, None].expand_as(per), per)
+        self.total[:, readers] += slotted[..., : self.count]
+
+    def per_edge(self, edge_index: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """(E, B) each edge's score per pair, or per-position (E x count, B), edge-major (unit e count + s); times
+        `scale` (1 / the runs averaged)."""
+        assert self.total is not None, "no gradient was added"
+        picked = self.total[edge_index[:, 0], edge_index[:, 1]] * scale  # (E, B[, S])
+        return picked if self.positions is None else picked.transpose(1, 2).reshape(-1, picked.shape[1])
 
 
 def _per_pair(x: torch.Tensor, runs: int) -> torch.Tensor:
@@ -87,37 +155,14 @@ def _vjp(output: torch.Tensor, stream: torch.Tensor, cotangent: torch.Tensor, ba
     return found.float()
 
 
-def edge_scores(writes: torch.Tensor, gradients: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """(writers, readers, B) float32: each edge's score per pair (0 where (w, r) is not an edge)."""
-    scores = torch.einsum("wbtd,rbtd->wrb", writes, gradients)
-    return scores * edges[:, :, None].to(scores.device, scores.dtype)
-
-
-def unit_scores(
-    writes: torch.Tensor, gradients: torch.Tensor, edge_index: torch.Tensor, slots: torch.Tensor, count: int
-) -> torch.Tensor:  # fmt: skip
-    """(E x count, B) float32: each (edge, position slot) unit's score per pair, edge-major (unit e count + s): the
-    edge's score at each position where its reader reads the write (the key's position for a key or value reader),
-    summed over the pair's positions of slot s (`slots` (B, T): each position's slot, -1 at padding; positions.py).
-    Summed over the slots they are `edge_scores`, to float rounding."""
-    per = torch.einsum("wbtd,rbtd->wrbt", writes, gradients)[edge_index[:, 0], edge_index[:, 1]]  # (E, B, T)
-    where = torch.where(slots >= 0, slots, count).to(per.device)  # padding to one more slot, dropped
-    out = per.new_zeros(*per.shape[:2], count + 1)
-    out.scatter_add_(2, where[None].expand_as(per), per)
-    return out[..., :count].transpose(1, 2).reshape(-1, per.shape[1])
-
-
 def integrated(
-    steps: int, run: Callable[[float], tuple[dict[str, torch.Tensor], torch.Tensor]], graph: EdgeGraph
-) -> torch.Tensor:
-    """(readers, B, T, D) the readers' gradients averaged over `steps` runs: `run(alpha)` runs the model traced with
-    its input embeddings corrupted + alpha (clean - corrupted) and gives its views and metric (B,); alpha = k/steps,
-    k = 0 .. steps-1. One run's graph at a time: memory does not grow with `steps`."""
-    total: torch.Tensor | None = None
+    steps: int, run: Callable[[float], tuple[dict[str, torch.Tensor], torch.Tensor]], graph: EdgeGraph, sink: Sink,
+    chunk_bytes: int | None = None,
+) -> None:  # fmt: skip
+    """The readers' gradients of `steps` runs into `sink` (their sum: the caller divides by `steps`): `run(alpha)`
+    runs the model traced with its input embeddings corrupted + alpha (clean - corrupted) and gives its views and
+    metric (B,); alpha = k/steps, k = 0 .. steps-1. One run's graph at a time: memory does not grow with `steps`."""
     for k in range(steps):
         views, metric = run(k / steps)
-        g = reader_gradients(graph, views, metric)
+        reader_gradients(graph, views, metric, sink, chunk_bytes=chunk_bytes)
         del views, metric
-        total = g if total is None else total + g
-    assert total is not None
-    return total / steps

@@ -102,6 +102,9 @@ class LmEdgesConfig:
     # summed over positions; circuits are sets of units. `positions`: how the slots are named across pairs
     per_position: bool = False
     positions: PositionSlots = PositionSlots.auto
+    # GiB of the readers' gradients held at once while scoring (whole layers' readers, at least one layer); null: a
+    # quarter of the device's free memory. Scores are the same for any value (to float rounding)
+    gradient_memory: Optional[float] = None  # noqa: UP045 (OmegaConf)
 
 
 @METHODS.option(
@@ -146,6 +149,11 @@ class LmEdgesMethodConfig(MethodConfig):
             )
         if e.held_out is not None and not 0 <= e.held_out < 1:
             raise RunnerError(f"method.edges.held_out={e.held_out}: the fraction of pairs held out, in [0, 1).")
+        if e.gradient_memory is not None and not e.gradient_memory > 0:
+            raise RunnerError(
+                f"method.edges.gradient_memory={e.gradient_memory}: GiB of gradients held at once, > 0 (null: a quarter"
+                " of the device's free memory)."
+            )
         if e.resamples < 0 or e.resamples == 1:
             raise RunnerError(f"method.edges.resamples={e.resamples}: bootstrap resamples, 0 (none) or >= 2.")
         for i, path in enumerate(e.paths):
