@@ -4,7 +4,8 @@ header comments, and their Python snippets that read results, run against real t
 (docs/reference/ is generated from the code and holds no commands.)
 
 A command runs in a scratch working directory (its `outputs/`, the user's files of the README's placeholders) with
-`debug=tiny` appended to every run (32 px, two samples) and its own output folder, in this process where the CLI
+`debug=tiny light=true` appended to every run (32 px, two samples; a language-model method made light as debug=light
+makes it: a real model's run checks the wiring on its real weights, not the figures) and its own output folder, in this process where the CLI
 allows (tests/conftest.py::run_cli; a subprocess costs 5-8 s). Placeholders map to files built here offline
 (`PLACEHOLDERS`, one comment each). A command that needs what this machine cannot have (weights from a hub) must
 stop with the runner's own one-line message and exit 2 (`OFFLINE`); a command with no runner code to test
@@ -385,6 +386,8 @@ class Workspace:
         """A run's arguments at tiny size, into an output folder of its own under outputs/ (two runs of one
         experiment in the same second would otherwise share a folder)."""
         extra = [] if "debug=tiny" in args else ["debug=tiny"]
+        if not any(a.startswith("light=") for a in args):  # a language-model method made light, as debug=light
+            extra.append("light=true")
         sweep = "-m" in args or "--multirun" in args
         key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
         given = next((a.split("=", 1)[1] for a in args if a.startswith(key + "=")), None)
