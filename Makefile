@@ -22,11 +22,11 @@ run: $(VENV)/.installed
 
 # The full suite (what CI runs), one pytest-xdist worker per CPU (tests/conftest.py gives each worker its share);
 # loadfile keeps each file on one worker, in order (README snippets read what earlier commands wrote) and
-# builds each module-scoped set-up once.
+# builds each module-scoped set-up once. The 25 slowest tests are listed at the end: where the suite's time goes.
 test: $(VENV)/.installed
 	$(PY) -m ruff check runner tests scripts
 	$(PY) scripts/check_imports.py
-	$(PY) -m pytest -q -n auto --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 $(ARGS)
 
 # The unit tier: no test marked slow (a process started, the CLI or a whole experiment run, over about a second);
 # a test that starts a process fails here (tests/conftest.py). Under two minutes on two cores.

@@ -61,6 +61,7 @@ def test_a_key_value_head_sits_between_the_query_heads_that_share_it() -> None:
     assert TOP_EDGES == 40
 
 
+@pytest.mark.slow
 def test_per_position_units_are_drawn_at_their_edges() -> None:
     """Units (edge@slot) of one edge are drawn as one line at that edge, their scores summed; the caption names the
     units and their slots."""

@@ -215,6 +215,7 @@ def check_index(out: Path) -> set[str]:
     return set(table.file)
 
 
+@pytest.mark.slow
 def test_the_index_names_whole_files_only_after_a_failure_and_a_resume(
     llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]

@@ -322,6 +322,7 @@ def test_pattern_refused_without_eager_attention(tiny) -> None:  # type: ignore[
     assert "pattern" in layout_of(model).available()
 
 
+@pytest.mark.slow
 def test_cli_refusals(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """From the CLI: the pattern site with sdpa attention, and resample with a pair of a length no other has; each
     one message, exit 2, no traceback. `runner layers` lists the pattern sites of an eager model, shaped
@@ -348,6 +349,7 @@ def test_cli_refusals(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_cli_resample_in_batches_of_any_size(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """From the CLI, batches of four and of three (the last one holding one pair) write the same rows: each pair
     named by its own sample_id and resampled from the same partner."""

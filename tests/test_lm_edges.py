@@ -277,7 +277,10 @@ def _perturbed_logits(
             handle.remove()
 
 
-@pytest.mark.parametrize("mode,steps", [("eap", 1), ("eap_ig", 3), ("clean_corrupted", 1), ("eap_ig_activations", 3)])
+@pytest.mark.parametrize(
+    "mode,steps",
+    [("eap", 1), ("eap_ig", 3), ("clean_corrupted", 1), pytest.param("eap_ig_activations", 3, marks=pytest.mark.slow)],
+)
 def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_model, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
     """On Llama and on the post-normed families (each head's write at its run's norm scale), every mode's every edge
     equals plain autograd on the definition."""

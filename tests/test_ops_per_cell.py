@@ -47,6 +47,7 @@ def vgg16() -> torch.nn.Module:
 LAYERS = ["features.4", "features.9", "features.16", "features.23", "features.30"]
 
 
+@pytest.mark.slow
 def test_cell_patching_costs_the_same_operations_for_4_cells_as_for_49(vgg16: torch.nn.Module) -> None:
     torch.manual_seed(1)
     x = torch.randn(1, 3, 64, 64)
@@ -65,6 +66,7 @@ def test_cell_patching_costs_the_same_operations_for_4_cells_as_for_49(vgg16: to
     assert many / len(many_rows) <= 6, f"{many / len(many_rows):.1f} operations per cell, set-up included"
 
 
+@pytest.mark.slow
 def test_channel_patching_costs_a_fixed_number_of_operations_per_chunk(vgg16: torch.nn.Module) -> None:
     torch.manual_seed(1)
     x = torch.randn(1, 3, 32, 32)

@@ -320,6 +320,7 @@ def test_a_key_of_another_target_is_refused_at_composition() -> None:
     assert make_config("target=logit_difference", "target.other=3").target.other == 3
 
 
+@pytest.mark.slow
 def test_a_segmentation_target_on_a_classifier_run_fails_in_one_line(tmp_path: Path) -> None:
     done = run_cli(*RUN, "target=segmentation_region", "target.region=[0,0,1,1]", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 2
@@ -339,6 +340,7 @@ def test_no_target_given_is_the_logit_for_an_image_method_and_the_logit_differen
         make_config(*lm, "method=lm_edges", "target=probability")
 
 
+@pytest.mark.slow
 def test_each_target_is_one_option_module_and_one_yaml() -> None:
     """What a new target takes: its module in runner/options/target/ (found by the one discovery) and its YAML
     naming its schema; the composed config holds that schema, with no list of targets anywhere else."""
