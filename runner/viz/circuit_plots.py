@@ -41,8 +41,9 @@ def lm_edges_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig
         headline = f"the {len(top)} edges of largest |mean {mode} score| ({metric}) of {len(scored)}."
         if "slot" in part.columns and part["slot"].notna().any():  # per-position units: edge@slot
             names = names.str.rsplit("@", n=1).str[0]
-            slots = ", ".join(dict.fromkeys(top.index.str.rsplit("@", n=1).str[1]))
-            drawn = top.groupby(top.index.str.rsplit("@", n=1).str[0], sort=False).sum()
+            edge_slot = top.index.str.rsplit("@", n=1)
+            slots = ", ".join(dict.fromkeys(edge_slot.str[1]))
+            drawn = top.groupby(edge_slot.str[0], sort=False).sum()
             headline = (f"the {len(top)} per-position units (edge@slot) of largest |mean {mode} score| ({metric}) of"
                         f" {len(scored)}, drawn at their {len(drawn)} edges (the units of one edge summed); their"
                         f" slots: {slots}.")  # fmt: skip

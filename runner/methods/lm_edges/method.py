@@ -38,7 +38,7 @@ from runner.methods.lm_edges.export import write_eap_ig_graph
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
 from runner.methods.lm_edges.positions import Slots, pair_roles
-from runner.methods.lm_edges.rows import typed, unit_columns
+from runner.methods.lm_edges.rows import naming_keys, typed, unit_columns
 from runner.methods.lm_edges.run_scores import RunScores, final_tables
 from runner.methods.lm_edges.scores import ScoreSum, integrated, writes
 from runner.methods.lm_edges.split import DISCOVERY, split_pairs
@@ -162,15 +162,16 @@ class LmEdges(CorruptedPairsMethod):
         # every edge's score summed as the readers' gradients come, a chunk of layers at a time
         scores = ScoreSum(lambda: writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask),
                           len(self.graph.readers), positions, self.per_edge)  # fmt: skip
-        runs = 0
-        if self.p.mode is EdgeMode.exact:
+        exact = self.p.mode is EdgeMode.exact
+        runs = 0  # the gradient runs the scores sum (exact: none)
+        if exact:
             kept, logits = self._corrupted_run(model, corrupted, mask)
             corrupted_logits.append(logits)
         else:
             runs = self._gradients(model, prompts, corrupted, clean_ids, clean_logits, kept, corrupted_logits, scores)
         metrics = self._metrics(prompts, corrupted, clean_logits, corrupted_logits[0], batch.sample_ids)
         deltas = scores.writes  # (writers, B, T, D)
-        if not runs:
+        if exact:
             run = _Receiving(corrupted.ids, corrupted.edit, mask, kept, metrics)
             per_edge = self._exact(model, run, range(len(self.columns["edge"])), deltas, positions)
         else:
@@ -488,8 +489,7 @@ class LmEdges(CorruptedPairsMethod):
         edges = np.repeat(np.asarray(run.checked), pairs)
         pair = np.tile(np.arange(pairs), checked)
         out: Columns = {"sample_index": [index[i] for i in pair]}
-        keys = ("edge", "upstream", "downstream", "input", *(("slot",) if self.slots is not None else ()))
-        out.update({key: [self.columns[key][e] for e in edges] for key in keys})
+        out.update({key: [self.columns[key][e] for e in edges] for key in naming_keys(self.columns)})
         out.update({
             "chosen": np.repeat(run.chosen, pairs).tolist(), "rank": run.rank[edges],
             "estimate": [run.estimate(ids[i], e) for e, i in zip(edges.tolist(), pair.tolist(), strict=True)],

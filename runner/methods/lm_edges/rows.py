@@ -258,6 +258,12 @@ def typed(table: str, columns: Columns) -> Columns:
     return out
 
 
+def naming_keys(columns: dict[str, list[Any]]) -> tuple[str, ...]:
+    """The columns that name an edge (or a unit, with its slot) in the tables that list checked or kept edges
+    (lm_edge_exact, lm_circuit_stability), of the identifier columns `columns` (unit_columns)."""
+    return ("edge", "upstream", "downstream", "input", *(("slot",) if "slot" in columns else ()))
+
+
 def unit_columns(graph: EdgeGraph, index: Any, slots: list[str] | None) -> dict[str, list[Any]]:
     """The identifier columns of the edges `index` (E, 2), or with `slots` (per-position edges) of their units, edge
     by edge and each edge's slots in order: `edge` named edge@slot, and the column `slot`."""

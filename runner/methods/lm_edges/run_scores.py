@@ -21,7 +21,7 @@ import torch
 from runner.errors import RunnerError
 from runner.methods.lm_edges.faithfulness import circuit_sizes, curve_areas, faithfulness, mib_size, top_edges
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.rows import STABILITY_MAX_EDGES, typed
+from runner.methods.lm_edges.rows import STABILITY_MAX_EDGES, naming_keys, typed
 from runner.methods.lm_edges.split import DISCOVERY, HELD_OUT
 from runner.methods.lm_edges.stability import Stability, bootstrap
 from runner.options.method.lm_edges import EdgeMode, EdgeRanking, LmEdgesConfig
@@ -248,9 +248,8 @@ def _areas(run: RunScores, curve: Columns, metric: str) -> Columns:
 
 def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, list[Any]]) -> Columns:
     """Per (size up to STABILITY_MAX_EDGES, edge in the run's circuit or in some resample's): its inclusion."""
-    slot = ("slot",) if "slot" in columns else ()
-    rows: dict[str, list[Any]] = {k: [] for k in ("edges", "edge", "upstream", "downstream", "input", *slot, "rank",
-                                                  "in_circuit", "inclusion")}  # fmt: skip
+    keys = naming_keys(columns)
+    rows: dict[str, list[Any]] = {k: [] for k in ("edges", *keys, "rank", "in_circuit", "inclusion")}
     for n in run.sizes:
         if not 0 < n <= STABILITY_MAX_EDGES or n not in stability.inclusion:
             continue
@@ -259,7 +258,7 @@ def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, lis
         listed = listed[np.argsort(run.rank[listed], kind="stable")]
         for e in listed.tolist():
             rows["edges"].append(n)
-            for key in ("edge", "upstream", "downstream", "input", *slot):
+            for key in keys:
                 rows[key].append(columns[key][e])
             rows["rank"].append(int(run.rank[e]))
             rows["in_circuit"].append(bool(run.rank[e] <= n))

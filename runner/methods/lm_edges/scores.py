@@ -104,7 +104,9 @@ class ScoreSum:
         self, writes_of: Callable[[], torch.Tensor], readers: int, positions: torch.Tensor | None = None,
         count: int = 1,
     ) -> None:  # fmt: skip
-        self.writes_of, self.readers, self.positions, self.count = writes_of, readers, positions, count
+        self.writes_of, self.readers, self.count = writes_of, readers, count
+        # each position's slot, padding in one more slot (dropped): made once, read by every chunk
+        self._slot_of = None if positions is None else torch.where(positions >= 0, positions, count)
         self._writes: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
 
@@ -118,16 +120,15 @@ class ScoreSum:
         """Readers first .. first + n - 1's gradients (n, B, T, D)."""
         w = self.writes
         if self.total is None:
-            slots = () if self.positions is None else (self.count,)
+            slots = () if self._slot_of is None else (self.count,)
             self.total = w.new_zeros(w.shape[0], self.readers, w.shape[1], *slots)
         readers = slice(first, first + gradients.shape[0])
-        if self.positions is None:
+        if self._slot_of is None:
             self.total[:, readers] += torch.einsum("wbtd,rbtd->wrb", w, gradients)
             return
         per = torch.einsum("wbtd,rbtd->wrbt", w, gradients)  # (W, n, B, T)
-        where = torch.where(self.positions >= 0, self.positions, self.count).to(per.device)  # padding: one more slot
         slotted = per.new_zeros(*per.shape[:3], self.count + 1)
-        slotted.scatter_add_(3, where[None, None].expand_as(per), per)
+        slotted.scatter_add_(3, self._slot_of.to(per.device)[None, None].expand_as(per), per)
         self.total[:, readers] += slotted[..., : self.count]
 
     def per_edge(self, edge_index: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -135,7 +136,7 @@ class ScoreSum:
         `scale` (1 / the runs averaged)."""
         assert self.total is not None, "no gradient was added"
         picked = self.total[edge_index[:, 0], edge_index[:, 1]] * scale  # (E, B[, S])
-        return picked if self.positions is None else picked.transpose(1, 2).reshape(-1, picked.shape[1])
+        return picked if self._slot_of is None else picked.transpose(1, 2).reshape(-1, picked.shape[1])
 
 
 def _per_pair(x: torch.Tensor, runs: int) -> torch.Tensor:
