@@ -24,6 +24,7 @@ from torch import nn
 from runner.configure import to_run_config
 from runner.options.compose import register_configs
 from runner.schema import RunConfig
+from tests.nets import SlowNet, TinyNet  # noqa: F401  (tests import them from here; subprocesses' targets from tests.nets)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
@@ -114,21 +115,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["python", "-m", "runner", *argv], returncode, out.getvalue(), err.getvalue())
 
 
-class TinyNet(nn.Module):
-    """conv -> ReLU(inplace) -> conv -> ReLU(inplace) -> pool -> linear: the in-place trap in miniature."""
-
-    def __init__(self, classes: int = 5) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(inplace=True)
-        )
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(8, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.pool(self.features(x)).flatten(1))
-
-
 class SharedActivation(nn.Module):
     """One activation module called twice per forward (as EfficientNet's `_swish`)."""
 
@@ -174,16 +160,6 @@ def tiny_vit() -> nn.Module:
     )
     nn.init.normal_(vit.heads.head.weight)
     return vit
-
-
-class SlowNet(TinyNet):
-    """TinyNet that takes a while per forward, so a test can kill a run between shards."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
-        time.sleep(0.25)
-        return super().forward(x)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from runner.hooks import count_hooks
 from runner.results import read_metadata
 from runner.schema import available_cpus
 from tests.conftest import TinyNet, make_config
+from tests.nets import ThreadsSeen  # noqa: F401  (TINY_TARGET names it here)
 from tests.test_cli import SMALL_VGG
 
 VGG_OFFLINE = ["debug=tiny", "model.weights=null", "data.limit=3"]  # 32 px, chelsea, coffee and rocket, batches of 2
@@ -175,20 +176,6 @@ def test_saved_tensors_sidecar(tmp_path: Path) -> None:
 
 
 # ---- threads: one count per run, whoever launched it ----------------------------------------------------------------
-class ThreadsSeen(TinyNet):
-    """TinyNet that appends torch's intra-op thread count at each forward to the file `log` (a file: the class may be
-    imported twice, by pytest and by the run's `_target_`, and a sweep's jobs run in other processes)."""
-
-    def __init__(self, log: str) -> None:
-        super().__init__()
-        self.log = log
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with open(self.log, "a") as f:
-            f.write(f"{torch.get_num_threads()}\n")
-        return super().forward(x)
-
-
 def threads_seen(log: Path) -> set[int]:
     return {int(line) for line in log.read_text().split()}
 

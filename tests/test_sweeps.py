@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from runner.results import load, read_metadata
 from runner.schema import available_cpus
 from tests.conftest import committed_shards
-from tests.test_run import ThreadsSeen
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "model._target_=tests.conftest.TinyNet",
+    "model._target_=tests.nets.TinyNet",
     "model.weights=null",
     "data=synthetic",
     "data.shape=[3,8,8]",
@@ -32,6 +30,7 @@ TINY = [
     "layers.include=[features.0,features.2]",
     "hooks=[]",
     "progress=false",
+    "method.pictures=false",  # a single run's default draws them (a second or more a sample): tested on their own
 ]
 
 
@@ -77,19 +76,10 @@ def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
     assert "0 to run here" in again.stderr
 
 
-class SumNet(ThreadsSeen):
-    """ThreadsSeen whose logits all carry one long float32 sum of the input (3.8 million terms): torch splits such a
-    sum by its thread count, so its rounding shows which count computed it (in `score`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = torch.stack([sample.flatten().repeat(20_000).sum() for sample in x])  # (B,)
-        return super().forward(x) + total[:, None]  # the same for every class: predictions and maps unchanged
-
-
 def test_a_joblib_worker_computes_what_a_plain_run_does(tmp_path: Path) -> None:
     """joblib's workers get one thread from their launcher; the run sets its own count (the CPUs it may use), so a sweep's job
     and a plain run of the same config write equal tables, and a resume under either launcher is consistent."""
-    args = [*TINY, "model._target_=tests.test_sweeps.SumNet", "data.count=6"]
+    args = [*TINY, "model._target_=tests.nets.SumNet", "data.count=6"]
     plain = cli(*args, f"+model.kwargs.log={tmp_path / 'plain.log'}", f"hydra.run.dir={tmp_path / 'plain'}")
     assert plain.returncode == 0, plain.stderr
     swept = cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *args, "method=gradcam,layercam",
@@ -105,7 +95,7 @@ def test_a_joblib_worker_computes_what_a_plain_run_does(tmp_path: Path) -> None:
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     slow = [
         *TINY,
-        "model._target_=tests.conftest.SlowNet",
+        "model._target_=tests.nets.SlowNet",
         "data.count=12",
         "data.batch_size=2",
         "output.shard_batches=1",
@@ -165,7 +155,7 @@ def process_group(pgid: int) -> set[int]:
     return pids
 
 
-SWEEP = [*TINY, "model._target_=tests.conftest.SlowNet", "data.count=8", "data.batch_size=2", "output.shard_batches=1",
+SWEEP = [*TINY, "model._target_=tests.nets.SlowNet", "data.count=8", "data.batch_size=2", "output.shard_batches=1",
          "method=gradcam,layercam", "seed=0,1"]  # fmt: skip
 JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
 
