@@ -40,6 +40,7 @@ from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_bat
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input, check_positions, model_layout
 from runner.options.registry import lm_method_names
+from runner.plan import check_memory
 from runner.progress import run_progress
 from runner.schema import RunConfig
 from runner.store.provenance import provenance, resume_key
@@ -183,6 +184,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
         _refuse_layer_selection(config)
         config = _lightened(config)
         _check_layout(config, runtime.target)
+        check_memory(config, device)  # a run whose planned peak exceeds the free memory: refused here
 
     bundle = build_model(config.model)
     runtime.class_names = bundle.categories  # pictures title the class explained by its name

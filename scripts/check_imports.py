@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hooks", ("runner.hooks",)),
     ("metrics", ("runner.metrics",)),
     ("methods", ("runner.methods",)),
-    ("app", ("runner.app", "runner.loop", "runner.ids", "runner.shard_stats")),
+    ("app", ("runner.app", "runner.loop", "runner.ids", "runner.shard_stats", "runner.plan")),
     ("commands", ("runner.commands", "runner.__main__")),
 ]
 

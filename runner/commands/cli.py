@@ -28,9 +28,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "layers": ("runner.commands.layers", "main", "every module of the configured model: name, type, shape, CAM use"),
     "report": ("runner.viz.report", "main", "DIR/report.html: one offline HTML page of a run or a sweep"),
+    "plan": ("runner.commands.plan", "main", "a run's edges, forwards and peak memory, before any weight loads"),
 }
 # How each subcommand's help line shows its arguments.
-SUBCOMMAND_ARGS = {"ls": "[DIR]", "layers": "[overrides]", "report": "DIR [--output FILE]"}
+SUBCOMMAND_ARGS = {"ls": "[DIR]", "layers": "[overrides]", "report": "DIR [--output FILE]",
+                   "plan": "[--free GB] [overrides]"}  # fmt: skip
 HELP_FLAGS = ("-h", "--help")
 # Hydra flags after which Hydra composes and prints (or completes) without running the task.
 PRINT_ONLY_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")

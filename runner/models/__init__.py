@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -76,6 +76,16 @@ def model_layout(cfg: ModelConfig) -> LanguageModelLayout | None:
     return model_source_of(cfg).layout(cfg)
 
 
+def model_skeleton(cfg: ModelConfig) -> nn.Module | None:
+    """The configured language model on the meta device (shapes, no memory, no weights); None for an image model."""
+    return model_source_of(cfg).skeleton(cfg)
+
+
+def model_tokenizer(cfg: ModelConfig) -> Any:
+    """The configured language model's tokenizer, its weights not loaded; None for an image model."""
+    return model_source_of(cfg).tokenizer(cfg)
+
+
 def build_model(cfg: ModelConfig) -> ModelBundle:
     """Build the configured model, load its weights, freeze it (no weight gradients are ever needed)."""
     source = model_source_of(cfg)
@@ -115,6 +125,8 @@ __all__ = [
     "load_checkpoint",
     "model_label",
     "model_layout",
+    "model_skeleton",
+    "model_tokenizer",
     "model_source_of",
     "model_sources",
 ]

@@ -102,6 +102,16 @@ class ModelSource:
         sites and layers against before the model loads); None for a source of image models."""
         return None
 
+    def skeleton(self, cfg: ModelConfig) -> nn.Module | None:
+        """A language model's modules on the meta device, from its config alone: every shape, no memory, no weights
+        read (what a memory plan measures); None for a source of image models."""
+        return None
+
+    def tokenizer(self, cfg: ModelConfig) -> Any:
+        """A language model's tokenizer alone, no weights loaded (a memory plan tokenizes the data with it); None
+        for a source of image models."""
+        return None
+
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> None:
     """Load a state dict strictly; missing, unexpected or mis-shaped keys are an error, listed by name."""

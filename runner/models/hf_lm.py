@@ -79,6 +79,33 @@ class HfLmSource(ModelSource):
         config = _model_config(transformers, name, checked)
         return layout_of_config(config, checked.attn_implementation)
 
+    def skeleton(self, cfg: ModelConfig) -> nn.Module:
+        """The model built from its config.json on the meta device, in the run's dtype and attention."""
+        checked = _checked(cfg)
+        transformers = transformers_module()
+        name = _located(checked.name)
+        config = _model_config(transformers, name, checked)
+        options = {"attn_implementation": checked.attn_implementation,
+                   **dtype_argument(transformers, getattr(torch, checked.dtype))}  # fmt: skip
+        with torch.device("meta"):
+            model = _from_config(transformers, config, checked.config if checked.weights is None else {}, options)
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    def tokenizer(self, cfg: ModelConfig) -> Any:
+        checked = _checked(cfg)
+        transformers = transformers_module()
+        name = _located(checked.name)
+        tokenizer_name = model_folder(checked.tokenizer) if checked.tokenizer else name
+        with hub_errors(tokenizer_name):
+            return from_hub(
+                tokenizer_name,
+                lambda local: transformers.AutoTokenizer.from_pretrained(tokenizer_name, **local),
+                download=False,
+            )
+
     def build(self, cfg: ModelConfig) -> ModelBundle:
         cfg = _checked(cfg)
         transformers = transformers_module()

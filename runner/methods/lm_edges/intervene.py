@@ -33,6 +33,9 @@ from runner.methods.lm.writes import HeadWrites
 from runner.methods.lm_edges.graph import INPUT_KINDS, EdgeGraph
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec
 
+# Rows (variants x copies x pairs) an intervention forward aims for (exact edges, circuits, paths)
+ROWS_PER_FORWARD = 256
+
 
 class Deltas:
     """What each reader's input gets added in a run of `variants` variants, and which copy holds which reader.

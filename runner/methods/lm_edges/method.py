@@ -36,7 +36,8 @@ from runner.methods.lm.pairs import PairMetrics, pair_metrics, score
 from runner.methods.lm_edges.estimators import ESTIMATORS, Runs
 from runner.methods.lm_edges.export import write_eap_ig_graph
 from runner.methods.lm_edges.graph import EdgeGraph
-from runner.methods.lm_edges.intervene import Deltas, EdgeRuns, Patched
+from runner.methods.lm_edges.intervene import ROWS_PER_FORWARD, Deltas, EdgeRuns, Patched
+from runner.methods.lm_edges.plan import EdgePlan, Shape, edge_plan
 from runner.methods.lm_edges.positions import Slots, pair_roles
 from runner.methods.lm_edges.rows import naming_keys, typed, unit_columns
 from runner.methods.lm_edges.run_scores import RunScores, final_tables
@@ -51,8 +52,6 @@ from runner.runtime import Runtime
 from runner.targets.tokens import TokenTarget, target_name, token_target
 
 log = logging.getLogger(__name__)
-# Rows (variants x copies x pairs) an intervention forward aims for (exact edges, circuits)
-ROWS_PER_FORWARD = 256
 # Whether the circuits whose metric is known (every edge: the clean run; none, corrupted ablation: the corrupted run)
 # are measured all the same (the tests that check the interventions against those identities set it)
 MEASURE_KNOWN_CIRCUITS = False
@@ -81,6 +80,27 @@ class LmEdges(CorruptedPairsMethod):
         if not cfg.edges.per_position:  # else the units are counted once the data's slots are known (prepare)
             _check_sizes(cfg.edges.circuit, graph.count, f"this model's graph has {graph.count} edges")
         return scored
+
+    @classmethod
+    def memory_plan(
+        cls, cfg: LmEdgesMethodConfig, layout: LanguageModelLayout, skeleton: nn.Module, dataset: Dataset,
+        batch_size: int, free: int | None,
+    ) -> EdgePlan:  # fmt: skip
+        """The run's plan (plan.py) on `skeleton` (the model on the meta device) for `dataset` in batches of
+        `batch_size`, with `free` bytes on the device (the readers' gradients' default chunk is a quarter of it)."""
+        p = cfg.edges
+        count = len(dataset)  # type: ignore[arg-type]
+        ids = [dataset[i][2] for i in range(count)]  # type: ignore[index]
+        parts = split_pairs(ids, p.held_out, p.held_out_by, p.seed)
+        found = [sum(parts[i] == DISCOVERY for i in ids[k : k + batch_size]) for k in range(0, count, batch_size)]
+        tokens = max(int(dataset[i][0].shape[-1]) for i in range(count))  # type: ignore[index]
+        slots = len(Slots.of(p.positions, pair_roles(dataset), "method.edges")) if p.per_position else 1
+        shape = Shape(max(found, default=1), tokens, sum(1 for n in found if n), min(batch_size, count), slots)
+        chunk = (
+            int(p.gradient_memory * 2**30) if p.gradient_memory is not None else (None if free is None else free // 4)
+        )
+        evaluates = bool(p.top_k) or bool(cfg.edges.fractions) or bool(cfg.edges.circuit)
+        return edge_plan(skeleton, layout, p, shape, chunk, evaluates)
 
     def prepare(self, dataset: Dataset) -> None:
         super().prepare(dataset)
@@ -160,7 +180,7 @@ class LmEdges(CorruptedPairsMethod):
         corrupted_logits: list[torch.Tensor] = []
         positions = self._positions(batch.sample_ids, mask)
         # every edge's score summed as the readers' gradients come, a chunk of layers at a time
-        scores = ScoreSum(lambda: writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask),
+        scores = ScoreSum(lambda: writes(self.graph, self.hooks.head_writes, clean_sites, kept, mask, positions is not None),
                           len(self.graph.readers), positions, self.per_edge)  # fmt: skip
         exact = self.p.mode is EdgeMode.exact
         runs = 0  # the gradient runs the scores sum (exact: none)

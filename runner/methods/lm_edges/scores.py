@@ -31,18 +31,33 @@ from runner.methods.lm_edges.graph import EdgeGraph
 
 def writes(
     graph: EdgeGraph, head_writes: HeadWrites, clean: dict[str, torch.Tensor], corrupted: dict[str, torch.Tensor],
-    mask: torch.Tensor,
+    mask: torch.Tensor, per_position: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """(writers, B, T, D) float32: each writer's clean - corrupted write into the residual stream (0 at padding)."""
-    parts = [(clean["resid_pre.0"] - corrupted["resid_pre.0"]).float()[None]]
+    """(writers, B, T, D) float32: each writer's clean - corrupted write into the residual stream (0 at padding).
+
+    Written writer group by writer group into one buffer (no concatenation: the writes are held once). The buffer is
+    laid out as ScoreSum's products read it without a copy: (B, writers, T, D) (`per_position`: (B, T, writers, D));
+    the tensor returned is a view of it in (writers, B, T, D) order."""
+    b, t = mask.shape
+    width = clean["resid_pre.0"].shape[-1]
+    count = len(graph.writers)
+    dims = (b, t, count, width) if per_position else (b, count, t, width)
+    buffer = torch.empty(dims, dtype=torch.float32, device=mask.device)
+    out = buffer.permute(2, 0, 1, 3) if per_position else buffer.transpose(0, 1)  # (writers, B, T, D)
+    out[0] = clean["resid_pre.0"] - corrupted["resid_pre.0"]
+    first = 1
     for layer in range(graph.layers):
         if head_writes.post_norm:  # not linear in z: each run's writes at its own scale
             delta = head_writes(layer, clean[f"head.{layer}"]) - head_writes(layer, corrupted[f"head.{layer}"])
         else:
             delta = head_writes(layer, clean[f"head.{layer}"] - corrupted[f"head.{layer}"])  # one projection
-        parts.append(delta.float())  # (H, B, T, D)
-        parts.append((clean[f"mlp_out.{layer}"] - corrupted[f"mlp_out.{layer}"]).float()[None])
-    return torch.cat(parts) * mask[None, :, :, None].to(parts[0].dtype)
+        out[first : first + delta.shape[0]] = delta  # (H, B, T, D)
+        first += delta.shape[0]
+        del delta
+        out[first] = clean[f"mlp_out.{layer}"] - corrupted[f"mlp_out.{layer}"]
+        first += 1
+    out.mul_(mask[None, :, :, None].to(out.dtype))
+    return out
 
 
 Sink = Callable[[int, torch.Tensor], None]  # (the first reader's index, the gradients of a run of readers)
@@ -64,32 +79,34 @@ def reader_gradients(
     found = torch.autograd.grad(metric.sum(), [views[n] for n in outputs], retain_graph=True, allow_unused=True)
     grads = {n: torch.zeros_like(views[n]) if g is None else g for n, g in zip(outputs, found, strict=True)}
     del found
-    parts: list[torch.Tensor] = []
-    first = held = 0
-
-    def flush() -> None:
-        nonlocal first, held, parts
-        if parts:
-            block = torch.cat(parts)
-            parts, held = [], 0
-            sink(first, block)
-            first += block.shape[0]
-
+    stream0 = views["resid_pre.0"]
+    runs_b, t, width = stream0.shape
+    b = runs_b // runs
+    per_layer = graph.heads + 2 * graph.kv_heads + 1  # a layer's readers: its query heads, keys, values, MLP
+    layer_bytes = per_layer * b * t * width * 4
+    group = graph.layers if chunk_bytes is None else max(1, min(graph.layers, chunk_bytes // layer_bytes))
+    block = None  # the run of readers handed over next, filled layer by layer (no concatenation: held once)
+    first = 0
     for layer in range(graph.layers):
-        stream = views[f"resid_pre.{layer}"]
-        mine = []
+        at = layer % group
+        if at == 0:
+            block = stream0.new_empty((min(group, graph.layers - layer) * per_layer, b, t, width), dtype=torch.float32)
+        assert block is not None
+        stream, row = views[f"resid_pre.{layer}"], at * per_layer
         for kind in ("q", "k", "v"):
             site, grad = views[f"{kind}.{layer}"], grads.pop(f"{kind}.{layer}")  # (B, T, H, d)
-            mine.append(_per_pair(_vjp(site, stream, each_head_alone(grad), batched=True), runs))  # (H, B, T, D)
+            found = _per_pair(_vjp(site, stream, each_head_alone(grad), batched=True), runs)  # (H, B, T, D)
+            block[row : row + found.shape[0]] = found
+            row += found.shape[0]
+            del found, grad
         mlp_in = stream if graph.parallel else views[f"resid_mid.{layer}"]
         mlp = _vjp(views[f"mlp_out.{layer}"], mlp_in, grads.pop(f"mlp_out.{layer}"), batched=False)
-        mine.append(_per_pair(mlp[None], runs))
-        size = sum(p.numel() * p.element_size() for p in mine)
-        if chunk_bytes is not None and held + size > chunk_bytes:  # the layers held so far first (at least one)
-            flush()
-        parts += mine
-        held += size
-    flush()
+        block[row] = _per_pair(mlp[None], runs)[0]
+        del mlp
+        if at == group - 1 or layer == graph.layers - 1:
+            sink(first, block)
+            first += block.shape[0]
+            block = None
     sink(first, _per_pair(grads[f"resid_post.{last}"].float()[None], runs))
 
 
@@ -117,16 +134,23 @@ class ScoreSum:
         return self._writes
 
     def add(self, first: int, gradients: torch.Tensor) -> None:
-        """Readers first .. first + n - 1's gradients (n, B, T, D)."""
-        w = self.writes
+        """Readers first .. first + n - 1's gradients (n, B, T, D). The products read the writes and the gradients in
+        place (batched matrix products over strided views of writes()' buffer and of `gradients`): no copy of
+        either is made."""
+        w = self.writes  # (W, B, T, D), a view of (B, W, T, D) or, per position, (B, T, W, D)
+        n = gradients.shape[0]
         if self.total is None:
             slots = () if self._slot_of is None else (self.count,)
             self.total = w.new_zeros(w.shape[0], self.readers, w.shape[1], *slots)
-        readers = slice(first, first + gradients.shape[0])
+        readers = slice(first, first + n)
         if self._slot_of is None:
-            self.total[:, readers] += torch.einsum("wbtd,rbtd->wrb", w, gradients)
+            per_pair = torch.bmm(_laid_out(w, (1, 0, 2, 3)).flatten(2), gradients.flatten(2).permute(1, 2, 0))
+            self.total[:, readers] += per_pair.permute(1, 2, 0)  # (B, W, n) -> (W, n, B)
             return
-        per = torch.einsum("wbtd,rbtd->wrbt", w, gradients)  # (W, n, B, T)
+        b, t = w.shape[1], w.shape[2]
+        rows = _laid_out(w, (1, 2, 0, 3)).flatten(0, 1)  # (B T, W, D)
+        per = torch.bmm(rows, gradients.flatten(1, 2).permute(1, 2, 0)).unflatten(0, (b, t))  # (B, T, W, n)
+        per = per.permute(2, 3, 0, 1)  # (W, n, B, T)
         slotted = per.new_zeros(*per.shape[:3], self.count + 1)
         slotted.scatter_add_(3, self._slot_of.to(per.device)[None, None].expand_as(per), per)
         self.total[:, readers] += slotted[..., : self.count]
@@ -137,6 +161,12 @@ class ScoreSum:
         assert self.total is not None, "no gradient was added"
         picked = self.total[edge_index[:, 0], edge_index[:, 1]] * scale  # (E, B[, S])
         return picked if self._slot_of is None else picked.transpose(1, 2).reshape(-1, picked.shape[1])
+
+
+def _laid_out(w: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """`w` permuted to `order`, contiguous: a view where writes() laid its buffer out that way, else a copy (writes
+    made elsewhere, e.g. a test's)."""
+    return w.permute(order).contiguous()
 
 
 def _per_pair(x: torch.Tensor, runs: int) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""The memory plan (runner/plan.py, runner/methods/lm_edges/plan.py, `runner plan`): counts from the config alone,
+the traced run's bytes on meta equal to the real run's, the planned peak against the measured one, and the refusal
+of a run that will not fit before its weights load."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import runner.app
+import runner.plan
+from runner.hooks import HookSession
+from runner.methods.lm.base import forward_last
+from runner.methods.lm_edges.graph import EdgeGraph
+from runner.methods.lm_edges.intervene import EdgeRuns
+from runner.models.lm_sites import layout_of
+from runner.models.memory import peak_bytes, traced_bytes
+from runner.plan import run_plan
+from tests.conftest import make_config, run_cli
+from tests.lm_references import build_tiny_lm
+
+CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model_configs"
+# a random Llama from the induction model's config: 3 layers, 96 wide, 4 query heads sharing 2 key-value heads
+SMALL = ["experiment=edges_lm_induction", "model.weights=null", "+model.config.num_hidden_layers=3",
+         "+model.config.hidden_size=96", "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+         "+model.config.head_dim=24", "+model.config.intermediate_size=384", "method.edges.steps=2",
+         "method.edges.resamples=0", "method.edges.circuit=[]", "method.edges.fractions=[0.1,0.5]"]  # fmt: skip
+
+
+def _edges_by_hand(layers: int, heads: int, kv: int) -> int:
+    """Edges of a sequential grouped-query model counted reader by reader: a head's query and each key-value head's
+    key and value read every writer of the layers before (the embeddings, each head, each MLP); a layer's MLP reads
+    those and its own layer's heads; the logits read every writer."""
+    writers_before = [1 + layer * (heads + 1) for layer in range(layers)]
+    attention = sum((heads + 2 * kv) * w for w in writers_before)
+    mlps = sum(w + heads for w in writers_before)
+    return attention + mlps + 1 + layers * (heads + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("folder", "sizes"), [("llama-3.1-8b", (32, 32, 8)), ("qwen2.5-0.5b", (24, 14, 2))])
+def test_shipped_configs_plan_their_edges_without_weights(folder: str, sizes: tuple[int, int, int]) -> None:
+    result = run_cli("plan", "experiment=ioi_edges_smollm2", f"model.name={CONFIGS / folder}",
+                     "model.tokenizer=smollm2-135m", "model.dtype=bfloat16", "--free", "1000")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    counts = result.stdout.splitlines()[0]
+    assert f"edges {_edges_by_hand(*sizes):,}" in counts, counts
+    assert "fits" in result.stdout.splitlines()[-1]
+
+
+def test_the_traced_run_on_meta_holds_what_the_real_run_holds() -> None:
+    """traced_bytes on the meta device (shapes only) equals the same sum over the real run's saved tensors and
+    views, on a grouped-query Llama."""
+    model, _, _ = build_tiny_lm("llama", seed=0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layout = layout_of(model)
+    graph = EdgeGraph.of(layout)
+    figures = []
+    for device in ("cpu", "meta"):
+        here = model if device == "cpu" else model.to("meta")
+        ids = torch.zeros(3, 7, dtype=torch.long, device=device)
+        mask = torch.ones(3, 7, dtype=torch.long, device=device)
+        with HookSession(here, []) as session:
+            hooks = EdgeRuns(here, layout, graph, session)
+            figures.append(traced_bytes(here, lambda h=here, i=ids, m=mask: forward_last(h, i, m),
+                                        lambda hooks=hooks: hooks.keep(grad=True), lambda hooks=hooks: hooks.kept))  # fmt: skip
+    assert figures[0] > 0
+    assert figures[0] == figures[1]
+
+
+@pytest.mark.slow
+def test_the_planned_peak_is_within_a_fifth_of_the_measured_one(tmp_path: Path) -> None:
+    config = make_config(*SMALL, "data.batch_size=16")
+    plan = run_plan(config, torch.device("cpu"), free=2**50)
+    _, measured = peak_bytes(lambda: runner.app.run(config, tmp_path), torch.device("cpu"))
+    print(f"planned {plan.peak / 1e6:.1f} MB ({plan.method.peak.name}), measured {measured / 1e6:.1f} MB")
+    assert abs(plan.peak / measured - 1) <= 0.2
+
+
+@pytest.mark.slow
+def test_a_run_that_will_not_fit_is_refused_before_the_weights_load(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(*SMALL, "data.batch_size=16")
+    plan = run_plan(config, torch.device("cpu"), free=2**50)
+    free = plan.peak - 1  # one byte short
+    monkeypatch.setattr(runner.plan, "available_bytes", lambda device: free)
+
+    def loaded(cfg):  # type: ignore[no-untyped-def]
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(runner.app, "build_model", loaded)
+    with pytest.raises(runner.app.RunnerError, match="at its peak") as refused:
+        runner.app.run(config, tmp_path / "out")
+    message = str(refused.value)
+    assert "runner plan" in message
+    assert not list((tmp_path / "out").glob("*.parquet"))
+    named = re.findall(r"((?:data|model|method)\.[\w.]+=\w+) \(", message)  # each setting it names, and its peak
+    assert named, message
+    for setting in named:  # each fits where the run did not
+        assert run_plan(make_config(*SMALL, "data.batch_size=16", setting), torch.device("cpu"), free=free).fits
+
+
+@pytest.mark.slow
+def test_plan_command_says_what_fits_and_exits_1_when_nothing_is_free() -> None:
+    result = run_cli("plan", *SMALL, "data.batch_size=16", "--free", "0.0001")
+    assert result.returncode == 1, result.stderr
+    assert "does not fit" in result.stdout
+    assert "fits with:" in result.stdout
+    refused = run_cli("plan", "experiment=gradcam_effnet")
+    assert refused.returncode == 2
+    assert "no memory plan" in refused.stderr
