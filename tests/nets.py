@@ -4,6 +4,8 @@ time, as `tests.conftest` (or a test module) as its target would (about 0.7 s a 
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 
 import torch
@@ -66,3 +68,17 @@ class SumNet(ThreadsSeen):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         total = torch.stack([sample.flatten().repeat(20_000).sum() for sample in x])  # (B,)
         return super().forward(x) + total[:, None]  # the same for every class: predictions and maps unchanged
+
+
+class HeldNet(TinyNet):
+    """TinyNet whose forwards wait while the file `hold` exists, once a file matching `after` does (a glob: the run's
+    first shard): a live run, holding its folder, for exactly as long as a test needs, not for a fixed time."""
+
+    def __init__(self, hold: str, after: str) -> None:
+        super().__init__()
+        self.hold, self.after = hold, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        while os.path.exists(self.hold) and glob.glob(self.after):
+            time.sleep(0.02)
+        return super().forward(x)

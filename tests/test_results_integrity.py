@@ -33,7 +33,7 @@ from tests.conftest import TinyNet, committed_shards, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model._target_=tests.conftest.TinyNet",
+    "model._target_=tests.nets.TinyNet",
     "model.weights=null",
     "data=synthetic",
     "data.shape=[3,8,8]",
@@ -44,22 +44,11 @@ TINY = [
     "layers.include=[features.0,features.2]",
     "hooks=[{kind: forward, layers: [features.2]}]",
 ]
-SLOW = [*TINY, "model._target_=tests.conftest.SlowNet", "progress=false"]  # 0.25 s per forward
-# 1 s per forward, 12 batches: long enough to start other processes against it, or to signal twice in a batch.
-SLEEPY = [*TINY, "model._target_=tests.test_results_integrity.SleepyNet", "+model.kwargs.delay=1.0", "data.count=24",
-          "progress=false"]  # fmt: skip
-
-
-class SleepyNet(TinyNet):
-    """TinyNet that sleeps `delay` seconds per forward: a batch long enough to signal twice inside it."""
-
-    def __init__(self, delay: float = 1.0) -> None:
-        super().__init__()
-        self.delay = delay
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.delay)
-        return super().forward(x)
+# The runs of other processes: no pictures (a single run's default; a second or more a sample, tested on their own).
+SLOW = [*TINY, "model._target_=tests.nets.SlowNet", "progress=false", "method.pictures=false"]  # 0.25 s per forward
+# 1 s per forward, 12 batches: long enough to signal twice in a batch.
+SLEEPY = [*TINY, "model._target_=tests.nets.SleepyNet", "+model.kwargs.delay=1.0", "data.count=24", "progress=false",
+          "method.pictures=false"]  # fmt: skip
 
 
 def comparable(frame: pd.DataFrame) -> pd.DataFrame:
@@ -120,18 +109,25 @@ def test_a_second_writer_is_refused_in_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_two_writers_on_one_folder_second_refused_first_intact(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    first = cli(*SLEEPY, f"hydra.run.dir={run}", wait=False)
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()
+    # Once its first shard is on disk, the first run waits in its next forward until `hold` is removed: it stays live,
+    # holding the folder, for as long as the others take to start and be refused (no fixed time to outlast).
+    held = [*TINY, "model._target_=tests.nets.HeldNet", f"+model.kwargs.hold={hold}", "data.count=24",
+            f"+model.kwargs.after='{run}/cam.parquet/part-*.parquet'", "progress=false", "method.pictures=false"]  # fmt: skip
+    first = cli(*held, f"hydra.run.dir={run}", wait=False)
     wait_for(lambda: len(parts(run)) >= 1, first)
-    # Same config, then a different one, while the first runs (about 20 s more): both refused by the lock
-    # (not blamed on a config difference).
-    seconds = [cli(*args, f"hydra.run.dir={run}", wait=False) for args in (SLEEPY, [*SLEEPY, "data.count=10"])]
+    # Same config, then a different one, while the first runs: both refused by the lock (not blamed on a config
+    # difference).
+    seconds = [cli(*args, f"hydra.run.dir={run}", wait=False) for args in (held, [*held, "data.count=10"])]
     for second in seconds:
         _, stderr = second.communicate(timeout=300)
         assert second.returncode == 2
         one_line_error(stderr, "is in use by another run")
         assert "different run" not in stderr
     assert first.poll() is None, "the first run was still running when the others were refused"
+    assert len(parts(run)) < 12, "the first run was held mid-way"
+    hold.unlink()
     _, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr
     frame = load(run, "cam")
@@ -369,7 +365,8 @@ def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run
 @pytest.mark.slow
 def test_a_live_run_reads_with_pandas_pyarrow_and_duckdb_and_sigterm_stops_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    args = [*SLOW, "output.shard_batches=2", f"hydra.run.dir={run}"]
+    # Pictures drawn (a run's default): their second or so a batch keeps the run live while the test reads it.
+    args = [*SLOW, "method.pictures=true", "output.shard_batches=2", f"hydra.run.dir={run}"]
     process = cli(*args, wait=False)
     folder = run / "cam.parquet"
     # A complete shard and the next one being written (a temporary file in the table folder).
