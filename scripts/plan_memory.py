@@ -4,6 +4,7 @@ and its 32 pairs, through the run itself (runner.app.run: both passes, every tab
 
     python scripts/plan_memory.py                      # three sizes, eap_ig
     python scripts/plan_memory.py --mode eap --sizes 4x512x8x4
+    python scripts/plan_memory.py --scoring-only         # no circuits or checked edges: the scoring pass's peak
 
 Measured: the peak of the bytes torch's CPU allocator holds during the run (the profiler's allocation events;
 runner/models/memory.py `peak_bytes`), the weights included (they load inside the run). Prints per size the planned
@@ -31,6 +32,7 @@ from runner.plan import GB, run_plan  # noqa: E402
 
 # layers x width x heads x key-value heads; the MLP 4x as wide, heads 64 wide where the width allows
 SIZES = ("4x256x8x4", "8x512x8x2", "6x768x12x4")
+SCORING_ONLY = ["method.edges.fractions=[]", "method.edges.circuit=[]", "method.edges.top_k=0"]
 
 
 def overrides(size: str, mode: str, batch: int) -> list[str]:
@@ -49,11 +51,14 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
     parser.add_argument("--mode", default="eap_ig")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--scoring-only", action="store_true", help="no circuits, no checked edges")
+    parser.add_argument("overrides", nargs="*", help="more of the run's overrides (key=value)")
     args = parser.parse_args()
+    more = [*args.overrides, *(SCORING_ONLY if args.scoring_only else [])]
     torch.set_num_threads(1)
     print(f"{'size':<12}{'planned GB':>11}  {'phase':<22}{'measured GB':>12}{'error':>8}")
     for size in args.sizes:
-        config = to_run_config(compose(overrides(size, args.mode, args.batch)))
+        config = to_run_config(compose([*overrides(size, args.mode, args.batch), *more]))
         plan = run_plan(config, torch.device("cpu"), free=2**60)
         with tempfile.TemporaryDirectory() as out:
             _, measured = peak_bytes(lambda config=config, out=out: run(config, out), torch.device("cpu"))
