@@ -31,7 +31,7 @@ from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model._target_=tests.conftest.TinyNet",
+    "model._target_=tests.nets.TinyNet",
     "model.weights=null",
     "data=synthetic",
     "data.shape=[3,8,8]",
@@ -95,8 +95,8 @@ def test_patching_pair_of_another_shape_is_refused() -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_stops_after_the_batch_and_resumes(tmp_path: Path) -> None:
-    args = [*TINY, "model._target_=tests.conftest.SlowNet", "data.count=12", "data.batch_size=2",
-            "output.shard_batches=1", "progress=false", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [*TINY, "model._target_=tests.nets.SlowNet", "data.count=12", "data.batch_size=2",
+            "output.shard_batches=1", "progress=false", "method.pictures=false", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     process = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and len(list((tmp_path / "run").glob("cam.parquet/part-*.parquet"))) < 2:
@@ -128,9 +128,10 @@ def test_a_sweeps_resume_command_is_its_overrides_on_its_folder() -> None:
 
 
 def peak_rss_kib(count: int, out: Path) -> int:
-    """Peak resident memory of a whole CLI run over `count` samples, measured inside that process."""
+    """Peak resident memory of a whole CLI run over `count` samples, measured inside that process. No pictures (a
+    single run's default draws the first 16 samples' in both runs alike: 10 s of PNGs, tested on their own)."""
     args = [*TINY[:3], "data.shape=[3,64,64]", f"data.count={count}", "data.batch_size=16", *TINY[5:],
-            "progress=false", f"hydra.run.dir={out}"]  # fmt: skip
+            "progress=false", "method.pictures=false", f"hydra.run.dir={out}"]  # fmt: skip
     probe = (
         "import atexit, resource, runpy, sys\n"
         "atexit.register(lambda: print('PEAK_RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\n"
