@@ -14,7 +14,7 @@ from runner import app
 from runner.errors import RunnerError
 from tests.conftest import make_config
 
-TINY_RUN = ["model._target_=tests.conftest.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,8,8]",
+TINY_RUN = ["model._target_=tests.nets.TinyNet", "model.weights=null", "data=synthetic", "data.shape=[3,8,8]",
             "data.count=8", "data.batch_size=2", "data.num_classes=5", "output.shard_batches=1",
             "layers.include=[features.0,features.2]", "hooks=[]", "progress=false"]  # fmt: skip
 

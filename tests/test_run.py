@@ -345,7 +345,7 @@ def test_bar_warnings_and_last_lines_in_a_real_process(tmp_path: Path) -> None:
     their own (not glued to the bar's), and the last lines say how to open the report and load the tables."""
     done = subprocess.run(
         [sys.executable, "-m", "runner", *TINY_NET, "model._target_=tests.test_run.NoisyNet", "data.count=8",
-         "data.batch_size=2", "output.shard_batches=8", "progress=true", f"hydra.run.dir={tmp_path}"],
+         "data.batch_size=2", "output.shard_batches=8", "progress=true", "method.pictures=false", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
