@@ -199,6 +199,9 @@ NOT_RUN = {
     "runner <overrides> hydra.run.dir=DIR": "the resume command's form (tests/test_cli_commands.py runs the one ls prints)",
     "runner layers [overrides] [--grep PATTERN]": "the command's synopsis: its instances are run",
     "runner report": "the command's name in prose: `runner report DIR` is run",
+    "runner plan [--free GB] [overrides]": "the command's synopsis: its instances are run",
+    "python scripts/plan_memory.py": "a measurement (minutes: three whole runs under the profiler); tests/test_plan.py"
+    " checks the plan against the allocator's peak within 20%",
     "torchrun": "the launcher's name in prose: the torchrun command is run",
     "scripts/bench_gradcam.py": "a benchmark (minutes of interleaved timing on a quiet machine; never in tests)",
     "python scripts/bench_gradcam.py --rounds 20": "a benchmark (minutes of interleaved timing on a quiet machine)",
