@@ -151,11 +151,10 @@ def resolver_error(error: BaseException) -> str | None:
 
 
 def _check_output_arguments(argv: list[str]) -> None:
-    """runner.app's check of `hydra.run.dir=` / `hydra.sweep.dir=`, imported (with torch) only when one is given."""
-    if any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
-        from runner.app import check_output_arguments
+    """The check of `hydra.run.dir=` / `hydra.sweep.dir=` (runner/store/layout.py: no torch is imported for it)."""
+    from runner.store.layout import check_output_arguments
 
-        check_output_arguments(argv)
+    check_output_arguments(argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from runner.options.registry import lm_method_names
 from runner.plan import check_memory
 from runner.progress import run_progress
 from runner.schema import RunConfig
+from runner.store.layout import check_writable
 from runner.store.provenance import provenance, resume_key
 from runner.store.reader import committed
 from runner.store.writer import DirectoryLock, ShardedWriter, write_failure
@@ -133,7 +134,7 @@ def run(cfg: DictConfig | RunConfig, output_dir: str | Path | None = None) -> Ru
 def _run(config: RunConfig, output_dir: str | Path | None) -> RunResult:
     """`run` with the config typed and its thread count set."""
     out = Path(output_dir or config.output.dir or _default_output_dir())
-    _check_writable(out)
+    check_writable(out)
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     if device.type == "cuda" and distributed.rank_and_world()[1] > 1:
@@ -390,32 +391,6 @@ def _run_text(
     dataset = kept_pairs(model, dataset, config.data, device)  # data.keep: the pairs the model gets right
     class_names = ClassNames.of(config.data, dataset, None)
     return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
-
-
-def check_output_arguments(argv: list[str]) -> None:
-    """`hydra.run.dir=` / `hydra.sweep.dir=` on the command line that is a file or not writable: a RunnerError
-    before Hydra trips on it (Hydra makes the directory and its log file before the run starts)."""
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        value = value.strip().strip("'\"")
-        if sep and key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
-            _check_writable(Path(value).expanduser(), key.lstrip("+"))
-
-
-def _check_writable(out: Path, key: str = "hydra.run.dir") -> None:
-    """Fail before any work when results could not be written."""
-    if out.exists() and not out.is_dir():
-        raise RunnerError(f"Cannot write results to {out}: it is a file, not a directory. Choose another {key}=PATH.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-check-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise RunnerError(
-            f"Cannot write results to {out} ({e.strerror or e}). Choose a writable directory with"
-            f" {key}=PATH{' (or output.dir=PATH)' if key == 'hydra.run.dir' else ''}."
-        ) from None
 
 
 def _complete_shards(writer: ShardedWriter) -> set[int]:

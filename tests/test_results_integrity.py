@@ -28,6 +28,7 @@ import runner.app as app
 import runner.store.provenance as provenance
 from runner.errors import RunnerError
 from runner.results import load
+from runner.store.layout import check_output_arguments
 from runner.store.writer import DirectoryLock
 from tests.conftest import TinyNet, committed_shards, make_config
 
@@ -566,13 +567,13 @@ def test_run_dir_that_is_a_file_or_read_only_is_one_clear_error(tmp_path: Path) 
     file = tmp_path / "file"
     file.write_text("")
     with pytest.raises(RunnerError, match="it is a file, not a directory. Choose another hydra.run.dir=PATH"):
-        app.check_output_arguments([f"hydra.run.dir={file}"])
+        check_output_arguments([f"hydra.run.dir={file}"])
     with pytest.raises(RunnerError, match="Not a directory.*hydra.sweep.dir=PATH"):
-        app.check_output_arguments([f"hydra.sweep.dir={file}/sub"])
+        check_output_arguments([f"hydra.sweep.dir={file}/sub"])
     denied = OSError(errno.EACCES, "Permission denied")
     with mock.patch.object(Path, "write_bytes", side_effect=denied):
         with pytest.raises(RunnerError, match="Permission denied.*writable directory with hydra.run.dir=PATH"):
-            app.check_output_arguments([f"hydra.run.dir={tmp_path / 'ro'}"])
+            check_output_arguments([f"hydra.run.dir={tmp_path / 'ro'}"])
     done = cli(*TINY, f"hydra.run.dir={file}")
     assert done.returncode == 2
     one_line_error(done.stderr, "it is a file, not a directory")

@@ -137,3 +137,29 @@ def shard_problems(directory: Path, shard: int, entry: dict[str, int]) -> list[s
         if found != rows:
             problems.append(f"{name} has {found} rows, the manifest {rows}")
     return problems
+
+
+def check_output_arguments(argv: list[str]) -> None:
+    """`hydra.run.dir=` / `hydra.sweep.dir=` on the command line that is a file or not writable: a RunnerError
+    before Hydra trips on it (Hydra makes the directory and its log file before the run starts)."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        value = value.strip().strip("'\"")
+        if sep and key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            check_writable(Path(value).expanduser(), key.lstrip("+"))
+
+
+def check_writable(out: Path, key: str = "hydra.run.dir") -> None:
+    """Fail before any work when results could not be written."""
+    if out.exists() and not out.is_dir():
+        raise RunnerError(f"Cannot write results to {out}: it is a file, not a directory. Choose another {key}=PATH.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-check-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunnerError(
+            f"Cannot write results to {out} ({e.strerror or e}). Choose a writable directory with"
+            f" {key}=PATH{' (or output.dir=PATH)' if key == 'hydra.run.dir' else ''}."
+        ) from None
