@@ -8,6 +8,7 @@ smaller data.batch_size, a smaller method.edges.gradient_memory, model.dtype=bfl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -56,27 +57,32 @@ def plans(config: RunConfig) -> bool:
     return hasattr(method_class(config.method), "memory_plan")
 
 
-def run_plan(config: RunConfig, device: torch.device, free: int | None = None, prepared: Any = None) -> RunPlan:
-    """The plan of `config` on `device` (`free`: its free bytes, read from the device when None); `prepared`: the
-    (skeleton, dataset) of an earlier call, reused."""
-    cls = method_class(config.method)
-    if not hasattr(cls, "memory_plan"):
+def prepare(config: RunConfig) -> tuple[torch.nn.Module, Any]:
+    """What every plan of `config` and of its variants reads: the model on the meta device, and the data set (made
+    with the model's tokenizer; no weights load)."""
+    if not plans(config):
         raise RunnerError(f"method={config.method.name} has no memory plan: lm_edges plans its memory.")
-    layout = model_layout(config.model)
-    if layout is None:
+    if model_layout(config.model) is None:
         raise RunnerError("A memory plan is made for language models (model=hf_lm).")
-    if prepared is None:
-        skeleton = model_skeleton(config.model)
-        dataset = build_dataset(config.data, model_tokenizer(config.model), config.seed)
-        if len(dataset) == 0:  # type: ignore[arg-type]
-            raise RunnerError("The data has no pairs: nothing to plan.")
-    else:
-        skeleton, dataset = prepared
+    skeleton = model_skeleton(config.model)
+    dataset = build_dataset(config.data, model_tokenizer(config.model), config.seed)
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise RunnerError("The data has no pairs: nothing to plan.")
+    return skeleton, dataset
+
+
+def run_plan(config: RunConfig, device: torch.device, free: int | None = None, prepared: Any = None) -> RunPlan:
+    """The plan of `config` on `device` (`free`: its free bytes, read from the device when None); `prepared`: what
+    `prepare(config)` gave (made here when None), shared by the plans of one config's variants."""
+    skeleton, dataset = prepare(config) if prepared is None else prepared
+    layout = model_layout(config.model)
+    assert layout is not None
     dtype = getattr(torch, config.model.dtype) if hasattr(config.model, "dtype") else torch.float32
     if next(skeleton.parameters()).dtype != dtype:
-        skeleton = skeleton.to(dtype)  # on meta: free
+        skeleton = copy.deepcopy(skeleton).to(dtype)  # on meta: no memory; the shared skeleton keeps its dtype
     free = available_bytes(device) if free is None else free
-    method = cls.memory_plan(config.method, layout, skeleton, dataset, config.data.batch_size, free)
+    method = method_class(config.method).memory_plan(config.method, layout, skeleton, dataset, config.data.batch_size,
+                                                     free)  # fmt: skip
     return RunPlan(method, device, free, str(dtype).removeprefix("torch."), config.data.batch_size)
 
 
@@ -113,11 +119,10 @@ def check_memory(config: RunConfig, device: torch.device) -> None:
     devices (model.device_map), are not checked."""
     if not plans(config) or getattr(config.model, "device_map", None) is not None:
         return
-    skeleton = model_skeleton(config.model)
-    dataset = build_dataset(config.data, model_tokenizer(config.model), config.seed)
-    if len(dataset) == 0:  # type: ignore[arg-type]
-        return  # the run itself says the data is empty
-    prepared = (skeleton, dataset)
+    try:
+        prepared = prepare(config)
+    except RunnerError:
+        return  # data the plan cannot read (empty, refused): the run refuses it itself, in its own words
     plan = run_plan(config, device, prepared=prepared)
     free = "unknown" if plan.free is None else size(plan.free)
     log.info("memory plan: peak %s (%s) on %s, %s free", size(plan.peak), plan.method.peak.name, device, free)

@@ -30,19 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runner.app import resolve_device
     from runner.commands.layers import compose
     from runner.configure import to_run_config
-    from runner.plan import GB, fitting, plan_lines, run_plan
+    from runner.plan import GB, fitting, plan_lines, prepare, run_plan
 
-    torch.set_num_threads(1)
-    config = to_run_config(compose(args.overrides))
     if args.free is not None and args.free <= 0:
         raise RunnerError(f"--free {args.free}: give the free memory in GB, above 0.")
+    torch.set_num_threads(1)
+    config = to_run_config(compose(args.overrides))
     device = resolve_device(config.device)
     free = None if args.free is None else int(args.free * GB)
-    plan = run_plan(config, device, free)
+    prepared = prepare(config)
+    plan = run_plan(config, device, free, prepared)
     print("\n".join(plan_lines(plan)))
     if plan.fits:
         return 0
-    prepared = None
     settings = fitting(config, plan, prepared)
     print("fits with: " + ("; ".join(settings) if settings else "none of a smaller batch, chunk or dtype"))
     return 1
