@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from torchvision import transforms as T
 
 from runner.options.data.images import ImageDataConfig
 from runner.schema import DataConfig, ResizeMode
@@ -51,6 +50,8 @@ class Letterbox:
         self.size = size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (C, H, W) normalised
+        from torchvision import transforms as T  # noqa: N812  # imported when used: it loads torch._dynamo
+
         h, w = x.shape[-2:]
         new_h, new_w = letterbox_size(h, w, self.size)
         if (new_h, new_w) != (h, w):  # a photo comes scaled already (LongSide)
@@ -63,6 +64,8 @@ def standard_transform(
     size: int, resize: ResizeMode, mean: Any = IMAGENET_MEAN, std: Any = IMAGENET_STD
 ) -> Callable[[Image.Image], torch.Tensor]:
     """Normalisation (ImageNet's by default) at `size`, with the geometry `resize` names (see ResizeMode)."""
+    from torchvision import transforms as T  # noqa: N812  # imported when used: it loads torch._dynamo
+
     normalise = [T.ToTensor(), T.Normalize(mean, std)]
     if resize is ResizeMode.square:
         return T.Compose([T.Resize((size, size)), *normalise])

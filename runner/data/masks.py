@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import functional as TF
 
 from runner.data.images import Letterbox, draft, exif_orientation, oriented
 from runner.errors import RunnerError, suggest
@@ -34,6 +33,8 @@ def _pixel_size(size: object) -> bool:
 def mask_transform(cfg: ImageDataConfig, preprocess: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """(H, W) bool at the photo's size -> (h, w) bool at the input's, with the photos' geometry (image_transform's
     choice): resized as a 0/1 image like the photo, then a pixel is in where at least half of it is."""
+    from torchvision.transforms import functional as TF  # noqa: N812  # imported when used: it loads torch._dynamo
+
     size, resize = cfg.image_size, cfg.resize
     steps: list[Callable[[torch.Tensor], torch.Tensor]]
     if preprocess is not None and resize in (ResizeMode.square, ResizeMode.crop):
@@ -110,6 +111,8 @@ def _as_read(mask: torch.Tensor, decoded: tuple[int, int], orientation: int) -> 
     EXIF orientation with the photo's own transpose. Unchanged for an upright photo decoded in full."""
     if decoded == (mask.shape[1], mask.shape[0]) and orientation == 1:
         return mask
+    from torchvision.transforms import functional as TF  # noqa: N812  # imported when used: it loads torch._dynamo
+
     m = mask.float()  # (H, W)
     if decoded != (m.shape[1], m.shape[0]):
         m = TF.resize(m[None], [decoded[1], decoded[0]], antialias=True)[0]  # (decoded h, decoded w)

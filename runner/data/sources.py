@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision import transforms as T
 
 from runner.data.base import NO_LABEL, ImageListDataset, SyntheticDataset
 from runner.data.images import (
@@ -61,6 +60,8 @@ def synthetic_source(cfg: SyntheticConfig, preprocess: Callable | None, seed: in
 
 def torchvision_source(cfg: TorchvisionDataConfig, preprocess: Callable | None, seed: int) -> Dataset:
     # Files a data set reads with PIL keep their EXIF orientation tag: turned upright as in an image folder.
+    from torchvision import transforms as T  # noqa: N812  # imported when used: it loads torch._dynamo
+
     return _torchvision_dataset(cfg, T.Compose([upright, _logged_transform(cfg, preprocess)]))
 
 

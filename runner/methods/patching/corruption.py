@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import Dataset
-from torchvision.transforms.functional import gaussian_blur
 
 from runner.data.base import Batch
 from runner.errors import RunnerError
@@ -30,6 +29,8 @@ def corrupt(batch: Batch, cfg: CorruptionConfig, dataset: Dataset | None) -> tup
     if kind is CorruptionKind.blur:
         kernel = int(2 * round(3 * cfg.sigma) + 1)
         kernel = min(kernel, 2 * (min(x.shape[-2:]) // 2) - 1)  # reflect padding needs kernel < size
+        from torchvision.transforms.functional import gaussian_blur  # imported when used: it loads torch._dynamo
+
         return gaussian_blur(x, [kernel, kernel], [cfg.sigma, cfg.sigma]), [
             f"{s}+blur(sigma={cfg.sigma:g})" for s in batch.sample_ids
         ]
