@@ -99,7 +99,7 @@ class LmEdges(CorruptedPairsMethod):
         chunk = (
             int(p.gradient_memory * 2**30) if p.gradient_memory is not None else (None if free is None else free // 4)
         )
-        evaluates = bool(p.top_k) or bool(cfg.edges.fractions) or bool(cfg.edges.circuit)
+        evaluates = bool(p.fractions) or bool(p.circuit)  # circuits (top_k's checks: the exact-edges phase)
         return edge_plan(skeleton, layout, p, shape, chunk, evaluates)
 
     def prepare(self, dataset: Dataset) -> None:

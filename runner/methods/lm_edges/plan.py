@@ -10,13 +10,17 @@ The peak is the largest of the run's phases, each the sum of what it holds at on
                               writes (writers x B x T x D, float32); the scores (writers x readers x B[, slots]); and
                               the largest passing buffer: a layer's batched vector-Jacobian product (H copies of
                               the stream's gradient) or the heads' writes of a layer (H copies of the stream).
-  intervention forwards       (exact mode, the evaluation's circuits and checked edges) the weights, both runs'
-                              views, the writes, and one forward of ROWS_PER_FORWARD rows without gradient: its
-                              widest layer's activations, and for circuits each variant's writes so far.
+  circuits                    (the evaluation: circuit sizes or fractions) the weights, both runs' views of a
+                              whole batch (both parts), one intervention forward of variants x copies x pairs rows
+                              without gradient (about ROWS_PER_FORWARD rows, one variant at least; a copy per
+                              reader of a layer, and copy 0) at its widest layer, each variant's writes so far (float32, every writer's
+                              at the last layer) and the copies' deltas.
+  exact edges                 (mode exact, top_k's checks) the weights, both runs' views, the writes, and one
+                              forward of two copies a variant.
 
-B is the most discovery pairs in one batch (the split is known from the pairs' ids before the model loads), T the
-longest prompt. Float32 parts stay float32 at any weight dtype (the scores' accumulation); the rest is in the weights'
-dtype. The CPU figures were checked against torch's allocator (scripts/plan_memory.py); the GPU adds the caching
+B is the most discovery pairs in one batch (the split is known from the pairs' ids before the model loads; the
+circuits' batch holds both parts), T the longest prompt. Float32 parts stay float32 at any weight dtype (the scores'
+accumulation); the rest is in the weights' dtype. The CPU figures were checked against torch's allocator (scripts/plan_memory.py); the GPU adds the caching
 allocator's fragmentation, which the plan does not model.
 """
 
@@ -94,8 +98,8 @@ def edge_plan(
     evaluates: bool,
 ) -> EdgePlan:  # fmt: skip
     """The plan of lm_edges on `skeleton` (the model on the meta device) for data of `shape`; `chunk_bytes`: the
-    readers' gradients held at once (None: every layer); `evaluates`: whether the run has an evaluation pass (circuits
-    or checked edges)."""
+    readers' gradients held at once (None: every layer); `evaluates`: whether the run evaluates circuits (sizes or
+    fractions; top_k's checked edges are the exact-edges phase)."""
     graph = EdgeGraph.of(layout)
     config = getattr(skeleton, "config", None)
     width = int(config.hidden_size)
