@@ -228,3 +228,24 @@ def test_bad_figure_settings_are_refused_before_the_run(override: str) -> None:
     with pytest.raises((ConfigCompositionException, ValidationError, RunnerError)) as info:
         make_config(override)
     assert override.split("=")[0].split(".")[1] in str(info.value) + str(getattr(info.value, "__cause__", ""))
+
+
+def test_the_store_is_registered_once_and_shared_not_copied_per_composition() -> None:
+    """Hydra deep-copies its config repository once per composition (125 times for `--hydra-help`); the ConfigStore
+    rides along unless shared. Shared, a node the store hands out is still Hydra's own copy."""
+    import copy
+    from unittest import mock
+
+    from hydra.core.config_store import ConfigStore
+
+    from runner.options.compose import register_configs
+
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    with mock.patch.object(store, "store", wraps=store.store) as stored:
+        register_configs()  # conftest registered the same schemas
+    assert stored.call_count == 0
+    loaded = store.load("schema/method/lm_edges.yaml")
+    loaded.node.edges.steps = 999
+    assert store.load("schema/method/lm_edges.yaml").node.edges.steps != 999
+    assert make_config("experiment=ioi_edges_smollm2").method.edges.steps == 5

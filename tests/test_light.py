@@ -29,6 +29,9 @@ def test_each_lm_method_is_made_light_and_what_is_given_is_kept() -> None:
     assert given.lightened(30) == given
     edges = make_config("experiment=ioi_edges_smollm2", "debug=light").method.lightened(30).edges
     assert (edges.steps, edges.resamples, edges.top_k) == (2, 20, 10)
+    assert edges.fractions == [0.001, 0.01, 0.1, 1.0]  # MIB's curve, one fraction per decade
+    mine = make_config("experiment=ioi_edges_smollm2", "debug=light", "method.edges.fractions=[0.5,1.0]").method
+    assert mine.lightened(30).edges.fractions == [0.5, 1.0]
     lm = ["model=hf_lm", "data=prompts", "data.file=induction", "debug=light"]
     assert make_config(*lm, "method=lm_logit_lens").method.lightened(30).layers == [-1, 0, 10, 19, 29]
     assert make_config(*lm, "method=lm_grad_x_act").method.lightened(18).layers == [0, 6, 11, 17]

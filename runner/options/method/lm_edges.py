@@ -54,6 +54,8 @@ class HeldOutBy(str, Enum):
 
 MAX_STEPS = 1024  # method.edges.steps: more runs per batch than any published estimate uses (EAP-IG: 5 to 100)
 MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # the MIB circuit track's curve
+# debug=light's curve: MIB's fractions one per decade, over the same span (each circuit is a forward of the model)
+LIGHT_FRACTIONS = (0.001, 0.01, 0.1, 1.0)
 
 
 @dataclass
@@ -171,8 +173,11 @@ class LmEdgesMethodConfig(MethodConfig):
         return SiteSelection("method.edges", kinds, None, sites_chosen=False, layers_chosen=False)
 
     def lightened(self, layers: int) -> LmEdgesMethodConfig:
-        """Every edge is still scored (a circuit needs them all): fewer interpolation steps, resamples and edges
-        re-patched exactly."""
+        """Every edge is still scored (a circuit needs them all): fewer interpolation steps, resamples, edges
+        re-patched exactly, and circuits on MIB's curve (fractions given on the command line are kept)."""
         e = self.edges
-        light = dataclasses.replace(e, steps=min(e.steps, 2), resamples=min(e.resamples, 20), top_k=min(e.top_k, 10))
+        fractions = list(LIGHT_FRACTIONS) if tuple(e.fractions) == MIB_FRACTIONS else e.fractions
+        light = dataclasses.replace(
+            e, steps=min(e.steps, 2), resamples=min(e.resamples, 20), top_k=min(e.top_k, 10), fractions=fractions
+        )
         return dataclasses.replace(self, edges=light)
