@@ -9,9 +9,11 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -113,6 +115,25 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         err.write(f"{code}\n")
     returncode = code if isinstance(code, int) else (0 if code is None else 1)
     return subprocess.CompletedProcess(["python", "-m", "runner", *argv], returncode, out.getvalue(), err.getvalue())
+
+
+_STAND_INS: dict[
+    tuple[str, bool], Path
+] = {}  # one stand-in a packaged model a process: the same seed makes the same folder
+
+
+def stand_in_for(model: str, folder: Path, same_family: bool = False) -> Path:
+    """A random two-layer stand-in for a packaged LM (`smollm2-135m`, `gemma3-270m`) with its tokenizer, built in
+    `folder` the first time (tests/lm_references.py build_tokenizer_lm) and the same folder after: Gemma 3's
+    tokenizer (262,144 tokens) takes seconds to load and to save, and the runner loads a folder's tokenizer once a
+    process. `same_family`: the model's own architecture, two layers (Gemma 3's norms after each branch)."""
+    from runner.models.packaged_lm import converted_folder
+    from tests.lm_references import build_tokenizer_lm
+
+    key = (model, same_family)
+    if key not in _STAND_INS:
+        _STAND_INS[key] = build_tokenizer_lm(converted_folder(model), folder, same_family=same_family)
+    return _STAND_INS[key]
 
 
 class SharedActivation(nn.Module):
@@ -218,3 +239,54 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
 
     monkeypatch.setattr(subprocess, "Popen", _NoSubprocess)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_worker)
+
+
+# ---- where the suite's time goes, and its budget ---------------------------------------------------------------------
+# Each run of the suite ends with its wall time, the seconds its workers spent (the CPU time it takes on a machine of
+# that many cores) and the files that took most, and keeps every file's seconds in pytest's cache
+# (`.pytest_cache/v/runner/seconds_by_file`) for the next look at where the time goes. RUNNER_SUITE_BUDGET_S=600 makes a
+# whole-suite run that took longer a failure (the budget the project holds the suite to on two cores).
+_SUITE_STARTED = time.perf_counter()
+_SECONDS_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    """No selection: every test of testpaths, every tier."""
+    args = [a for a in config.args if a.rstrip("/") not in ("tests", str(Path(__file__).parent))]
+    return not args and not config.getoption("keyword") and not config.getoption("markexpr")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or not _SECONDS_BY_FILE:  # an xdist worker: the controller sums
+        return
+    if getattr(session.config, "cache", None) is not None:  # -p no:cacheprovider: nothing kept
+        session.config.cache.set(
+            "runner/seconds_by_file", dict(sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1]))
+        )
+    budget = os.environ.get("RUNNER_SUITE_BUDGET_S")
+    wall = time.perf_counter() - _SUITE_STARTED
+    if budget and _whole_suite(session.config) and wall > float(budget) and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.config._suite_over_budget = (wall, float(budget))  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not _SECONDS_BY_FILE:
+        return
+    wall = time.perf_counter() - _SUITE_STARTED
+    spent = sum(_SECONDS_BY_FILE.values())
+    top = sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])[:8]
+    terminalreporter.write_line(
+        f"suite: {wall:.0f} s wall, {spent:.0f} worker-seconds; most: "
+        + ", ".join(f"{Path(p).name} {s:.0f}" for p, s in top)
+    )
+    over = getattr(config, "_suite_over_budget", None)
+    if over:
+        terminalreporter.write_line(
+            f"suite over its budget: {over[0]:.0f} s wall > RUNNER_SUITE_BUDGET_S={over[1]:.0f}", red=True
+        )

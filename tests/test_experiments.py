@@ -13,11 +13,10 @@ import runner.app as app
 import runner.models
 from runner.hooks import count_hooks
 from runner.models.embedded import EMBEDDED
-from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import SHIPPED_LM
-from tests.conftest import CONF, make_config
+from tests.conftest import CONF, make_config, stand_in_for
 from tests.devices import DEVICE_PARAMS
-from tests.lm_references import build_tokenizer_lm, build_word_lm, prompt_words
+from tests.lm_references import build_word_lm, prompt_words
 
 SMOLLM2 = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
@@ -104,11 +103,9 @@ def offline(name: str, folder: Path) -> list[str]:
     if model in (EMBEDDED, SHIPPED_LM):
         return []
     if model == SMOLLM2:
-        stand_in = build_tokenizer_lm(converted_folder(SMOLLM2), folder)
-        return [f"model.name={stand_in}", "data.keep=all", *STAND_IN_PATHS.get(name, [])]
+        return [f"model.name={stand_in_for(SMOLLM2, folder)}", "data.keep=all", *STAND_IN_PATHS.get(name, [])]
     if model == GEMMA3:
-        stand_in = build_tokenizer_lm(converted_folder(GEMMA3), folder, same_family=True)
-        return [f"model.name={stand_in}", "data.keep=all"]
+        return [f"model.name={stand_in_for(GEMMA3, folder, same_family=True)}", "data.keep=all"]
     if config.model.source == "hf_lm":
         return [f"model.name={build_word_lm(prompt_words(config.data), folder)}"]
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]

@@ -450,3 +450,47 @@ def test_the_lm_log_line_names_the_models_own_type_and_the_layout_it_runs_throug
         build_model(make_config("model=hf_lm", f"model.name={folder}").model)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"model {folder}: ")]
     assert len(lines) == 1 and lines[0].startswith(f"model {folder}: qwen2 (llama's layout), 2 layers"), lines
+
+
+def test_a_folders_tokenizer_loads_once_a_process_until_its_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second load of a folder's tokenizer reads nothing; each caller gets its own copy (its settings its own);
+    a file of the folder rewritten is loaded again."""
+    import shutil
+
+    from runner.models import hf_lm
+
+    folder = tmp_path / "lm"
+    shutil.copytree(hf_lm.shipped_folder(), folder)
+    loads = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k)
+    )
+    first = hf_lm.load_tokenizer(transformers, str(folder))
+    second = hf_lm.load_tokenizer(transformers, str(folder))
+    assert len(loads) == 1 and first is not second
+    side = first.padding_side
+    second.padding_side = "right" if side == "left" else "left"
+    assert first.padding_side == side
+    assert first("a b a")["input_ids"] == second("a b a")["input_ids"] == original(str(folder))("a b a")["input_ids"]
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"model_max_length": 64', '"model_max_length": 7'))
+    third = hf_lm.load_tokenizer(transformers, str(folder))
+    assert len(loads) == 2 and third.model_max_length == 7
+
+
+def test_finite_weights_are_told_from_nan_and_infinity_and_an_overflowing_sum() -> None:
+    from runner.models.hf_lm import _finite
+
+    def model(*values: float, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        net = torch.nn.Linear(len(values), 1, bias=False)
+        net.weight.data = torch.tensor([values], dtype=dtype)
+        return net
+
+    assert _finite(model(1.0, -2.0))
+    assert not _finite(model(1.0, float("nan")))
+    assert not _finite(model(float("inf"), float("-inf")))
+    assert _finite(model(60000.0, 60000.0, dtype=torch.float16))  # the sum overflows; every value is finite
+    assert not _finite(model(60000.0, float("inf"), dtype=torch.float16))
