@@ -5,8 +5,9 @@ header comments, and their Python snippets that read results, run against real t
 
 A command runs in a scratch working directory (its `outputs/`, the user's files of the README's placeholders) with
 `debug=tiny light=true` appended to every run (32 px, two samples; a language-model method made light as debug=light
-makes it: a real model's run checks the wiring on its real weights, not the figures) and its own output folder, in this process where the CLI
-allows (tests/conftest.py::run_cli; a subprocess costs 5-8 s). Placeholders map to files built here offline
+makes it: a real model's run checks the wiring on its real weights, not the figures; a command whose experiment
+another command already runs on the real model runs on a stand-in, `STAND_IN`) and its own output folder, in this
+process where the CLI allows (tests/conftest.py::run_cli; a subprocess costs 5-8 s). Placeholders map to files built here offline
 (`PLACEHOLDERS`, one comment each). A command that needs what this machine cannot have (weights from a hub) must
 stop with the runner's own one-line message and exit 2 (`OFFLINE`); a command with no runner code to test
 (`pip install`, a SLURM launcher, a benchmark) is listed with its reason (`NOT_RUN`). Every command of those files is
@@ -33,7 +34,7 @@ from unittest import mock
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, stand_in_for
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -225,6 +226,17 @@ NOT_RUN = {
 }  # fmt: skip
 
 
+# Commands that run what another command already runs on the real packaged model: their real-model run is that one
+# (each experiment's and method's once), and here a random two-layer stand-in with the model's tokenizer checks their
+# wiring (tests/conftest.py stand_in_for; tests/test_experiments.py runs every experiment so).
+STAND_IN = {
+    "python -m runner experiment=ioi_smollm2 debug=light": "README.md's `experiment=ioi_smollm2` runs it on SmolLM2",
+    "python -m runner model=hf_lm model.name=smollm2-135m data=ioi method=lm_dla":
+        "README.md's `experiment=ioi_dla_smollm2` runs lm_dla on SmolLM2's IOI pairs",
+}  # fmt: skip
+STAND_IN_MODEL = "smollm2-135m"
+
+
 class Workspace:
     """The scratch working directory the commands run in, with the files the README's placeholders name."""
 
@@ -399,6 +411,9 @@ class Workspace:
             given = f"outputs/{'multirun/' if sweep else ''}readme-{number:02d}"
             extra.append(f"{key}={given}")
         self.outputs[command] = self.root / given
+        if command in STAND_IN:
+            stand_in = f"model.name={stand_in_for(STAND_IN_MODEL, self.root / 'stand-in')}"
+            args = [a for a in args if a != f"model.name={STAND_IN_MODEL}"] + [stand_in, "data.keep=all"]
         return [*args, *extra]
 
 
@@ -555,6 +570,7 @@ def test_every_readme_command_is_run_or_listed_with_a_reason() -> None:
     keys = [s.key for s in SNIPPETS]
     assert not [k for k in NOT_RUN if offline_message(k)]
     stale = [k for k in NOT_RUN if k not in keys] + [p for p in OFFLINE if not any(re.fullmatch(p, k) for k in keys)]
+    stale += [k for k in STAND_IN if k not in keys or k in NOT_RUN]
     assert not stale, f"listed but not in README.md or docs/*.md (any more): {stale}"
     text = documents_text()
     unused = [p for p, _ in PLACEHOLDERS if p not in text] + [c for c in PREREQUISITES if c not in keys]
@@ -612,6 +628,8 @@ def test_readme_command_runs_as_written(snippet: Snippet, workspace: Workspace) 
 
 def check_output(command: str, done: subprocess.CompletedProcess, ws: Workspace, said: str) -> None:
     """What some commands must show or write beyond exit 0."""
+    if command in STAND_IN:  # the stand-in ran, not the real model
+        assert f"name: {ws.root / 'stand-in'}\n" in (ws.outputs[command] / ".hydra" / "config.yaml").read_text(), said
     if command.startswith("runner layers"):  # the selection the README says it marks, with no error line
         assert "\nSelection: " not in done.stdout, said
         assert "layers.include" not in command or " 0 selected" not in done.stdout, said
