@@ -28,8 +28,10 @@ test: $(VENV)/.installed
 	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 $(ARGS)
 
-# The unit tier: no test marked slow (a process started, the CLI or a whole experiment run, over about a second);
-# a test that starts a process fails here (tests/conftest.py). Under two minutes on two cores.
+# The unit tier: no test marked slow (the CLI or a whole experiment run, over about a second), so none marked process
+# (starts a process) or real_model (loads SmolLM2's or Gemma 3's weights), which are slow too; a test that starts a
+# process or loads a real model unmarked fails in every tier (tests/conftest.py). `make test ARGS='-m "not process and
+# not real_model"'` runs everything else. Under two minutes on two cores.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow" $(ARGS)
 

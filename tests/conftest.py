@@ -205,40 +205,93 @@ def simulate_oom(monkeypatch: pytest.MonkeyPatch):
     return apply
 
 
-# ---- the fast tier (`make test-fast`, -m "not slow") starts no process ------------------------------------------------
-# A test that starts one must be marked slow; here it fails in the fast tier instead of silently slowing it. Git is
-# allowed: every run records its commit (runner/provenance.py asks git, milliseconds).
-ALLOWED_IN_FAST_TIER = {"git"}
+# ---- markers that say what a test costs, checked --------------------------------------------------------------------
+# `process`: the test starts a process (a subprocess, a launcher's workers, torchrun ranks): seconds each for the
+# interpreter and torch. `real_model`: it loads a packaged pretrained LM's weights (SmolLM2-135M, Gemma 3 270M). Both
+# are slow too, so `make test-fast` (-m "not slow") leaves them out; `-m "not process and not real_model"` leaves out
+# only them. A test that does either unmarked fails, in every tier, saying which marker it lacks: the markers cannot
+# go stale. Git is not a process here: every run records its commit (runner/provenance.py asks git, milliseconds).
+ALLOWED_PROCESSES = {"git"}
+REAL_MODEL_PARAMETERS = 50_000_000  # SmolLM2-135M, Gemma 3 270M; the shipped induction model and stand-ins: < 1M
 
 
-def _deselects_slow(config: pytest.Config) -> bool:
-    return "not slow" in (config.getoption("markexpr") or "")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("process") or item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
 
 
-def _refuse(what: str) -> None:
-    pytest.fail(f"{what} in the fast tier (-m 'not slow'): mark the test @pytest.mark.slow", pytrace=False)
+_RUNNING: list[pytest.Item] = []  # the test being set up, run or torn down (its fixtures' work is its own)
 
 
-class _NoSubprocess(subprocess.Popen):
-    def __init__(self, args, *rest, **kwargs) -> None:  # noqa: ANN001
-        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-        program = Path(os.fsdecode(argv[0]).split()[0]).name if argv else ""
-        if program not in ALLOWED_IN_FAST_TIER:
-            _refuse(f"this test started a subprocess ({' '.join(map(os.fsdecode, argv))[:200]})")
-        super().__init__(args, *rest, **kwargs)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _RUNNING.append(item)
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not _deselects_slow(request.config):
+def _unmarked(marker: str, what: str) -> None:
+    """Fail the running test unless it has `marker` (outside a test, as in collection, nothing is checked)."""
+    if not _RUNNING or _RUNNING[-1].get_closest_marker(marker):
         return
+    if os.environ.get("RUNNER_RECORD_MARKERS"):  # a survey of the suite: each unmarked test, in a file
+        with open(os.environ["RUNNER_RECORD_MARKERS"], "a") as record:
+            record.write(f"{marker} {_RUNNING[-1].nodeid}\n")
+        return
+    pytest.fail(f"{what}: mark the test @pytest.mark.{marker}", pytrace=False)
+
+
+# Test modules import this file as tests.conftest, a second module beside pytest's conftest: the checks are installed
+# once, by the first (whose hooks pytest calls, so whose _RUNNING is the test's).
+def _check_processes() -> None:
     import multiprocessing.process
 
-    def no_worker(self: multiprocessing.process.BaseProcess) -> None:
-        _refuse(f"this test started a worker process ({type(self).__name__})")
+    if getattr(subprocess.Popen, "checks_markers", False):
+        return
 
-    monkeypatch.setattr(subprocess, "Popen", _NoSubprocess)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_worker)
+    class Checked(subprocess.Popen):
+        checks_markers = True
+
+        def __init__(self, args, *rest, **kwargs) -> None:  # noqa: ANN001
+            argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+            program = Path(os.fsdecode(argv[0]).split()[0]).name if argv else ""
+            if program not in ALLOWED_PROCESSES:
+                _unmarked("process", f"this test started a process ({' '.join(map(os.fsdecode, argv))[:200]})")
+            super().__init__(args, *rest, **kwargs)
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def checked_start(self: multiprocessing.process.BaseProcess) -> None:
+        _unmarked("process", f"this test started a worker process ({type(self).__name__})")
+        start(self)
+
+    subprocess.Popen = Checked  # type: ignore[misc]
+    multiprocessing.process.BaseProcess.start = checked_start  # type: ignore[method-assign]
+
+
+def _check_real_models() -> None:
+    """A language model of more than REAL_MODEL_PARAMETERS built with its saved weights through the runner."""
+    from runner.models.hf_lm import HfLmSource
+
+    build = HfLmSource.build
+    if getattr(build, "checks_markers", False):
+        return
+
+    def checked_build(self: HfLmSource, cfg: Any) -> Any:
+        bundle = build(self, cfg)
+        if cfg.weights is not None and sum(p.numel() for p in bundle.model.parameters()) > REAL_MODEL_PARAMETERS:
+            _unmarked("real_model", f"this test loaded {cfg.name}'s weights")
+        return bundle
+
+    checked_build.checks_markers = True  # type: ignore[attr-defined]
+    HfLmSource.build = checked_build  # type: ignore[method-assign]
+
+
+_check_processes()
+_check_real_models()
 
 
 # ---- where the suite's time goes, and its budget ---------------------------------------------------------------------

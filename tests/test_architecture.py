@@ -76,6 +76,7 @@ def test_annotations_under_type_checking_do_not_count(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_the_script_exits_1_on_a_cycle_and_0_on_main(tmp_path: Path) -> None:
     clean = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert clean.returncode == 0 and "0 cycles" in clean.stdout and "0 problems" in clean.stdout

@@ -31,6 +31,7 @@ def process_cli(*args: str) -> subprocess.CompletedProcess:
 cli = run_cli  # in this process: see the module docstring
 
 
+@pytest.mark.process
 def test_gradcam_vgg16_writes_parquet_and_says_where(tmp_path: Path) -> None:
     done = process_cli(*SMALL_VGG, f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr
@@ -87,6 +88,7 @@ def test_config_errors_exit_2_at_start(tmp_path: Path, override: str, message: s
         ("model.name=vgg61", "Unknown model 'vgg61'"),  # the runner's RunnerError
     ],
 )
+@pytest.mark.process
 def test_bad_input_exits_2_in_a_real_process(tmp_path: Path, override: str, message: str) -> None:
     """The same as the in-process tests above, through the process boundary."""
     assert_one_clear_error(process_cli(*SMALL_VGG, override, f"hydra.run.dir={tmp_path}"), tmp_path, message)

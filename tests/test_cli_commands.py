@@ -90,6 +90,7 @@ def test_help_names_the_groups_their_options_and_the_commands(capsys: pytest.Cap
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -> None:
     ours = subprocess.run([sys.executable, "-m", "runner", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ours.returncode == 0 and "Config groups" in ours.stdout
@@ -98,6 +99,7 @@ def test_python_m_runner_help_is_ours_and_hydra_help_is_hydras(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_console_entry_point_exists_and_runs() -> None:
     (entry,) = entry_points(group="console_scripts", name="runner")
     assert entry.value == "runner.commands.cli:main" and entry.load() is cli.main
@@ -114,6 +116,7 @@ def test_unknown_subcommand_like_word_is_a_hydra_override_error() -> None:
 
 # ---- start-up without torch ---------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.process
 def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
     for argv in (["--help"], ["ls", str(tmp_path)]):
         done = probe(*argv, cache=tmp_path)
@@ -122,6 +125,7 @@ def test_help_and_ls_do_not_import_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_cfg_job_composes_against_the_real_schemas_without_torch(tmp_path: Path) -> None:
     args = ["--cfg", "job", "experiment=patching_effnet", "method.patching.top_k=3", "data.batch_size=3"]
     done = probe(*args, cache=tmp_path)
@@ -139,6 +143,7 @@ def test_cfg_job_composes_against_the_real_schemas_without_torch(tmp_path: Path)
         ("method=scorecam method.score_chunk=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
     ],
 )
+@pytest.mark.process
 def test_cfg_job_refuses_with_the_option_schemas_without_torch(tmp_path: Path, override: str, message: str) -> None:
     """The schemas `--cfg job` composes with are the options' own classes (no snapshot, no torch)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

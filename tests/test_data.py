@@ -252,6 +252,7 @@ print(resident_mb("VmHWM") - before)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resize", ["pad", "none"])
+@pytest.mark.process
 def test_an_8000_px_jpeg_is_never_decoded_or_made_float_at_full_size(tmp_path: Path, resize: str) -> None:
     """Peak memory (the process's peak resident size) of checking and reading an 8000 x 8000 JPEG at 224 px: decoded
     in full it is 256 MB in PIL, as a float tensor 768 MB (measured: pad 2.1 GB, none 0.49 GB); decoded at 1/8 scale

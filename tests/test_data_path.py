@@ -206,6 +206,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / (t.
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="ru_maxrss in KiB: Linux")
+@pytest.mark.process
 def test_stats_add_far_less_memory_than_the_tensor() -> None:
     """A fresh process's peak resident memory: a float64 copy of the tensor would add 2x its size, bounded
     chunks add a fixed ~20 MiB."""

@@ -115,6 +115,7 @@ def test_distributed_timeout_must_be_positive(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_torchrun_pictures_of_every_rank_go_to_the_shared_directory(tmp_path: Path) -> None:
     """Each rank's own Hydra run dir differs here (as timestamped ones may by a second): every rank's pictures must
     land in rank 0's directory, beside the tables, and rank 1's own directory gets none."""

@@ -45,6 +45,7 @@ def table(out: Path, name: str) -> pd.DataFrame:
     return pd.concat([pd.read_parquet(p) for p in sorted((out / f"{name}.parquet").glob("part-*.parquet"))])
 
 
+@pytest.mark.process
 def test_every_example_adds_only_new_files_and_keeps_the_import_contract(tmp_path: Path) -> None:
     examples = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
     assert set(examples) == {"cam_variant", "metric", "model_source", "data_source", "target"}
@@ -55,6 +56,7 @@ def test_every_example_adds_only_new_files_and_keeps_the_import_contract(tmp_pat
         assert checked.returncode == 0, checked.stdout
 
 
+@pytest.mark.process
 def test_a_cam_variant_is_a_rule_class(tmp_path: Path) -> None:
     scratch = scratch_with("cam_variant", tmp_path)
     done = run(scratch, "method=gradcam_positive", out=tmp_path / "out")
@@ -65,6 +67,7 @@ def test_a_cam_variant_is_a_rule_class(tmp_path: Path) -> None:
     assert composed.returncode == 2 and "store_map" in composed.stderr  # its schema is CamConfig's, checked
 
 
+@pytest.mark.process
 def test_a_metric_with_its_own_setting(tmp_path: Path) -> None:
     scratch = scratch_with("metric", tmp_path)
     done = run(scratch, "experiment=top_mass_effnet", out=tmp_path / "out")
@@ -77,6 +80,7 @@ def test_a_metric_with_its_own_setting(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "fractoin" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.process
 def test_a_model_source_with_its_own_setting(tmp_path: Path) -> None:
     scratch = scratch_with("model_source", tmp_path)
     repo = tmp_path / "hub"
@@ -98,6 +102,7 @@ def test_a_model_source_with_its_own_setting(tmp_path: Path) -> None:
     assert isinstance(TinyNet(3), torch.nn.Module)
 
 
+@pytest.mark.process
 def test_a_data_source_in_its_own_module(tmp_path: Path) -> None:
     scratch = scratch_with("data_source", tmp_path)
     done = run(scratch, "data=checkerboards", "data.squares=4", "data.count=3", "data.limit=null", out=tmp_path / "out")
@@ -109,6 +114,7 @@ def test_a_data_source_in_its_own_module(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "data.squares=0" in bad.stderr
 
 
+@pytest.mark.process
 def test_a_target_with_its_own_setting(tmp_path: Path) -> None:
     scratch = scratch_with("target", tmp_path)
     scores = {}

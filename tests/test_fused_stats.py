@@ -134,6 +134,7 @@ def test_compile_failure_falls_back_to_eager_and_logs_once(
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_compiled_fused_stats_equal_the_eager_ones() -> None:
     """Under torch.compile (Inductor's CPU backend here, Triton on CUDA) the same values, two dtypes and shapes."""
     import runner.fused_stats as fs

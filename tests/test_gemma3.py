@@ -22,7 +22,7 @@ from runner.options.model.hf_lm import PACKAGED_LMS
 from tests.lm_references import tl_bridge
 from tests.test_packaged_lm import IOI, IOI_PAIRS, packaged_ioi
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]  # every test reads the real model
 
 GEMMA3 = "gemma3-270m"
 LAYERS = [0, 8, 9, 17]  # first, a pair of neighbours (resid_post(8) = resid_pre(9)), last

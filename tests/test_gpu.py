@@ -284,6 +284,7 @@ def test_out_of_memory_halves_the_batch_and_gives_the_same_table(
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_cli_default_run_exits_0_and_leaves_no_hook(tmp_path: Path, device: str) -> None:
     env = {
         **os.environ,

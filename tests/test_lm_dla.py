@@ -194,6 +194,7 @@ def test_dla_does_not_change_with_batching_or_padding(gpt2) -> None:  # type: ig
 
 # ---- the CLI -------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_the_cli_run_names_the_name_mover_like_writers(tmp_path: Path) -> None:
     done = run_cli("model=hf_lm", "model.name=smollm2-135m", "data=ioi", "data.limit=4", "method=lm_dla",
                    f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip

@@ -146,6 +146,7 @@ def test_attribution_topk_repatches_the_cells_that_carry_the_effect(pairs, shipp
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_training_script_is_deterministic(tmp_path: Path):
     """A short run of scripts/train_induction_lm.py writes a loadable folder, and the same command the same weights."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_induction_lm.py"

@@ -407,6 +407,7 @@ def _next_logits(model, tokenizer, prompt: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_has_its_published_shape(smollm2) -> None:
     model, _ = smollm2
     config = model.config
@@ -418,6 +419,7 @@ def test_smollm2_has_its_published_shape(smollm2) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_knows_the_capital_of_france(smollm2) -> None:
     model, tokenizer = smollm2
     logits = _next_logits(model, tokenizer, "The capital of France is")
@@ -425,6 +427,7 @@ def test_smollm2_knows_the_capital_of_france(smollm2) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_prefers_the_indirect_object(smollm2) -> None:
     model, tokenizer = smollm2
     for prompt, answer, distractor in IOI:
@@ -448,6 +451,7 @@ BF16_TOLERANCE = 0.1
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_patched_metrics_from_bfloat16_weights_agree_with_float32(smollm2) -> None:
     from runner.methods.lm_patching import lm_activation_patching
 

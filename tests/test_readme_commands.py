@@ -217,6 +217,7 @@ NOT_RUN = {
     "make docs": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs the generator in-process)",
     "python scripts/gen_reference.py": "rewrites the checkout's docs/reference/ (tests/test_reference_docs.py runs it)",
     "make test-fast": "the suite's unit tier (this file is in the full tier)",
+    "make test ARGS='-m \"not process and not real_model\"'": "the suite less two markers (this file is marked both)",
     "make lint": "ruff and the import-graph check (tests/test_architecture.py runs the check on this tree and on broken copies)",
     "scripts/check_imports.py": "the import-graph check (tests/test_architecture.py runs it)",
     "python -m runner experiment=top_mass_effnet": EXTENDED,
@@ -609,6 +610,8 @@ RUN = [s for s in SNIPPETS if s.key not in NOT_RUN]
 # A snippet reads what an earlier command wrote in the module's workspace (the Python after a run reads its folder):
 # under pytest-xdist the cases must stay on one worker, in README order (`make test` passes --dist loadfile).
 @pytest.mark.parametrize("snippet", RUN, ids=[s.where for s in RUN])
+@pytest.mark.process
+@pytest.mark.real_model
 def test_readme_command_runs_as_written(snippet: Snippet, workspace: Workspace) -> None:
     if snippet.kind == "python":
         run_snippet(snippet, workspace)

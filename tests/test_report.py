@@ -251,6 +251,7 @@ def screenshot(page: Path, shot: Path, browser: str, profile: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_page_renders_in_headless_chromium(cam_run: Path, tmp_path: Path) -> None:
     """The page in a real browser: not blank, and nothing wider than the 1280 px window (no sideways scrolling:
     the right edge is the page's background)."""

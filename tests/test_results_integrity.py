@@ -109,6 +109,7 @@ def test_a_second_writer_is_refused_in_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_two_writers_on_one_folder_second_refused_first_intact(tmp_path: Path) -> None:
     run, hold = tmp_path / "run", tmp_path / "hold"
     hold.touch()
@@ -265,6 +266,7 @@ def test_parts_no_manifest_lists_are_not_read_and_are_replaced_on_resume(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_manifest_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path)
     (tmp_path / "manifest.json").write_text('{"shards": {"0": ')
@@ -364,6 +366,7 @@ def test_the_command_ls_gives_for_a_damaged_manifest_redoes_the_run(finished_run
 
 # ---- live runs, SIGTERM, a second Ctrl-C ------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_live_run_reads_with_pandas_pyarrow_and_duckdb_and_sigterm_stops_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # Pictures drawn (a run's default): their second or so a batch keeps the run live while the test reads it.
@@ -396,6 +399,7 @@ def test_a_live_run_reads_with_pandas_pyarrow_and_duckdb_and_sigterm_stops_it(tm
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
     run = tmp_path / "run"
     process = cli(*SLEEPY, f"hydra.run.dir={run}", wait=False)
@@ -411,6 +415,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_kill_9_then_resume_with_a_noise_hook_equals_uninterrupted(tmp_path: Path) -> None:
     noisy = [*SLOW, "hooks=[{kind: forward, action: add_noise, std: 0.5, layers: [features.0]}, {kind: forward, layers: [features.2]}]"]  # fmt: skip
     killed = tmp_path / "killed"
@@ -451,6 +456,7 @@ def test_oom_split_halves_keep_their_own_sidecar_tensors(tmp_path: Path, simulat
 
 # ---- the resume key -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.process
 def test_overwritten_checkpoint_is_not_resumed(tmp_path: Path) -> None:
     checkpoint = tmp_path / "weights.pt"
     torch.manual_seed(1)
@@ -563,6 +569,7 @@ def test_sidecar_disk_full_is_one_clear_error(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_run_dir_that_is_a_file_or_read_only_is_one_clear_error(tmp_path: Path) -> None:
     file = tmp_path / "file"
     file.write_text("")

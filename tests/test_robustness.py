@@ -94,6 +94,7 @@ def test_patching_pair_of_another_shape_is_refused() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_ctrl_c_stops_after_the_batch_and_resumes(tmp_path: Path) -> None:
     args = [*TINY, "model._target_=tests.nets.SlowNet", "data.count=12", "data.batch_size=2",
             "output.shard_batches=1", "progress=false", "method.pictures=false", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
@@ -144,6 +145,7 @@ def peak_rss_kib(count: int, out: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_memory_stays_flat_over_ten_times_the_samples(tmp_path: Path) -> None:
     small = peak_rss_kib(80, tmp_path / "small")
     large = peak_rss_kib(800, tmp_path / "large")

@@ -340,6 +340,7 @@ class NoisyNet(TinyNet):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_bar_warnings_and_last_lines_in_a_real_process(tmp_path: Path) -> None:
     """A real process's stderr: the bar moves per batch, a warning and a log line from mid-run each get a line of
     their own (not glued to the bar's), and the last lines say how to open the report and load the tables."""

@@ -48,6 +48,7 @@ def comparable(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values(["sample", "layer", "call", "target_rank"]).reset_index(drop=True)
 
 
+@pytest.mark.process
 def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
     done = cli(
         "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "data.count=6",
@@ -76,6 +77,7 @@ def test_joblib_sweep_reads_back_as_one_table(tmp_path: Path) -> None:
     assert "0 to run here" in again.stderr
 
 
+@pytest.mark.process
 def test_a_joblib_worker_computes_what_a_plain_run_does(tmp_path: Path) -> None:
     """joblib's workers get one thread from their launcher; the run sets its own count (the CPUs it may use), so a sweep's job
     and a plain run of the same config write equal tables, and a resume under either launcher is consistent."""
@@ -92,6 +94,7 @@ def test_a_joblib_worker_computes_what_a_plain_run_does(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(comparable(job), comparable(single), check_exact=True)  # overrides aside
 
 
+@pytest.mark.process
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     slow = [
         *TINY,
@@ -126,6 +129,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(got, expected)
 
 
+@pytest.mark.process
 def test_torchrun_two_ranks_equal_one_process(tmp_path: Path) -> None:
     args = [*TINY, "data.count=10", "data.batch_size=2", "output.shard_batches=1"]
     single = cli(*args, f"hydra.run.dir={tmp_path / 'single'}")
@@ -165,6 +169,7 @@ JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
     [([], "group"), (JOBLIB, "group"), (JOBLIB, "main")],
     ids=["basic-group", "joblib-group", "joblib-main-only"],
 )
+@pytest.mark.process
 def test_sigterm_stops_a_sweep_with_one_resume_command(tmp_path: Path, launcher: list[str], to: str) -> None:
     """SIGTERM to the whole process group (timeout, SLURM) or to the sweep's process alone (docker stop): the
     sweep stops with one line, which calls it interrupted and gives the one command that resumes it; no worker

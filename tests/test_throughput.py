@@ -62,6 +62,7 @@ def test_channels_last_gives_the_same_maps(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_workers_give_the_same_rows(tmp_path: Path) -> None:
     app.run(make_config(*TINY), tmp_path / "a")
     app.run(make_config(*TINY, "data.num_workers=2", "data.prefetch_factor=2"), tmp_path / "b")

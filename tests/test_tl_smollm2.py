@@ -26,7 +26,7 @@ from runner.models.lm_sites import layout_of
 from tests.lm_references import HEAD_SITES, capture_all, patched_metric, rank_correlations, tl_bridge
 from tests.test_packaged_lm import IOI_PAIRS, SMOLLM2, packaged_ioi
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]  # every test reads the real model
 
 LAYERS = [0, 20, 29]  # first, where the IOI information moves (docs/language_models.md), last
 S2, LAST = 10, 14  # positions (BOS = 0): the subject's second mention, the last token

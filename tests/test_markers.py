@@ -1,0 +1,56 @@
+"""The markers that say what a test costs (tests/conftest.py): a test that starts a process or loads a real model
+without its marker fails, naming the marker, before the process starts; git is allowed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+
+import pytest
+
+from tests.conftest import make_config
+
+
+def test_an_unmarked_test_that_starts_a_process_fails_naming_the_marker() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"started a process \(true\): mark the test @pytest.mark.process"):
+        subprocess.run(["true"], check=True)
+    with pytest.raises(pytest.fail.Exception, match="started a worker process.*@pytest.mark.process"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    assert subprocess.run(["git", "--version"], capture_output=True, text=True).stdout.startswith("git version")
+
+
+@pytest.mark.process
+def test_a_marked_test_starts_its_process() -> None:
+    assert subprocess.run(["true"]).returncode == 0
+
+
+def test_an_unmarked_test_that_loads_a_real_model_fails_naming_the_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped induction model counts as real here, with the threshold below its size."""
+    from runner.models import build_model
+    from runner.models.hf_lm import HfLmSource
+
+    # the check pytest's conftest installed (this module imports the file again, as tests.conftest)
+    monkeypatch.setitem(HfLmSource.build.__globals__, "REAL_MODEL_PARAMETERS", 1000)
+    with pytest.raises(
+        pytest.fail.Exception, match="loaded induction's weights: mark the test @pytest.mark.real_model"
+    ):
+        build_model(make_config("model=hf_lm").model)
+    assert build_model(make_config("model=hf_lm", "model.weights=null").model)  # random weights: not a real model
+
+
+def test_process_and_real_model_tests_are_slow_too() -> None:
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, *names: str) -> None:
+            self.names = list(names)
+
+        def get_closest_marker(self, name: str) -> str | None:
+            return name if name in self.names else None
+
+        def add_marker(self, mark: pytest.MarkDecorator) -> None:
+            self.names.append(mark.name)
+
+    items = [Item("process"), Item("real_model"), Item(), Item("slow")]
+    pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [bool(i.get_closest_marker("slow")) for i in items] == [True, True, False, True]
