@@ -234,6 +234,7 @@ def test_the_store_is_registered_once_and_shared_not_copied_per_composition() ->
     """Hydra deep-copies its config repository once per composition (125 times for `--hydra-help`); the ConfigStore
     rides along unless shared. Shared, a node the store hands out is still Hydra's own copy."""
     import copy
+    import pickle
     from unittest import mock
 
     from hydra.core.config_store import ConfigStore
@@ -242,6 +243,8 @@ def test_the_store_is_registered_once_and_shared_not_copied_per_composition() ->
 
     store = ConfigStore.instance()
     assert copy.deepcopy(store) is store
+    sent = pickle.loads(pickle.dumps(store))  # as a launcher sends it to its workers: still shared, not copied
+    assert copy.deepcopy(sent) is sent and sent.repo.keys() == store.repo.keys()
     with mock.patch.object(store, "store", wraps=store.store) as stored:
         register_configs()  # conftest registered the same schemas
     assert stored.call_count == 0

@@ -5,6 +5,7 @@ Imports no torch: `--cfg job` and `--help` compose against these real schemas.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import fields
 from typing import Any
@@ -44,7 +45,12 @@ def _share_the_store(store: ConfigStore) -> None:
     `--hydra-help`: 125 times), and the ConfigStore singleton with it: 0.07 s a copy with these schemas, 9 s of
     `runner --hydra-help`. The copy guards the repository's search path, not the store, whose `load` copies
     each node it hands out; the singleton is shared as it is."""
-    store.__deepcopy__ = lambda memo: store  # type: ignore[attr-defined]  # copy.deepcopy looks on the instance
+    # copy.deepcopy looks on the instance; a partial of a module function pickles (launchers send the store)
+    store.__deepcopy__ = functools.partial(_itself, store)  # type: ignore[attr-defined]
+
+
+def _itself(store: ConfigStore, memo: dict) -> ConfigStore:
+    return store
 
 
 def _with_open_dicts(schema: type) -> DictConfig:
