@@ -1,12 +1,15 @@
-"""The markers that say what a test costs (tests/conftest.py): a test that starts a process or loads a real model
-without its marker fails, naming the marker, before the process starts; git is allowed."""
+"""The suite's own rules (tests/conftest.py): a test that starts a process or loads a real model without its marker
+fails, naming the marker, before the process starts (git is allowed); each pytest-xdist worker computes on its own
+share of the CPUs, one torch thread per CPU of it."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 
 import pytest
+import torch
 
 from tests.conftest import make_config
 
@@ -54,3 +57,20 @@ def test_process_and_real_model_tests_are_slow_too() -> None:
     items = [Item("process"), Item("real_model"), Item(), Item("slow")]
     pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
     assert [bool(i.get_closest_marker("slow")) for i in items] == [True, True, False, True]
+
+
+def test_each_xdist_worker_computes_on_its_share_of_the_cpus_one_thread_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import _share_cpus_among_xdist_workers
+
+    given: dict = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: given.update(cpus=list(cpus)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: given.update(threads=n))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    _share_cpus_among_xdist_workers()
+    assert given == {"cpus": [1, 3], "threads": 2}
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "8")  # more workers than CPUs: one CPU each, shared
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw6")
+    _share_cpus_among_xdist_workers()
+    assert given == {"cpus": [1], "threads": 1}
