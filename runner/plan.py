@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,6 +21,7 @@ from runner.errors import RunnerError
 from runner.methods import method_class
 from runner.models import model_layout, model_skeleton, model_tokenizer
 from runner.models.check import available_bytes
+from runner.models.lm_sites import LanguageModelLayout
 from runner.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -57,26 +58,35 @@ def plans(config: RunConfig) -> bool:
     return hasattr(method_class(config.method), "memory_plan")
 
 
-def prepare(config: RunConfig) -> tuple[torch.nn.Module, Any]:
-    """What every plan of `config` and of its variants reads: the model on the meta device, and the data set (made
-    with the model's tokenizer; no weights load)."""
+class Prepared(NamedTuple):
+    """What every plan of a config and of its variants (batch, chunk, dtype) reads, made once: the model's layout
+    and the model on the meta device (from its config.json), the data set (made with its tokenizer)."""
+
+    layout: LanguageModelLayout
+    skeleton: torch.nn.Module
+    dataset: Any
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """The model's layout and meta-device model, and the data set, for `config`'s plans (no weights load)."""
     if not plans(config):
         raise RunnerError(f"method={config.method.name} has no memory plan: lm_edges plans its memory.")
-    if model_layout(config.model) is None:
+    layout = model_layout(config.model)
+    if layout is None:
         raise RunnerError("A memory plan is made for language models (model=hf_lm).")
     skeleton = model_skeleton(config.model)
     dataset = build_dataset(config.data, model_tokenizer(config.model), config.seed)
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise RunnerError("The data has no pairs: nothing to plan.")
-    return skeleton, dataset
+    return Prepared(layout, skeleton, dataset)
 
 
-def run_plan(config: RunConfig, device: torch.device, free: int | None = None, prepared: Any = None) -> RunPlan:
+def run_plan(
+    config: RunConfig, device: torch.device, free: int | None = None, prepared: Prepared | None = None
+) -> RunPlan:
     """The plan of `config` on `device` (`free`: its free bytes, read from the device when None); `prepared`: what
     `prepare(config)` gave (made here when None), shared by the plans of one config's variants."""
-    skeleton, dataset = prepare(config) if prepared is None else prepared
-    layout = model_layout(config.model)
-    assert layout is not None
+    layout, skeleton, dataset = prepare(config) if prepared is None else prepared
     dtype = getattr(torch, config.model.dtype) if hasattr(config.model, "dtype") else torch.float32
     if next(skeleton.parameters()).dtype != dtype:
         skeleton = copy.deepcopy(skeleton).to(dtype)  # on meta: no memory; the shared skeleton keeps its dtype
@@ -86,7 +96,7 @@ def run_plan(config: RunConfig, device: torch.device, free: int | None = None, p
     return RunPlan(method, device, free, str(dtype).removeprefix("torch."), config.data.batch_size)
 
 
-def fitting(config: RunConfig, plan: RunPlan, prepared: Any) -> list[str]:
+def fitting(config: RunConfig, plan: RunPlan, prepared: Prepared) -> list[str]:
     """Settings that fit where `plan` does not, each with its planned peak: the largest data.batch_size that
     fits, method.edges.gradient_memory at one layer, model.dtype=bfloat16."""
     assert plan.free is not None
