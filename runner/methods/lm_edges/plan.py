@@ -119,6 +119,7 @@ def edge_plan(
         hooks = EdgeRuns(skeleton, layout, graph, session)
         views = _meta_views(skeleton, hooks, b, t, grad=False)
         traced = _meta_views(skeleton, hooks, rows, t, grad=True) if runs else 0
+        whole_views = _meta_views(skeleton, hooks, shape.batch, t, grad=False) if evaluates else 0  # circuits' runs
         hooks.clear()
     edges = int(graph.count)
     counts = {"edges": edges, "units": edges * s, "writers": writers, "readers": readers, "layers": layers,
@@ -144,8 +145,7 @@ def edge_plan(
         ]))  # fmt: skip
     if evaluates:  # circuits over every pair of a batch: copy 0 and a copy per reader of a layer, per variant
         whole = shape.batch
-        with HookSession(skeleton, []) as session:
-            both = 2 * _meta_views(skeleton, EdgeRuns(skeleton, layout, graph, session), whole, t, grad=False)
+        both = 2 * whole_views
         copies = per_layer + 1
         variants = max(1, ROWS_PER_FORWARD // (copies * whole))
         one = variants * whole * t * width  # a (V, B, T, D) tensor's elements
