@@ -117,9 +117,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["python", "-m", "runner", *argv], returncode, out.getvalue(), err.getvalue())
 
 
-_STAND_INS: dict[
-    tuple[str, bool], Path
-] = {}  # one stand-in a packaged model a process: the same seed makes the same folder
+# One stand-in per packaged model and process: the same seed makes the same folder.
+_STAND_INS: dict[tuple[str, bool], Path] = {}
 
 
 def stand_in_for(model: str, folder: Path, same_family: bool = False) -> Path:
