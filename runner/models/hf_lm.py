@@ -146,8 +146,8 @@ class HfLmSource(ModelSource):
 
 def _finite(model: nn.Module) -> bool:
     """Whether every weight is finite (a pretrained model's are; a damaged file's may not be). A tensor whose sum is
-    finite holds no NaN or infinity (either makes the sum NaN or infinite): one read, no mask (1.3 -> 0.1 s for Gemma
-    3 270M on one core); only a sum that overflows is checked value by value."""
+    finite holds no NaN or infinity (either makes the sum NaN or infinite): one read, no mask (isfinite over Gemma 3
+    270M's weights took 1.3 s; benchmarks/RESULTS.md); only a sum that overflows is checked value by value."""
     return all(
         bool(torch.isfinite(p.sum())) or bool(torch.isfinite(p).all())
         for p in model.parameters()
@@ -168,7 +168,8 @@ def load_tokenizer(transformers: Any, name: str) -> Any:
     key = None
     if folder.is_dir():
         files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".jinja", ".model", ".txt"))
-        key = (str(folder.resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+        stats = [(p.name, p.stat()) for p in files]
+        key = (str(folder.resolve()), *((name, st.st_size, st.st_mtime_ns) for name, st in stats))
     if key is None or key not in _TOKENIZERS:
         tokenizer = from_hub(name, lambda local: transformers.AutoTokenizer.from_pretrained(name, **local), False)
         if key is None:

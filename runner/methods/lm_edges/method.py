@@ -96,9 +96,7 @@ class LmEdges(CorruptedPairsMethod):
         tokens = max(int(dataset[i][0].shape[-1]) for i in range(count))  # type: ignore[index]
         slots = len(Slots.of(p.positions, pair_roles(dataset), "method.edges")) if p.per_position else 1
         shape = Shape(max(found, default=1), tokens, sum(1 for n in found if n), min(batch_size, count), slots)
-        chunk = (
-            int(p.gradient_memory * 2**30) if p.gradient_memory is not None else (None if free is None else free // 4)
-        )
+        chunk = gradient_chunk_bytes(p, free)
         evaluates = bool(p.fractions) or bool(p.circuit)  # circuits (top_k's checks: the exact-edges phase)
         return edge_plan(skeleton, layout, p, shape, chunk, evaluates)
 
@@ -326,12 +324,9 @@ class LmEdges(CorruptedPairsMethod):
         return self.steps
 
     def _chunk_bytes(self, mask: torch.Tensor) -> int | None:
-        """The readers' gradients held at once (bytes): method.edges.gradient_memory GiB, else a quarter of the
-        device's free memory (at least one layer's readers are held; None: unknown, every layer at once)."""
-        if self.p.gradient_memory is not None:
-            return int(self.p.gradient_memory * 2**30)
-        free = available_bytes(mask.device)
-        return None if free is None else free // 4
+        """The readers' gradients held at once on `mask`'s device (gradient_chunk_bytes)."""
+        free = None if self.p.gradient_memory is not None else available_bytes(mask.device)
+        return gradient_chunk_bytes(self.p, free)
 
     @property
     def steps(self) -> int:
@@ -542,6 +537,15 @@ class _Receiving:
     mask: torch.Tensor
     kept: dict[str, torch.Tensor]
     metrics: PairMetrics
+
+
+def gradient_chunk_bytes(p: LmEdgesConfig, free: int | None) -> int | None:
+    """The readers' gradients held at once (bytes), in the run and in its plan: method.edges.gradient_memory GiB,
+    else a quarter of the device's `free` bytes (at least one layer's readers are held; None: unknown, every layer
+    at once)."""
+    if p.gradient_memory is not None:
+        return int(p.gradient_memory * 2**30)
+    return None if free is None else free // 4
 
 
 def _pairs_of(batch: Batch, index: list[int]) -> Batch:
