@@ -636,25 +636,41 @@ def capture_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str) -> li
     return [kept[layer] for layer in range(layers)]
 
 
+def _put(
+    new: torch.Tensor,
+    source: torch.Tensor,
+    model: nn.Module,
+    arch: str,
+    site: str,
+    position: int | None,
+    head: int | None,
+) -> None:
+    """Write `source` into `new` (one forward's rows, (B, T, d) or the pattern's (B, H, T query, T key)) at one cell:
+    the position (None: every one; the pattern: the query position) and the head (None: the whole tensor)."""
+    where = slice(None) if position is None else position
+    if site == "pattern":
+        heads = slice(None) if head is None else head
+        new[:, heads, where] = source[:, heads, where]
+        return
+    channels = slice(None) if head is None else _channels(model, PARTS[arch], site, new.shape[-1], head)
+    new[:, where, channels] = source[:, where, channels]
+
+
+def _rows(raw: torch.Tensor, batch: int) -> torch.Tensor:
+    """The site's tensor as (B, T, d); OPT's MLP runs on (B x T, d) rows. The pattern stays (B, H, T, T)."""
+    return raw if raw.dim() == 4 else raw.reshape(batch, -1, raw.shape[-1])
+
+
 @torch.no_grad()
 def patched_metric(model: nn.Module, arch: str, ids: torch.Tensor, site: str, layer: int, source: torch.Tensor,
                    position: int | None, head: int | None, metric: Metric) -> torch.Tensor:  # fmt: skip
     """(B,) the metric of one forward of `ids` with the site's raw tensor at `layer` taken from `source` at
     `position` (None: every position; the pattern: the query position) and head (None: the whole tensor)."""
-    parts = PARTS[arch]
+    batch = ids.shape[0]
 
     def patch(raw: torch.Tensor) -> torch.Tensor:
-        where = slice(None) if position is None else position
-        if site == "pattern":  # (B, H, T query, T key)
-            new = raw.clone()
-            heads = slice(None) if head is None else head
-            new[:, heads, where] = source[:, heads, where]
-            return new
-        # OPT's MLP runs on (B x T, d) rows: viewed as (B, T, d)
-        new = raw.clone().view(ids.shape[0], -1, raw.shape[-1])
-        src = source.view(new.shape)
-        channels = slice(None) if head is None else _channels(model, parts, site, raw.shape[-1], head)
-        new[:, where, channels] = src[:, where, channels]
+        new = _rows(raw.clone(), batch)
+        _put(new, _rows(source, batch), model, arch, site, position, head)
         return new.view(raw.shape)
 
     handles = _hook_raw(model, arch, site, layer, patch)
@@ -662,6 +678,29 @@ def patched_metric(model: nn.Module, arch: str, ids: torch.Tensor, site: str, la
         return metric(_forward(model, ids)).float().cpu()
     finally:
         _remove(handles)
+
+
+@torch.no_grad()
+def patched_metrics(model: nn.Module, arch: str, ids: torch.Tensor, site: str, layer: int, source: torch.Tensor,
+                    cells: list[tuple[int | None, int | None]], metric: Metric) -> torch.Tensor:  # fmt: skip
+    """(C, B): `patched_metric` of each (position, head) cell, from one forward of C copies of `ids` in which copy
+    c is patched at cell c only (rows are independent); equal to one forward per cell (test_lm_sites checks it)."""
+    batch, copies = ids.shape[0], len(cells)
+
+    def patch(raw: torch.Tensor) -> torch.Tensor:
+        new = _rows(raw.clone(), batch * copies)
+        new = new.view(copies, batch, *new.shape[1:])
+        src = _rows(source, batch)
+        for index, (position, head) in enumerate(cells):
+            _put(new[index], src, model, arch, site, position, head)
+        return new.view(raw.shape)
+
+    handles = _hook_raw(model, arch, site, layer, patch)
+    try:
+        logits = _forward(model, ids.repeat(copies, 1))
+    finally:
+        _remove(handles)
+    return torch.stack([metric(rows) for rows in logits.split(batch)]).float().cpu()
 
 
 def cell_sum(model: nn.Module, arch: str, site: str, values: torch.Tensor, batch: int, position: int | None,
