@@ -132,10 +132,23 @@ def test_every_experiment_is_listed() -> None:
     assert set(EXPERIMENTS) == set(TABLES), "list each experiment's tables in TABLES"
 
 
+# Where debug=tiny alone still takes long, the run made smaller: this test checks the run's wiring and tables, the
+# values are checked elsewhere (ROAD and faithfulness correlation against Quantus: tests/test_metrics.py).
+# evaluate_effnet: ROAD at 3 of its 50 points, faithfulness correlation with 10 random subsets of its 100 (24 s at
+# 32 px otherwise, 2,800 sparse solves).
+SMALLER = {
+    "evaluate_effnet": [
+        "method.evaluation.road_percentages=[9,49,89]",
+        "method.evaluation.faithfulness_correlation_runs=10",
+    ]
+}
+
+
 @pytest.mark.parametrize("device", DEVICE_PARAMS)  # cuda where there is one, marked gpu (`make test-gpu`)
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_runs_at_tiny_size(tmp_path: Path, built_models: list, name: str, device: str) -> None:
-    overrides = [f"experiment={name}", "debug=tiny", f"device={device}", *offline(name, tmp_path / "lm")]
+    overrides = [f"experiment={name}", "debug=tiny", f"device={device}", *offline(name, tmp_path / "lm"),
+                 *SMALLER.get(name, [])]  # fmt: skip
     result = app.run(make_config(*overrides), tmp_path)
     assert set(result.tables) == TABLES.get(name, set())
     for table, path in result.tables.items():
