@@ -339,11 +339,15 @@ _check_real_models()
 # whole-suite run that took longer a failure (the budget the project holds the suite to on two cores).
 _SUITE_STARTED = time.perf_counter()
 _SECONDS_BY_FILE: dict[str, float] = {}
+_SECONDS_BY_WORKER: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::")[0]
     _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)  # xdist's controller
+    if worker is not None:
+        _SECONDS_BY_WORKER[worker] = _SECONDS_BY_WORKER.get(worker, 0.0) + report.duration
 
 
 def _whole_suite(config: pytest.Config) -> bool:
@@ -372,8 +376,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     wall = time.perf_counter() - _SUITE_STARTED
     spent = sum(_SECONDS_BY_FILE.values())
     top = sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])[:8]
+    workers = sorted(_SECONDS_BY_WORKER.items())  # how evenly the files were spread
+    by_worker = f" ({', '.join(f'{w} {s:.0f}' for w, s in workers)})" if workers else ""
     terminalreporter.write_line(
-        f"suite: {wall:.0f} s wall, {spent:.0f} worker-seconds; most: "
+        f"suite: {wall:.0f} s wall, {spent:.0f} worker-seconds{by_worker}; most: "
         + ", ".join(f"{Path(p).name} {s:.0f}" for p, s in top)
     )
     over = getattr(config, "_suite_over_budget", None)
