@@ -207,7 +207,7 @@ def test_the_batched_loop_equals_one_forward_per_cell(family) -> None:  # type: 
         assert (one_each - one_each[0]).abs().max() > 1e-4, site  # cells differ: copies patched alike would fail
 
 
-@pytest.mark.slow  # a few hundred forwards per family and direction
+@pytest.mark.slow  # a few dozen forwards per family and direction
 @pytest.mark.parametrize("direction", ["denoising", "noising"])
 def test_every_site_equals_the_plain_loop(family, direction: str) -> None:  # type: ignore[no-untyped-def]
     """Every row of every site the family has (resid_mid where it has one; pattern with eager attention), per-head

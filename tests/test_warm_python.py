@@ -79,6 +79,15 @@ def test_what_the_server_cannot_reproduce_starts_cold(monkeypatch: pytest.Monkey
     for key, value in [("preexec_fn", print), ("pass_fds", (5,)), ("close_fds", False), ("process_group", 0),
                        ("umask", 0o22), ("env", {**os.environ, "OMP_NUM_THREADS": "7"})]:  # fmt: skip
         assert warm_python.runner_arguments([*RUNNER, "a=1"], {**plain, key: value}) is None, key
+
+    class Running:  # a server started before this process's OMP_NUM_THREADS changed
+        sensitive = warm_python._sensitive(os.environ)
+        process = type("Process", (), {"poll": staticmethod(lambda: None)})
+
+    monkeypatch.setattr(warm_python.Server, "_server", Running)
+    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) == ["a=1"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) is None  # the parent's own environment, changed
     monkeypatch.setenv("RUNNER_COLD_PROCESSES", "1")
     assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) is None
 

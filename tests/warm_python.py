@@ -40,8 +40,9 @@ PRELOADED = ("torch", "torchvision", "torchvision.models", "torchvision.transfor
              "hydra._internal.utils", "hydra._internal.instantiate._instantiate2")  # fmt: skip
 
 
-def _sensitive(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(SENSITIVE) and k != "PYTHONPATH"}
+def _sensitive(env: Any) -> dict[str, str]:
+    pairs = ((os.fsdecode(k), os.fsdecode(v)) for k, v in env.items())
+    return {k: v for k, v in pairs if k.startswith(SENSITIVE) and k != "PYTHONPATH"}
 
 
 def runner_arguments(args: Any, settings: dict[str, Any]) -> list[str] | None:
@@ -57,7 +58,7 @@ def runner_arguments(args: Any, settings: dict[str, Any]) -> list[str] | None:
     if any(settings.get(key, value) != value for key, value in plain.items()):
         return None
     env = os.environ if settings.get("env") is None else settings["env"]
-    if _sensitive(dict(env)) != _sensitive(dict(os.environ)):
+    if _sensitive(env) != Server.loaded_with():
         return None
     return argv[3:]
 
@@ -76,9 +77,16 @@ class Server:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
-        self.control = ours
+        self.control, self.sensitive = ours, _sensitive(env)
         if self.control.recv(16) != b"ready":
             raise RuntimeError("the warm Python server did not start")
+
+    @classmethod
+    def loaded_with(cls) -> dict[str, str]:
+        """The variables its packages read when they loaded: the running server's, or those a server started now
+        would read (this process's)."""
+        running = cls._server is not None and cls._server.process.poll() is None
+        return cls._server.sensitive if running else _sensitive(os.environ)  # type: ignore[union-attr]
 
     @classmethod
     def get(cls) -> Server:
