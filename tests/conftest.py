@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -219,6 +220,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("process") or item.get_closest_marker("real_model"):
             item.add_marker(pytest.mark.slow)
+
+
+_ALL_SLOW = re.compile(r"^pytestmark = \[?pytest\.mark\.slow\b", re.MULTILINE)  # every test of the module is slow
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (`-m "not slow"`) does not import a module whose pytestmark makes every test slow: it would
+    deselect them all, after each worker paid for the module's imports (hypothesis alone: 1.2 s)."""
+    if config.getoption("markexpr") != "not slow" or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py" or not _ALL_SLOW.search(collection_path.read_text()):
+        return None
+    return True
 
 
 _RUNNING: list[pytest.Item] = []  # the test being set up, run or torn down (its fixtures' work is its own)

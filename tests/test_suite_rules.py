@@ -1,12 +1,13 @@
 """The suite's own rules (tests/conftest.py): a test that starts a process or loads a real model without its marker
 fails, naming the marker, before the process starts (git is allowed); each pytest-xdist worker computes on its own
-share of the CPUs, one torch thread per CPU of it."""
+share of the CPUs, one torch thread per CPU of it; the fast tier does not import a module whose every test is slow."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,23 @@ def test_each_xdist_worker_computes_on_its_share_of_the_cpus_one_thread_each(mon
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw6")
     _share_cpus_among_xdist_workers()
     assert given == {"cpus": [1], "threads": 1}
+
+
+def test_the_fast_tier_does_not_import_a_module_whose_every_test_is_slow(tmp_path: Path) -> None:
+    from tests.conftest import pytest_ignore_collect
+
+    class Config:
+        def __init__(self, markexpr: str) -> None:
+            self.markexpr = markexpr
+
+        def getoption(self, name: str) -> str:
+            return self.markexpr
+
+    slow = tmp_path / "test_slow.py"
+    slow.write_text("import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.process]\n")
+    mixed = tmp_path / "test_mixed.py"
+    mixed.write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_a() -> None:\n    pass\n")
+    fast, everything = Config("not slow"), Config("")
+    assert pytest_ignore_collect(slow, fast) is True  # type: ignore[arg-type]
+    assert pytest_ignore_collect(mixed, fast) is None  # type: ignore[arg-type]  # its other tests may be fast
+    assert pytest_ignore_collect(slow, everything) is None  # type: ignore[arg-type]
