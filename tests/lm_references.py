@@ -636,24 +636,20 @@ def capture_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str) -> li
     return [kept[layer] for layer in range(layers)]
 
 
-def _put(
-    new: torch.Tensor,
-    source: torch.Tensor,
-    model: nn.Module,
-    arch: str,
-    site: str,
-    position: int | None,
-    head: int | None,
-) -> None:
-    """Write `source` into `new` (one forward's rows, (B, T, d) or the pattern's (B, H, T query, T key)) at one cell:
-    the position (None: every one; the pattern: the query position) and the head (None: the whole tensor)."""
+def _cell(model: nn.Module, arch: str, site: str, width: int, position: int | None, head: int | None) -> tuple:
+    """The index of one cell in a site's (B, T, d) rows or the pattern's (B, H, T query, T key): the position (None:
+    every one; the pattern: the query position, all keys) and the head (None: the whole tensor); width: d."""
     where = slice(None) if position is None else position
     if site == "pattern":
-        heads = slice(None) if head is None else head
-        new[:, heads, where] = source[:, heads, where]
-        return
-    channels = slice(None) if head is None else _channels(model, PARTS[arch], site, new.shape[-1], head)
-    new[:, where, channels] = source[:, where, channels]
+        return slice(None), slice(None) if head is None else head, where
+    return slice(None), where, slice(None) if head is None else _channels(model, PARTS[arch], site, width, head)
+
+
+def _put(new: torch.Tensor, source: torch.Tensor, model: nn.Module, arch: str, site: str, position: int | None,
+         head: int | None) -> None:  # fmt: skip
+    """Write `source` into `new` (one forward's rows, as `_rows` gives them) at one cell (`_cell`)."""
+    cell = _cell(model, arch, site, new.shape[-1], position, head)
+    new[cell] = source[cell]
 
 
 def _rows(raw: torch.Tensor, batch: int) -> torch.Tensor:
@@ -707,12 +703,8 @@ def cell_sum(model: nn.Module, arch: str, site: str, values: torch.Tensor, batch
              head: int | None) -> torch.Tensor:  # fmt: skip
     """(B,) the sum of `values` (shaped as the site's raw tensor) over one cell's elements: the position (None:
     every one; the pattern: the query position, all keys) and the head (None: the whole tensor)."""
-    where = slice(None) if position is None else position
-    if site == "pattern":  # (B, H, T query, T key)
-        return values[:, slice(None) if head is None else head, where].flatten(1).sum(-1)
-    values = values.reshape(batch, -1, values.shape[-1])  # OPT's MLP: (B x T, d) rows
-    channels = slice(None) if head is None else _channels(model, PARTS[arch], site, values.shape[-1], head)
-    return values[:, where, channels].flatten(1).sum(-1)
+    values = _rows(values, batch)
+    return values[_cell(model, arch, site, values.shape[-1], position, head)].flatten(1).sum(-1)
 
 
 def gradients_all(model: nn.Module, arch: str, ids: torch.Tensor, site: str,
