@@ -276,7 +276,7 @@ def _check_processes() -> None:
                 _unmarked("process", f"this test started a process ({' '.join(map(os.fsdecode, argv))[:200]})")
             super().__init__(args, *rest, **kwargs)
 
-        # `python -m runner ...` forked from a warm interpreter where it can be (tests/warm_python.py): ~6 s less each
+        # `python -m runner ...` forked from a warm interpreter where it can be (tests/warm_python.py): ~4 s less each
         def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # noqa: ANN001, ANN202
                            creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,  # noqa: ANN001
                            restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # noqa: ANN001  # fmt: skip

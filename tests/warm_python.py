@@ -1,7 +1,7 @@
 """The tests' `python -m runner ...` processes, forked from a warm interpreter instead of started cold.
 
-A `python -m runner` process spends about 6 s of CPU importing torch, torchvision, pandas, pyarrow and Hydra before
-it runs anything: a tiny run takes 8.7 s started cold and 2.6 s forked from a process that imported them. Each pytest
+A `python -m runner` process spends about 4 s of CPU importing torch, torchvision, pandas, pyarrow and Hydra before
+it runs anything: a tiny run takes 5.5 s started cold and 1.8 s forked from a process that imported them. Each pytest
 process keeps one server (this file run as a script) that has imported those packages, none of the runner, and
 forks one child per such Popen. The child is a real process, with its own pid, stdio, working directory,
 environment, signals and exit status; it imports the runner from its own sys.path (its PYTHONPATH included) and runs
