@@ -51,7 +51,8 @@ def cold(out: Path) -> tuple[float, float]:
 
 def warm(server: warm_python.Server, out: Path) -> float:
     """Wall seconds of one child forked by the server."""
-    request = {"args": [*TINY, f"hydra.run.dir={out}"], "cwd": str(ROOT), "env": dict(os.environ), "new_session": False}
+    request = {"module": "runner", "args": [*TINY, f"hydra.run.dir={out}"], "unbuffered": False, "cwd": str(ROOT),
+               "env": dict(os.environ), "new_session": False}  # fmt: skip
     with open(os.devnull, "w") as null:
         start = time.perf_counter()
         _, status = server.fork(request, [null.fileno()] * 3)

@@ -266,7 +266,9 @@ def _check_processes() -> None:
     if getattr(subprocess.Popen, "checks_markers", False):
         return
 
-    class Checked(subprocess.Popen):
+    # `python -m runner ...` and what it starts forked from a warm interpreter where they can be
+    # (tests/warm_python.py): ~4 s less each
+    class Checked(warm_python.ServedPopen):
         checks_markers = True
 
         def __init__(self, args, *rest, **kwargs) -> None:  # noqa: ANN001
@@ -275,44 +277,6 @@ def _check_processes() -> None:
             if program not in ALLOWED_PROCESSES:
                 _unmarked("process", f"this test started a process ({' '.join(map(os.fsdecode, argv))[:200]})")
             super().__init__(args, *rest, **kwargs)
-
-        # `python -m runner ...` forked from a warm interpreter where it can be (tests/warm_python.py): ~4 s less each
-        def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,  # noqa: ANN001, ANN202
-                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,  # noqa: ANN001
-                           restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # noqa: ANN001  # fmt: skip
-            settings = {"executable": executable, "preexec_fn": preexec_fn, "close_fds": close_fds,
-                        "pass_fds": tuple(pass_fds), "shell": shell, "process_group": process_group, "gid": gid,
-                        "gids": gids, "uid": uid, "umask": umask, "restore_signals": restore_signals, "env": env}  # fmt: skip
-            runner_args = warm_python.runner_arguments(args, settings)
-            if runner_args is None:
-                return super()._execute_child(
-                    args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
-                    p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
-                    start_new_session, process_group,
-                )  # fmt: skip
-            warm_python.start(self, runner_args, cwd, env, start_new_session, p2cread, c2pwrite, errwrite)
-            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-
-        def _try_wait(self, wait_flags):  # noqa: ANN001, ANN202
-            if getattr(self, "status_socket", None) is None:
-                return super()._try_wait(wait_flags)
-            return warm_python.wait_status(self, block=not wait_flags & os.WNOHANG)
-
-        def _internal_poll(self, _deadstate=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
-            if getattr(self, "status_socket", None) is None:
-                return super()._internal_poll(_deadstate, **kwargs)
-            if self.returncode is None and self._waitpid_lock.acquire(False):  # as Popen's: one waiter at a time
-                try:
-                    if self.returncode is None:
-                        pid, status = self._try_wait(os.WNOHANG)
-                        if pid == self.pid:
-                            self._handle_exitstatus(status)
-                except ChildProcessError:
-                    if _deadstate is not None:
-                        self.returncode = _deadstate
-                finally:
-                    self._waitpid_lock.release()
-            return self.returncode
 
     start = multiprocessing.process.BaseProcess.start
 

@@ -82,3 +82,13 @@ class HeldNet(TinyNet):
         while os.path.exists(self.hold) and glob.glob(self.after):
             time.sleep(0.02)
         return super().forward(x)
+
+
+class ParentSeen(TinyNet):
+    """TinyNet that appends its process's pid and its parent's to the file `log` when built: which process started a
+    sweep's workers or torchrun's ranks."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__()
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {os.getppid()}\n")

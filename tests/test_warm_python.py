@@ -69,27 +69,78 @@ def test_a_served_process_is_polled_and_killed_as_a_child(tmp_path: Path) -> Non
             os.kill(process.pid, signal.SIGKILL)
 
 
+def parents(log: Path) -> dict[int, int]:
+    """Each ParentSeen process's pid: its parent's."""
+    return dict(tuple(map(int, line.split())) for line in log.read_text().splitlines())  # type: ignore[misc]
+
+
+@pytest.mark.process
+def test_a_served_sweeps_joblib_workers_are_served_too(tmp_path: Path) -> None:
+    """The loky workers of a served runner are the server's children, not the runner's, and the sweep's jobs finish as
+    in a cold sweep. The thread counts joblib gives its workers are the server's own (under xdist, joblib's default)."""
+    log = tmp_path / "log"
+    seen = [*TINY, "model._target_=tests.nets.ParentSeen", f"+model.kwargs.log={log}"]
+    sweep = [*RUNNER, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *seen, "seed=0,1",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    server = warm_python.Server.get()
+    threads = dict.fromkeys(warm_python.THREAD_COUNTS, str(server.loaded[1]))
+    done, _, err = finished(sweep, cwd=ROOT, env={**os.environ, **threads})
+    assert done.returncode == 0, err
+    assert getattr(done, "status_socket", None) is not None
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
+    workers = parents(log)
+    assert len(workers) == 2 and done.pid not in workers
+    assert set(workers.values()) == {server.process.pid}
+
+
+@pytest.mark.process
+def test_torchruns_ranks_are_served_too(tmp_path: Path) -> None:
+    """torchrun started by a test is served, and so are its ranks (`-u -m runner`, a new session each); both finish
+    and their parent is the server."""
+    log = tmp_path / "log"
+    seen = [*TINY, "model._target_=tests.nets.ParentSeen", f"+model.kwargs.log={log}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner",
+                *seen, f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    threads = dict.fromkeys(warm_python.THREAD_COUNTS, str(warm_python.Server.get().loaded[1]))  # else torchrun's 1
+    done, _, err = finished(launcher, cwd=ROOT, env={**os.environ, **threads})
+    assert done.returncode == 0, err
+    assert getattr(done, "status_socket", None) is not None
+    ranks = parents(log)
+    assert len(ranks) == 2 and set(ranks.values()) == {warm_python.Server.get().process.pid}
+
+
 def test_what_the_server_cannot_reproduce_starts_cold(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = {"executable": None, "preexec_fn": None, "close_fds": True, "pass_fds": (), "shell": False,
              "process_group": -1, "gid": None, "gids": None, "uid": None, "umask": -1, "restore_signals": True}  # fmt: skip
-    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) == ["a=1"]
-    assert warm_python.runner_arguments([*RUNNER, "a=1"], {**plain, "env": {**os.environ, "X": "1"}}) == ["a=1"]
-    assert warm_python.runner_arguments([sys.executable, "-c", "pass"], plain) is None
-    assert warm_python.runner_arguments(" ".join(RUNNER), plain) is None
+    loaded = (warm_python._sensitive(os.environ), 1)
+    running = type("Running", (), {"loaded": loaded, "process": None, "group": os.getpgrp()})
+    monkeypatch.setattr(warm_python.Server, "_server", running)
+    monkeypatch.setattr(warm_python.Server, "get", classmethod(lambda cls: cls._server))
+
+    def served(args: object, **settings: object) -> dict[str, object] | None:
+        return warm_python.served_command(args, {**plain, **settings})
+
+    assert served([*RUNNER, "a=1"]) == {"module": "runner", "args": ["a=1"], "unbuffered": False}
+    assert served([sys.executable, "-u", "-m", "runner", "a=1"])["unbuffered"] is True  # type: ignore[index]
+    assert served([warm_python.TORCHRUN, "-m", "runner"])["entry"] == "torch.distributed.run:main"  # type: ignore[index]
+    assert served([*RUNNER, "a=1"], env={**os.environ, "X": "1", "TORCHELASTIC_RUN_ID": "r"}) is not None
+    assert served([*RUNNER, "a=1"], env={**os.environ, "OMP_NUM_THREADS": "1"}) is not None  # the server's count
+    assert served([sys.executable, "-c", "pass"]) is None
+    assert served([sys.executable, "-m", "pytest"]) is None
+    assert served(" ".join(RUNNER)) is None
     for key, value in [("preexec_fn", print), ("pass_fds", (5,)), ("close_fds", False), ("process_group", 0),
-                       ("umask", 0o22), ("env", {**os.environ, "OMP_NUM_THREADS": "7"})]:  # fmt: skip
-        assert warm_python.runner_arguments([*RUNNER, "a=1"], {**plain, key: value}) is None, key
-
-    class Running:  # a server started before this process's OMP_NUM_THREADS changed
-        sensitive = warm_python._sensitive(os.environ)
-        process = type("Process", (), {"poll": staticmethod(lambda: None)})
-
-    monkeypatch.setattr(warm_python.Server, "_server", Running)
-    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) == ["a=1"]
+                       ("umask", 0o22), ("env", {**os.environ, "OMP_NUM_THREADS": "7"}),
+                       ("env", {**os.environ, "TORCH_LOGS": "dynamo"})]:  # fmt: skip
+        assert served([*RUNNER, "a=1"], **{key: value}) is None, key
+    monkeypatch.setattr(running, "group", os.getpgrp() + 1)  # this process in a group of its own: its child too
+    assert served([*RUNNER, "a=1"]) is None
+    assert served([*RUNNER, "a=1"], start_new_session=True) is not None
+    monkeypatch.setattr(running, "group", os.getpgrp())
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) is None  # the parent's own environment, changed
+    assert served([*RUNNER, "a=1"]) is None  # the parent's own environment, changed since the server started
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("RUNNER_COLD_PROCESSES", "1")
-    assert warm_python.runner_arguments([*RUNNER, "a=1"], plain) is None
+    assert served([*RUNNER, "a=1"]) is None
 
 
 def test_the_exit_code_of_system_exit_is_pythons(capsys: pytest.CaptureFixture[str]) -> None:
