@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import io
 import json
 import logging
@@ -306,8 +308,62 @@ def _check_real_models() -> None:
     HfLmSource.build = checked_build  # type: ignore[method-assign]
 
 
+# torchvision draws a random VGG16 in 2.6 s on one core (138M weights, drawn twice: by each layer as it is made, then
+# by VGG's own init), and the suite's runs in this process build one about 50 times. A build is a function of the
+# model's name and arguments, torch's default dtype and the CPU generator's state: a build with the same inputs as an
+# earlier one gets a copy of that one's module, and the generator is left where that build left it, so the weights
+# and every later draw are those a new build gives (tests/test_suite_rules.py).
+MEMO_PARAMETERS = 10_000_000  # smaller models build faster than they copy
+MEMO_ENTRIES = 3
+
+
+class _MemoisedZoo:
+    """torchvision.models as the runner's torchvision source sees it, with get_model memoised as above."""
+
+    builds: dict[tuple, tuple[nn.Module, torch.Tensor]] = {}
+    hits = 0
+
+    def __init__(self, zoo: Any) -> None:
+        self.zoo = zoo
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.zoo, name)
+
+    def get_model(self, name: str, **kwargs: Any) -> nn.Module:
+        if kwargs.get("weights") is not None:
+            return self.zoo.get_model(name, **kwargs)
+        rng = torch.get_rng_state()
+        key = (name, repr(sorted(kwargs.items())), torch.get_default_dtype(), hashlib.sha1(rng.numpy()).hexdigest())
+        if key in self.builds:
+            module, after = self.builds[key]
+            type(self).hits += 1
+            torch.set_rng_state(after)
+            return copy.deepcopy(module)
+        model = self.zoo.get_model(name, **kwargs)
+        if sum(p.numel() for p in model.parameters()) >= MEMO_PARAMETERS:
+            while len(self.builds) >= MEMO_ENTRIES:
+                del self.builds[next(iter(self.builds))]  # the oldest
+            self.builds[key] = (copy.deepcopy(model), torch.get_rng_state())
+        return model
+
+
+def _memoise_random_torchvision_models() -> None:
+    from runner.models import torchvision_zoo
+
+    zoo = torchvision_zoo._zoo
+    if getattr(zoo, "memoised", False):
+        return
+
+    def memoised_zoo() -> Any:
+        return _MemoisedZoo(zoo())
+
+    memoised_zoo.memoised = True  # type: ignore[attr-defined]
+    torchvision_zoo._zoo = memoised_zoo
+
+
 _check_processes()
 _check_real_models()
+_memoise_random_torchvision_models()
 
 
 # ---- where the suite's time goes, and its budget ---------------------------------------------------------------------

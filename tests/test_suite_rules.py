@@ -1,6 +1,7 @@
 """The suite's own rules (tests/conftest.py): a test that starts a process or loads a real model without its marker
 fails, naming the marker, before the process starts (git is allowed); each pytest-xdist worker computes on its own
-share of the CPUs, one torch thread per CPU of it; the fast tier does not import a module whose every test is slow."""
+share of the CPUs, one torch thread per CPU of it; the fast tier does not import a module whose every test is slow; a
+random torchvision model built again from the same generator state is a copy of the first build, to the bit."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import multiprocessing
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from tests.conftest import make_config
 
@@ -95,3 +98,38 @@ def test_the_fast_tier_does_not_import_a_module_whose_every_test_is_slow(tmp_pat
     assert pytest_ignore_collect(slow, fast) is True  # type: ignore[arg-type]
     assert pytest_ignore_collect(mixed, fast) is None  # type: ignore[arg-type]  # its other tests may be fast
     assert pytest_ignore_collect(slow, everything) is None  # type: ignore[arg-type]
+
+
+def test_a_random_torchvision_model_built_again_is_what_torchvision_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's builds of resnet18 with random weights: from one generator state, the second is the memo's copy
+    (not the first's module), and both equal, to the bit, the model torchvision builds from that state; after each,
+    the generator is where torchvision's build leaves it. A copy changed in place leaves the memo as it was; another
+    state builds anew."""
+    import torchvision.models
+
+    from runner.models import torchvision_zoo
+
+    zoo = torchvision_zoo._zoo()
+    assert type(zoo).__name__ == "_MemoisedZoo"  # the memo conftest installed
+    monkeypatch.setitem(type(zoo).get_model.__globals__, "MEMO_PARAMETERS", 0)
+    source, cfg = torchvision_zoo.TorchvisionSource(), make_config("model.name=resnet18", "model.weights=null").model
+
+    def built(seed: int, build: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor, nn.Module]:
+        torch.manual_seed(seed)
+        model = build()
+        return model.state_dict(), torch.get_rng_state(), model
+
+    reference, after, _ = built(1234, lambda: torchvision.models.resnet18(weights=None))
+    hits = type(zoo).hits
+    first, first_after, first_model = built(1234, lambda: source.build(cfg).model)
+    second, second_after, second_model = built(1234, lambda: source.build(cfg).model)
+    assert type(zoo).hits == hits + 1 and second_model is not first_model
+    for state, rng in ((first, first_after), (second, second_after)):
+        assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in reference)
+        assert torch.equal(rng, after)
+    with torch.no_grad():
+        second_model.conv1.weight.add_(1.0)
+    third, _, _ = built(1234, lambda: source.build(cfg).model)
+    assert torch.equal(third["conv1.weight"], reference["conv1.weight"])
+    other, _, _ = built(5, lambda: source.build(cfg).model)
+    assert type(zoo).hits == hits + 2 and not torch.equal(other["conv1.weight"], reference["conv1.weight"])

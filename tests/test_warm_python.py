@@ -31,7 +31,7 @@ def finished(command: list[str], **kwargs: object) -> tuple[subprocess.Popen, st
 @pytest.mark.process
 def test_a_served_process_says_what_a_cold_one_says(monkeypatch: pytest.MonkeyPatch) -> None:
     served, out, err = finished([*RUNNER, "-h"], cwd=ROOT)
-    assert getattr(served, "status_socket", None) is not None  # forked by the server
+    assert getattr(served, "status_socket", None) is not None, warm_python.why_cold()  # forked by the server
     monkeypatch.setenv("RUNNER_COLD_PROCESSES", "1")
     cold, cold_out, cold_err = finished([*RUNNER, "-h"], cwd=ROOT)
     assert getattr(cold, "status_socket", None) is None
@@ -44,7 +44,7 @@ def test_a_served_run_has_its_cwd_its_environment_and_its_exit_status(tmp_path: 
     tmp_path's; a bad override exits 2 with one message, as in a cold process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done, _, err = finished([*RUNNER, *TINY, "hydra.run.dir=relative"], cwd=tmp_path, env=env)
-    assert getattr(done, "status_socket", None) is not None
+    assert getattr(done, "status_socket", None) is not None, warm_python.why_cold(env)
     assert done.returncode == 0, err
     assert list((tmp_path / "relative" / "cam.parquet").glob("part-*.parquet"))
     bad, _, err = finished([*RUNNER, *TINY, "data.bach_size=2"], cwd=tmp_path, env=env)
@@ -83,10 +83,10 @@ def test_a_served_sweeps_joblib_workers_are_served_too(tmp_path: Path) -> None:
     sweep = [*RUNNER, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *seen, "seed=0,1",
              f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     server = warm_python.Server.get()
-    threads = dict.fromkeys(warm_python.THREAD_COUNTS, str(server.loaded[1]))
+    threads = dict.fromkeys(warm_python.THREAD_COUNTS, str(server.loaded.threads))
     done, _, err = finished(sweep, cwd=ROOT, env={**os.environ, **threads})
     assert done.returncode == 0, err
-    assert getattr(done, "status_socket", None) is not None
+    assert getattr(done, "status_socket", None) is not None, warm_python.why_cold({**os.environ, **threads})
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
     workers = parents(log)
     assert len(workers) == 2 and done.pid not in workers
@@ -101,10 +101,12 @@ def test_torchruns_ranks_are_served_too(tmp_path: Path) -> None:
     seen = [*TINY, "model._target_=tests.nets.ParentSeen", f"+model.kwargs.log={log}"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner",
                 *seen, f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    threads = dict.fromkeys(warm_python.THREAD_COUNTS, str(warm_python.Server.get().loaded[1]))  # else torchrun's 1
+    threads = dict.fromkeys(
+        warm_python.THREAD_COUNTS, str(warm_python.Server.get().loaded.threads)
+    )  # else torchrun's 1
     done, _, err = finished(launcher, cwd=ROOT, env={**os.environ, **threads})
     assert done.returncode == 0, err
-    assert getattr(done, "status_socket", None) is not None
+    assert getattr(done, "status_socket", None) is not None, warm_python.why_cold({**os.environ, **threads})
     ranks = parents(log)
     assert len(ranks) == 2 and set(ranks.values()) == {warm_python.Server.get().process.pid}
 
@@ -112,7 +114,7 @@ def test_torchruns_ranks_are_served_too(tmp_path: Path) -> None:
 def test_what_the_server_cannot_reproduce_starts_cold(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = {"executable": None, "preexec_fn": None, "close_fds": True, "pass_fds": (), "shell": False,
              "process_group": -1, "gid": None, "gids": None, "uid": None, "umask": -1, "restore_signals": True}  # fmt: skip
-    loaded = (warm_python._sensitive(os.environ), 1)
+    loaded = warm_python.Loaded(warm_python._sensitive(os.environ), 1, {"KMP_INIT_AT_FORK": "FALSE"})
     running = type("Running", (), {"loaded": loaded, "process": None, "group": os.getpgrp()})
     monkeypatch.setattr(warm_python.Server, "_server", running)
     monkeypatch.setattr(warm_python.Server, "get", classmethod(lambda cls: cls._server))
@@ -125,6 +127,8 @@ def test_what_the_server_cannot_reproduce_starts_cold(monkeypatch: pytest.Monkey
     assert served([warm_python.TORCHRUN, "-m", "runner"])["entry"] == "torch.distributed.run:main"  # type: ignore[index]
     assert served([*RUNNER, "a=1"], env={**os.environ, "X": "1", "TORCHELASTIC_RUN_ID": "r"}) is not None
     assert served([*RUNNER, "a=1"], env={**os.environ, "OMP_NUM_THREADS": "1"}) is not None  # the server's count
+    assert served([*RUNNER, "a=1"], env={**os.environ, "KMP_INIT_AT_FORK": "FALSE"}) is not None  # as torch sets it
+    assert served([*RUNNER, "a=1"], env={**os.environ, "KMP_INIT_AT_FORK": "TRUE"}) is None
     assert served([sys.executable, "-c", "pass"]) is None
     assert served([sys.executable, "-m", "pytest"]) is None
     assert served(" ".join(RUNNER)) is None

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # Read by the server's packages (OpenMP, MKL, OpenBLAS, torch, CUDA, Arrow, jemalloc) or by Python itself at start-up.
@@ -62,9 +62,19 @@ LOKY_WORKER = "joblib.externals.loky.backend.popen_loky_posix"
 
 # Set in the server, so in every served child: where to ask for a fork, what its packages loaded with, its group.
 _ADDRESS: bytes | None = None
-_LOADED: tuple[dict[str, str], int] | None = None
+_LOADED: Loaded | None = None
 _GROUP: int | None = None
 _LOKY_STATUS: dict[int, socket.socket] = {}  # a served loky worker's pid: the connection its wait status comes on
+
+
+class Loaded(NamedTuple):
+    """What the server's packages loaded with: the variables they read (`SENSITIVE`) as they were before, torch's thread
+    count, and those the loading itself set (torch sets KMP_INIT_AT_FORK, TORCHINDUCTOR_CACHE_DIR, ...), which a
+    process that imported them has too, and a cold child given the same values reads as what it would set itself."""
+
+    variables: dict[str, str]
+    threads: int
+    set_by_loading: dict[str, str]
 
 
 class ServerGone(OSError):
@@ -76,17 +86,25 @@ def _sensitive(env: Any) -> dict[str, str]:
     return {k: v for k, v in pairs if k.startswith(SENSITIVE) and not k.startswith(RUN_TIME_ONLY)}
 
 
+def _differing(env: Any) -> list[str]:
+    """The variables in which a cold process with this environment would load the server's packages differently."""
+    loaded = _LOADED if _LOADED is not None else Server.get().loaded
+    wanted, before = _sensitive(env), loaded.variables
+    differing = []
+    for key in sorted({*wanted, *before}):
+        if wanted.get(key) == before.get(key):
+            continue
+        if key not in before and wanted[key] == loaded.set_by_loading.get(key):
+            continue
+        if key in THREAD_COUNTS and key not in before and wanted[key] == str(loaded.threads):
+            continue
+        differing.append(key)
+    return differing
+
+
 def _same_as_loaded(env: Any) -> bool:
     """Whether the server's packages, loaded as they were, are what a cold process with this environment loads."""
-    loaded, threads = _LOADED if _LOADED is not None else Server.get().loaded
-    wanted = _sensitive(env)
-    for key in {*wanted, *loaded}:
-        if wanted.get(key) == loaded.get(key):
-            continue
-        if key in THREAD_COUNTS and key not in loaded and wanted[key] == str(threads):
-            continue
-        return False
-    return True
+    return not _differing(env)
 
 
 def _in_the_servers_group() -> bool:
@@ -100,6 +118,17 @@ def _may_serve(env: Any, new_session: bool) -> bool:
     if os.environ.get("RUNNER_COLD_PROCESSES"):
         return False
     return (new_session or _in_the_servers_group()) and _same_as_loaded(env)
+
+
+def why_cold(env: Any = None, new_session: bool = False) -> str:
+    """Why a runner started now with this environment would start cold ('' if it would be served): for tests' messages."""
+    env = os.environ if env is None else env
+    if os.environ.get("RUNNER_COLD_PROCESSES"):
+        return "RUNNER_COLD_PROCESSES is set"
+    if not new_session and not _in_the_servers_group():
+        return f"this process's group {os.getpgrp()} is not the server's"
+    differing = _differing(env)
+    return f"the environment differs from the server's in {differing}" if differing else ""
 
 
 def served_command(args: Any, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,7 +205,7 @@ class Server:
             raise RuntimeError("the warm Python server did not start")
         started = json.loads(ready)
         self.address: bytes = bytes.fromhex(started["address"])
-        self.loaded: tuple[dict[str, str], int] = (started["sensitive"], started["threads"])
+        self.loaded = Loaded(started["sensitive"], started["threads"], started["set_by_loading"])
         self.group: int = started["group"]
 
     @classmethod
@@ -404,7 +433,9 @@ def serve(control_fd: int) -> None:
         importlib.import_module(module)
     import torch
 
-    _LOADED, _GROUP = (sensitive, torch.get_num_threads()), os.getpgrp()
+    after = _sensitive(os.environ)
+    set_by_loading = {k: v for k, v in after.items() if sensitive.get(k) != v}
+    _LOADED, _GROUP = Loaded(sensitive, torch.get_num_threads(), set_by_loading), os.getpgrp()
     subprocess.Popen = ServedPopen  # type: ignore[misc]  # in every child: what it starts is served where it can be
     _serve_loky_workers()
     _ADDRESS = f"\0runner-warm-python-{os.getpid()}-{secrets.token_hex(8)}".encode()
@@ -416,7 +447,8 @@ def serve(control_fd: int) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
-    started = {"address": _ADDRESS.hex(), "sensitive": _LOADED[0], "threads": _LOADED[1], "group": _GROUP}
+    started = {"address": _ADDRESS.hex(), "sensitive": _LOADED.variables, "threads": _LOADED.threads,
+               "set_by_loading": _LOADED.set_by_loading, "group": _GROUP}  # fmt: skip
     control.send(json.dumps(started).encode())
     while True:
         readable = select.select([control, listener, wake_read], [], [])[0]
