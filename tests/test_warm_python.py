@@ -125,7 +125,7 @@ def test_what_the_server_cannot_reproduce_starts_cold(monkeypatch: pytest.Monkey
     assert served([*RUNNER, "a=1"]) == {"module": "runner", "args": ["a=1"], "unbuffered": False}
     assert served([sys.executable, "-u", "-m", "runner", "a=1"])["unbuffered"] is True  # type: ignore[index]
     assert served([warm_python.TORCHRUN, "-m", "runner"])["entry"] == "torch.distributed.run:main"  # type: ignore[index]
-    assert served([*RUNNER, "a=1"], env={**os.environ, "X": "1", "TORCHELASTIC_RUN_ID": "r"}) is not None
+    assert served([*RUNNER, "a=1"], env={**os.environ, "X": "1", "TORCHELASTIC_RUN_ID": "r", "TORCH_HOME": "/t"})
     assert served([*RUNNER, "a=1"], env={**os.environ, "OMP_NUM_THREADS": "1"}) is not None  # the server's count
     assert served([*RUNNER, "a=1"], env={**os.environ, "KMP_INIT_AT_FORK": "FALSE"}) is not None  # as torch sets it
     assert served([*RUNNER, "a=1"], env={**os.environ, "KMP_INIT_AT_FORK": "TRUE"}) is None
