@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,18 @@ def frozen(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """A test's changes to os.environ end with it, as a process's would, those of the packages it uses included
+    (torch.compile sets LD_LIBRARY_PATH and KMP_DUPLICATE_LIB_OK for its compiler): later tests, and the processes
+    they start, cold or served, see the session's environment."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture

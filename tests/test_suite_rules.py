@@ -133,3 +133,12 @@ def test_a_random_torchvision_model_built_again_is_what_torchvision_builds(monke
     assert torch.equal(third["conv1.weight"], reference["conv1.weight"])
     other, _, _ = built(5, lambda: source.build(cfg).model)
     assert type(zoo).hits == hits + 2 and not torch.equal(other["conv1.weight"], reference["conv1.weight"])
+
+
+def test_a_tests_environment_changes_end_with_it_1_set() -> None:
+    os.environ["RUNNER_SUITE_RULES_LEFT_BEHIND"] = "1"  # as torch.compile sets LD_LIBRARY_PATH, without undoing it
+
+
+def test_a_tests_environment_changes_end_with_it_2_gone() -> None:
+    """The test above ran first, in this process (one file stays on one worker, in order)."""
+    assert "RUNNER_SUITE_RULES_LEFT_BEHIND" not in os.environ
