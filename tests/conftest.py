@@ -166,6 +166,7 @@ def _environment_restored() -> Iterator[None]:
     (torch.compile sets LD_LIBRARY_PATH and KMP_DUPLICATE_LIB_OK for its compiler): later tests, and the processes
     they start, cold or served, see the session's environment."""
     before = dict(os.environ)
+    warm_python.BASE_ENVIRONMENT = before  # what a warm server started during this test loads with
     yield
     if dict(os.environ) != before:
         os.environ.clear()

@@ -51,9 +51,11 @@ SENSITIVE = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "
              "MALLOC", "LD_", "PYTHON")  # fmt: skip
 # Read when they are used, not at load: the path, torchrun's ranks' settings, torch.hub's folder (torch.hub.get_dir).
 RUN_TIME_ONLY = ("PYTHONPATH", "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_HOME")
-# The session's environment, as this module is first imported (by conftest): a server starts with it, not with what
-# a test has set for the moment it happens to start one in, which would then be every later child's to match.
-SESSION_ENVIRONMENT = dict(os.environ)
+# The environment as the running test began (conftest sets it before each test; first, as this module is imported):
+# a server starts with it, not with what a test has set for the moment it happens to start one in, which would then
+# be every later child's to match. It includes what the tests' imports set (cv2 adds to LD_LIBRARY_PATH, sklearn sets
+# KMP_DUPLICATE_LIB_OK), which every process the tests start inherits, cold or served.
+BASE_ENVIRONMENT = dict(os.environ)
 # Pools sized at load: a child asking for the server's own thread count gets what a cold start would give it.
 THREAD_COUNTS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PRELOADED = ("torch", "torchvision", "torchvision.models", "torchvision.transforms", "numpy", "pandas", "pyarrow",
@@ -197,7 +199,7 @@ class Server:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {k: v for k, v in SESSION_ENVIRONMENT.items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in BASE_ENVIRONMENT.items() if k != "PYTHONPATH"}
         self.process = subprocess.Popen(  # cold: this file, not the runner
             [sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), cwd=ROOT, env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
