@@ -301,6 +301,7 @@ def _check_processes() -> None:
         start(self)
 
     subprocess.Popen = Checked  # type: ignore[misc]
+    warm_python.serve_loky_workers()  # a sweep run in this process (run_cli) has its joblib workers served too
     multiprocessing.process.BaseProcess.start = checked_start  # type: ignore[method-assign]
 
 

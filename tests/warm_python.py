@@ -286,8 +286,9 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _serve_loky_workers() -> None:
-    """In served children: joblib's loky workers forked by the server, waited on through its connection."""
+def serve_loky_workers() -> None:
+    """In the tests' process and served children: joblib's loky workers forked by the server, waited on through
+    its connection."""
     from joblib.externals.loky.backend import fork_exec as launching
     from joblib.externals.loky.backend import popen_loky_posix
 
@@ -443,7 +444,7 @@ def serve(control_fd: int) -> None:
     set_by_loading = {k: v for k, v in after.items() if sensitive.get(k) != v}
     _LOADED, _GROUP = Loaded(sensitive, torch.get_num_threads(), set_by_loading), os.getpgrp()
     subprocess.Popen = ServedPopen  # type: ignore[misc]  # in every child: what it starts is served where it can be
-    _serve_loky_workers()
+    serve_loky_workers()
     _ADDRESS = f"\0runner-warm-python-{os.getpid()}-{secrets.token_hex(8)}".encode()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(_ADDRESS)
