@@ -13,12 +13,14 @@ of float32's."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,21 @@ class CopyShipped:
         for item in shipped_folder().iterdir():
             if item.is_file():
                 shutil.copy(item, folder / item.name)
+
+
+def _cache_listing(cache: Path) -> list[str]:
+    """The cache folder's entries, less the conversions' lock files (empty files that stay, by design)."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+
+
+def _finished_by_another_run(file: Path, cache: Path) -> None:
+    """Another run's complete conversion of `file`, put in place in `cache`, marked as that run's."""
+    folder = cache / NAME
+    folder.mkdir()
+    CopyShipped()(file, folder)
+    (folder / "marker").write_text("the first run's")
+    source = [{"file": file.name, "bytes": file.stat().st_size}]
+    (folder / STAMP).write_text(json.dumps({"source": source, "files": packaged_lm._listing(folder)}))
 
 
 @pytest.fixture
@@ -90,7 +107,7 @@ def test_first_use_converts_once_and_later_uses_reuse_the_folder(stand_in: Path,
     assert folder == tmp_path / "cache" / NAME and (folder / "config.json").is_file() and (folder / STAMP).is_file()
     assert converted_folder(NAME, convert) == folder
     assert convert.calls == 1
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [NAME]  # no scratch folder left behind
+    assert _cache_listing(tmp_path / "cache") == [NAME]  # no scratch folder left behind
 
 
 def test_an_interrupted_conversion_leaves_no_folder_that_loads(stand_in: Path, tmp_path: Path) -> None:
@@ -100,7 +117,7 @@ def test_an_interrupted_conversion_leaves_no_folder_that_loads(stand_in: Path, t
 
     with pytest.raises(KeyboardInterrupt):
         converted_folder(NAME, killed)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert _cache_listing(tmp_path / "cache") == []
     # A conversion killed outright (SIGKILL) leaves its scratch folder under another name, which is never loaded and
     # is removed once its process is gone; a folder copied in without the stamp is not taken as converted: it is
     # converted again.
@@ -112,7 +129,7 @@ def test_an_interrupted_conversion_leaves_no_folder_that_loads(stand_in: Path, t
     convert = CopyShipped()
     folder = converted_folder(NAME, convert)
     assert convert.calls == 1 and (folder / "model.safetensors").is_file() and (folder / STAMP).is_file()
-    assert sorted(p.name for p in folder.parent.iterdir()) == [f".{NAME}.converting-{running}-def", NAME]
+    assert _cache_listing(folder.parent) == [f".{NAME}.converting-{running}-def", NAME]
 
 
 def test_a_changed_file_is_converted_again(stand_in: Path) -> None:
@@ -121,25 +138,88 @@ def test_a_changed_file_is_converted_again(stand_in: Path) -> None:
     stand_in.write_bytes(b"GGUF" + bytes(100))  # another version of the package
     assert converted_folder(NAME, convert) == folder
     assert convert.calls == 2 and '"source": [{"file": "tiny.gguf", "bytes": 104}]' in (folder / STAMP).read_text()
-    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]  # the stale folder removed
+    assert _cache_listing(folder.parent) == [NAME]  # the stale folder removed
 
 
 def test_another_runs_finished_folder_is_kept(stand_in: Path, tmp_path: Path) -> None:
-    """Two runs converting at once: the one that finishes second finds the first's folder in place and keeps it."""
-    other = CopyShipped()
+    """Two runs converting at once (a file system without locks): the one that finishes second finds the first's
+    folder in place and keeps it."""
 
     def racing(file: Path, folder: Path) -> None:
         CopyShipped()(file, folder)
-        first = tmp_path / "cache" / NAME
-        first.mkdir()
-        other(file, first)
-        (first / "marker").write_text("the first run's")
-        source = [{"file": file.name, "bytes": file.stat().st_size}]
-        (first / STAMP).write_text(json.dumps({"source": source, "files": packaged_lm._listing(first)}))
+        _finished_by_another_run(file, tmp_path / "cache")
 
     folder = converted_folder(NAME, racing)
     assert (folder / "marker").read_text() == "the first run's"
-    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]
+    assert _cache_listing(folder.parent) == [NAME]
+
+
+def test_a_run_asking_during_a_conversion_waits_for_it_and_loads_its_folder(
+    stand_in: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lock held by a conversion under way (here the test's own open file, as another process would hold it): a
+    second run says it waits, does not convert, and returns the first's folder once the lock is released."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    convert = CopyShipped()
+    lock = os.open(cache / f".{NAME}.lock", os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    with caplog.at_level(logging.INFO, logger="runner.models"), ThreadPoolExecutor(1) as pool:
+        second = pool.submit(converted_folder, NAME, convert)
+        deadline = time.monotonic() + 30
+        while not any("waiting for it" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not second.done() and convert.calls == 0
+        _finished_by_another_run(stand_in, cache)
+        os.close(lock)
+        folder = second.result(timeout=30)
+    assert convert.calls == 0 and (folder / "marker").read_text() == "the first run's"
+    waited = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+    assert waited == [f"model {NAME}: another run is converting it into {folder}; waiting for it"]
+
+
+def test_one_gguf_parse_serves_every_reading_and_reads_what_the_plain_reader_reads(tmp_path: Path) -> None:
+    """Conversion parses each GGUF file once, over a plain array (runner/models/packaged_lm.py): within it, every
+    GGUFReader of the file is the same parse, its fields and tensors equal the gguf package's own reading, each
+    tensor-name map is built once, and afterwards the package is as it was."""
+    import gguf
+    import numpy
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list([f"token{i}" for i in range(500)])
+    writer.add_token_scores([float(i) for i in range(500)])
+    writer.add_block_count(2)
+    writer.add_tensor("blk.0.attn_q.weight", numpy.arange(64, dtype=numpy.float32).reshape(8, 8))
+    writer.add_tensor("token_embd.weight", numpy.linspace(-1, 1, 96, dtype=numpy.float32).reshape(12, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain = gguf.GGUFReader(path)
+    originals = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    with packaged_lm._gguf_parsed_once():
+        parsed = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is parsed
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    assert type(parsed.data) is numpy.ndarray and type(plain.data) is numpy.memmap
+    assert list(parsed.fields) == list(plain.fields) and len(parsed.fields["tokenizer.ggml.tokens"].data) == 500
+    for key, field in plain.fields.items():
+        ours = parsed.fields[key]
+        assert (ours.offset, ours.name, ours.types, ours.data) == (field.offset, field.name, field.types, field.data)
+        assert all(numpy.array_equal(a, b) for a, b in zip(ours.parts, field.parts, strict=True)), key
+    assert (
+        [t.name for t in parsed.tensors]
+        == [t.name for t in plain.tensors]
+        == [
+            "blk.0.attn_q.weight",
+            "token_embd.weight",
+        ]
+    )
+    for ours, theirs in zip(parsed.tensors, plain.tensors, strict=True):
+        assert numpy.array_equal(ours.data, theirs.data) and ours.data_offset == theirs.data_offset
 
 
 def test_a_missing_package_is_refused_in_one_line_saying_how_to_install_it(
@@ -295,7 +375,7 @@ def test_an_abandoned_scratch_folder_is_removed_even_when_the_cache_is_full(stan
     (tmp_path / "cache" / f".{NAME}.converting-{gone}-abc" / "model.safetensors").write_bytes(bytes(100))
     convert = CopyShipped()
     assert converted_folder(NAME, convert) == folder and convert.calls == 0
-    assert sorted(p.name for p in folder.parent.iterdir()) == [NAME]
+    assert _cache_listing(folder.parent) == [NAME]
 
 
 @pytest.fixture
