@@ -207,16 +207,24 @@ def test_the_batched_loop_equals_one_forward_per_cell(family) -> None:  # type: 
         assert (one_each - one_each[0]).abs().max() > 1e-4, site  # cells differ: copies patched alike would fail
 
 
+# The runner and the plain loop run a cell in batches of different sizes. A mixture-of-experts layer multiplies each
+# expert's tokens as one matrix whose row count is how many were routed to it, so its rounding moves with the batch
+# more than a dense layer's: qwen2_moe's worst gap is 1.1e-5 on a 2-core AVX2 EPYC (metric 2.3, float32), 1.4e-6 on
+# an earlier machine. Dense families stay within 1e-5 (2.4e-6 the largest seen); a wrong cell is off by 1e-3 or more.
+MIXTURE_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 @pytest.mark.slow  # a few dozen forwards per family and direction
 @pytest.mark.parametrize("direction", ["denoising", "noising"])
 def test_every_site_equals_the_plain_loop(family, direction: str) -> None:  # type: ignore[no-untyped-def]
     """Every row of every site the family has (resid_mid where it has one; pattern with eager attention), per-head
-    sites at all positions and at each, equals one forward per cell with plain hooks, 1e-5."""
+    sites at all positions and at each, equals one forward per cell with plain hooks: 1e-5, 3e-5 for the
+    mixture-of-experts families (MIXTURE_OF_EXPERTS says why)."""
     arch, model, tokenizer = family
     worst, compared = _worst_against_the_loop(arch, model, tokenizer, direction)
     print(f"{arch} {direction}: worst |runner - loop| = {worst:.2e} over {compared} rows")
     assert compared > 0
-    assert worst <= 1e-5, worst
+    assert worst <= (3e-5 if arch in MIXTURE_OF_EXPERTS else 1e-5), worst
 
 
 def _worst_gradient_gap(arch: str, model: nn.Module, tokenizer: Any, only: tuple[str, ...] = ALL_SITES,
