@@ -164,15 +164,21 @@ def test_a_run_asking_during_a_conversion_waits_for_it_and_loads_its_folder(
     convert = CopyShipped()
     lock = os.open(cache / f".{NAME}.lock", os.O_RDONLY | os.O_CREAT)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    with caplog.at_level(logging.INFO, logger="runner.models"), ThreadPoolExecutor(1) as pool:
-        second = pool.submit(converted_folder, NAME, convert)
-        deadline = time.monotonic() + 30
-        while not any("waiting for it" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not second.done() and convert.calls == 0
-        _finished_by_another_run(stand_in, cache)
+    pool = ThreadPoolExecutor(1)
+    try:  # the lock released whatever happens: the second run's thread would otherwise wait forever
+        with caplog.at_level(logging.INFO, logger="runner.models"):
+            second = pool.submit(converted_folder, NAME, convert)
+            deadline = time.monotonic() + 30
+            while not any("waiting for it" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            waited_without_converting = not second.done() and convert.calls == 0
+            if waited_without_converting:
+                _finished_by_another_run(stand_in, cache)
+    finally:
         os.close(lock)
-        folder = second.result(timeout=30)
+        pool.shutdown()
+    assert waited_without_converting
+    folder = second.result(timeout=30)
     assert convert.calls == 0 and (folder / "marker").read_text() == "the first run's"
     waited = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
     assert waited == [f"model {NAME}: another run is converting it into {folder}; waiting for it"]
