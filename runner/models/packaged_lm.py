@@ -318,7 +318,8 @@ def _gguf_parsed_once() -> Iterator[None]:
     mapping (1.9 s). transformers also builds the architecture's tensor-name map anew for every submodule (397
     times, 11 s for SmolLM2); it depends on the architecture and the block count only. transformers imports both
     names from `gguf` when it calls them, so the module's attributes are what is replaced, for the duration only.
-    The converted folder is byte for byte the same (tests/test_packaged_lm.py)."""
+    Both packaged models convert to the same bytes either way (benchmarks/RESULTS.md); tests/test_packaged_lm.py
+    checks that the one parse reads the fields and tensors that the package's own reader reads."""
     import gguf  # convert_gguf checked it is installed
 
     class PlainArrayReader(gguf.GGUFReader):
