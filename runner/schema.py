@@ -211,6 +211,11 @@ class MethodConfig:
         selection = self.selection()
         if selection is not None:
             selection.check()
+        if self.target is TargetMode.fixed and not self.class_ids and not self.class_names:  # before the model loads
+            raise RunnerError(
+                "method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample, or"
+                " method.class_names=[NAME]."
+            )
         return [] if self.top_k >= 1 else [f"method.top_k={self.top_k}"]
 
     def selection(self) -> SiteSelection | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import runner.app as app
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,17 @@ def test_a_run_name_cannot_leave_the_output_root(tmp_path: Path, monkeypatch: py
     assert done.returncode == 2
     assert f"name={name!r} cannot name a run's folder" in done.stderr and "Traceback" not in done.stderr
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # nothing written, inside outputs/ or out of it
+
+
+def test_fixed_targets_without_classes_are_refused_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decided by the config alone, so no model is built: the spy on build_model must stay unused."""
+    built: list[object] = []
+    monkeypatch.setattr(app, "build_model", lambda cfg: built.append(cfg))
+    done = cli(*SMALL_VGG, "method.target=fixed", f"hydra.run.dir={tmp_path}")
+    assert_one_clear_error(done, tmp_path, "method.target=fixed needs method.class_ids=[ID]")
+    assert built == []
 
 
 def test_cfg_job_prints_the_composed_config() -> None:
