@@ -60,6 +60,13 @@ class ScoreCamWeights(str, Enum):
     pytorch_grad_cam = "pytorch_grad_cam"
 
 
+# Refused from the config (MethodConfig.check) and again where a method is handed its config directly
+# (runner.methods.base.check_targets).
+FIXED_TARGETS_NEED_CLASSES = (
+    "method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample, or method.class_names=[NAME]."
+)
+
+
 class TargetMode(str, Enum):
     """Which class a method explains: the prediction, the data set's label, given ids, or the top k classes."""
 
@@ -212,10 +219,7 @@ class MethodConfig:
         if selection is not None:
             selection.check()
         if self.target is TargetMode.fixed and not self.class_ids and not self.class_names:  # before the model loads
-            raise RunnerError(
-                "method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample, or"
-                " method.class_names=[NAME]."
-            )
+            raise RunnerError(FIXED_TARGETS_NEED_CLASSES)
         return [] if self.top_k >= 1 else [f"method.top_k={self.top_k}"]
 
     def selection(self) -> SiteSelection | None:

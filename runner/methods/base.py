@@ -22,7 +22,7 @@ from runner.errors import RunnerError, suggest
 from runner.hooks import HookSession
 from runner.rows import BatchOutput, Columns, concat_columns, to_host
 from runner.runtime import Runtime
-from runner.schema import MethodConfig, Precision, TargetMode
+from runner.schema import FIXED_TARGETS_NEED_CLASSES, MethodConfig, Precision, TargetMode
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def check_targets(cfg: MethodConfig, num_samples: int) -> None:
     """Fail before any data is loaded when fixed targets cannot match the data set."""
     if cfg.target is TargetMode.fixed:
         if not cfg.class_ids:
-            raise RunnerError("method.target=fixed needs method.class_ids=[ID] (one for all) or one id per sample.")
+            raise RunnerError(FIXED_TARGETS_NEED_CLASSES)
         if len(cfg.class_ids) not in (1, num_samples):
             raise RunnerError(
                 f"method.class_ids (or class_names) has {len(cfg.class_ids)} ids but the data set has {num_samples}"

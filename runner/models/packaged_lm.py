@@ -136,21 +136,20 @@ def _converting(folder: Path) -> Iterator[None]:
         return
     try:  # read-only suffices for a lock, and serves a shared cache whose lock file another user created
         lock = os.open(folder.parent / f".{folder.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
-    except OSError:
-        lock = None
+    except OSError:  # no lock file here: convert unlocked
+        yield
+        return
     try:
-        if lock is not None:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("model %s: another run is converting it into %s; waiting for it", folder.name, folder)
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except OSError:  # the file system has no locks
-                pass
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("model %s: another run is converting it into %s; waiting for it", folder.name, folder)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # the file system has no locks
+            pass
         yield
     finally:
-        if lock is not None:
-            os.close(lock)  # releases the lock
+        os.close(lock)  # releases the lock
 
 
 def cache_damage(folder: Path, source: list[dict[str, Any]]) -> str | None:
