@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from runner import interrupts
 from runner.commands.cli import register_resolvers, register_schemas
+from runner.cpu_sharing import rank_waits_asleep_where_shared
 from runner.errors import RunnerError
 from runner.interrupts import (
     Interrupted,
@@ -42,7 +43,8 @@ def main(cfg: DictConfig) -> None:
     global _started
     _started = True
     try:
-        typed_config(cfg)  # a config the schemas or the method refuse stops here, before torch is imported
+        typed = typed_config(cfg)  # a config the schemas or the method refuse stops here, before torch is imported
+        rank_waits_asleep_where_shared(typed.threads)  # torchrun's ranks of one machine share its CPUs
         from runner.app import run  # here, not at the top: `--cfg job` composes without importing torch
 
         if parallel_sweep_job() and interrupts.received.name is not None:  # this worker got the sweep's stop signal

@@ -7,7 +7,6 @@ Library code receives these objects (via `to_run_config`), never a DictConfig.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
+from runner.cpu_sharing import available_cpus
 from runner.errors import RunnerError
 from runner.fingerprints import file_digest
 from runner.site_kinds import SiteSelection
@@ -386,14 +386,6 @@ def check_hook_spec(spec: HookSpec, where: str) -> None:
         raise RunnerError(f"{where}: std={spec.std}; the noise's standard deviation must be >= 0 and finite.")
     if spec.action is HookAction.scale and not math.isfinite(spec.factor):
         raise RunnerError(f"{where}: factor={spec.factor}; a scale factor must be finite.")
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the platform has one: a SLURM job's share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def with_threads(config: RunConfig) -> RunConfig:

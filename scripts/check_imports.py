@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "runner.host_copy",
             "runner.progress",
             "runner.interrupts",
+            "runner.cpu_sharing",
             "runner.distributed",
             "runner.chunks",
             "runner.chunk_sizing",
@@ -60,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # load, so that they answer in well under the second torch takes to import.
 TORCH_FREE = (
     "runner.errors",
+    "runner.cpu_sharing",
     "runner.fingerprints",
     "runner.schema",
     "runner.site_kinds",

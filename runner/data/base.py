@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from runner.cpu_sharing import available_cpus
 from runner.data.images import sized_for_model
 from runner.errors import RunnerError
 from runner.options.registry import DATA
@@ -191,14 +191,6 @@ class RangesSampler(Sampler[int]):
 # Workers a GPU run gets when data.num_workers is null: enough to decode JPEGs ahead of the GPU, few enough
 # not to crowd a shared node (each worker holds a copy of the data set's Python state).
 GPU_DEFAULT_WORKERS = 4
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one: a SLURM job's share, not the node's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity call
-        return os.cpu_count() or 1
 
 
 def loader_settings(cfg: DataConfig, device: torch.device) -> tuple[int, bool]:
