@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -43,16 +42,13 @@ def oversubscribed(processes: int, threads: int | None, cpus: int) -> bool:
     return processes > 1 and threads > 1 and processes * threads > cpus
 
 
-def wait_asleep_where_shared(
-    processes: int, threads: int | None, environ: MutableMapping[str, str] | None = None
-) -> bool:
-    """Set OMP_WAIT_POLICY=PASSIVE in `environ` (os.environ by default: what the processes will start with) where
+def wait_asleep_where_shared(processes: int, threads: int | None) -> bool:
+    """Set OMP_WAIT_POLICY=PASSIVE in this process's environment (what the processes it starts inherit) where
     `processes` processes of `threads` threads would oversubscribe this machine's CPUs and no policy is set; whether
     it set it."""
-    environ = os.environ if environ is None else environ
-    if WAIT_POLICY in environ or not oversubscribed(processes, threads, available_cpus()):
+    if WAIT_POLICY in os.environ or not oversubscribed(processes, threads, available_cpus()):
         return False
-    environ[WAIT_POLICY] = PASSIVE
+    os.environ[WAIT_POLICY] = PASSIVE
     return True
 
 
@@ -67,8 +63,8 @@ def concurrent_jobs(launcher: Any, cpus: int) -> int:
 
 
 class SharedCpusCallback(Callback):
-    """Hydra callback (conf/hydra/default.yaml): in a sweep's own process, before its launcher starts workers, sleep
-    as the wait policy of workers that would oversubscribe the CPUs; the environment put back when the sweep ends."""
+    """Hydra callback (conf/hydra/default.yaml): in a sweep's own process, before its launcher starts the workers,
+    OMP_WAIT_POLICY=PASSIVE for workers that would oversubscribe the CPUs; removed again when the sweep ends."""
 
     def __init__(self) -> None:
         self._set = False
