@@ -406,7 +406,7 @@ def tl_bridge(folder_or_model: str | Path | nn.Module, tokenizer: Any = None, la
     The tokenizer must have been loaded from a folder: the bridge reloads it from its `name_or_path` with
     add_bos_token=True. It only matters for strings; patching here gets token tensors, which go in unchanged.
     `last_logits_only` (a model only): the copy's unembedding reads the last position alone, so its logits are
-    (B, 1, vocab), for a metric that reads only `logits[:, -1]`: the same values, and a forward without the
+    (B, 1, vocab), for a metric that reads only `logits[:, -1]`: its values up to rounding, and a forward without the
     unembedding of every other position (Gemma 3's 262,144 rows were 40% of its forward at 16 tokens).
     """
     from transformer_lens.model_bridge import TransformerBridge

@@ -18,7 +18,8 @@ What is served (`served_command`):
 - only in a new session (torchrun's ranks) or when the asker is in the server's process group, where the child would
   be anyway: a sweep started in a session of its own has its workers in its group, and they start cold;
 - only with an environment equal to the server's in every variable its packages read when they load (`SENSITIVE`),
-  except a thread count (OMP_NUM_THREADS, ...) equal to the server's own, as joblib and torchrun set for their workers.
+  except a thread count (OMP_NUM_THREADS, ...) equal to the server's own, as joblib and torchrun set for their workers,
+  and OpenMP's wait policy (`SPEED_ONLY`: how fast idle threads wake, not what they compute).
 Anything else starts cold, as does everything with RUNNER_COLD_PROCESSES=1. What a served child shares with its
 siblings: the hash seed and the packages' import-time state.
 
@@ -51,6 +52,9 @@ SENSITIVE = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "
              "MALLOC", "LD_", "PYTHON")  # fmt: skip
 # Read when they are used, not at load: the path, torchrun's ranks' settings, torch.hub's folder (torch.hub.get_dir).
 RUN_TIME_ONLY = ("PYTHONPATH", "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_HOME")
+# Read at load, but they change how fast idle threads wake, never a value: a served child keeps the server's policy
+# (runner/cpu_sharing.py sets it for a sweep's workers that share the CPUs; the tests' share is one CPU a worker).
+SPEED_ONLY = ("OMP_WAIT_POLICY",)
 # The environment as the running test began (conftest sets it before each test; first, as this module is imported):
 # a server starts with it, not with what a test has set for the moment it happens to start one in, which would then
 # be every later child's to match. It includes what the tests' imports set (cv2 adds to LD_LIBRARY_PATH, sklearn sets
@@ -89,7 +93,7 @@ class ServerGone(OSError):
 
 def _sensitive(env: Any) -> dict[str, str]:
     pairs = ((os.fsdecode(k), os.fsdecode(v)) for k, v in env.items())
-    return {k: v for k, v in pairs if k.startswith(SENSITIVE) and not k.startswith(RUN_TIME_ONLY)}
+    return {k: v for k, v in pairs if k.startswith(SENSITIVE) and not k.startswith(RUN_TIME_ONLY + SPEED_ONLY)}
 
 
 def _differing(env: Any) -> list[str]:
