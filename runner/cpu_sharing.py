@@ -42,21 +42,21 @@ def oversubscribed(processes: int, threads: int | None, cpus: int) -> bool:
     return processes > 1 and threads > 1 and processes * threads > cpus
 
 
-def wait_asleep_where_shared(processes: int, threads: int | None) -> bool:
+def wait_asleep_where_shared(processes: int, threads: int | None, cpus: int) -> bool:
     """Set OMP_WAIT_POLICY=PASSIVE in this process's environment (what the processes it starts inherit) where
-    `processes` processes of `threads` threads would oversubscribe this machine's CPUs and no policy is set; whether
-    it set it."""
-    if WAIT_POLICY in os.environ or not oversubscribed(processes, threads, available_cpus()):
+    `processes` processes of `threads` threads would oversubscribe `cpus` CPUs and no policy is set; whether it set
+    it."""
+    if WAIT_POLICY in os.environ or not oversubscribed(processes, threads, cpus):
         return False
     os.environ[WAIT_POLICY] = PASSIVE
     return True
 
 
-def concurrent_jobs(launcher: Any, cpus: int) -> int:
+def concurrent_jobs(launcher: DictConfig, cpus: int) -> int:
     """How many jobs a launcher's config runs at once: joblib's n_jobs (-1: every CPU, -2: all but one, as joblib
     counts); 1 for a launcher without n_jobs (the basic one runs jobs in this process, one at a time; a cluster's
     jobs run on CPUs of their own)."""
-    n_jobs = launcher.get("n_jobs") if hasattr(launcher, "get") else None
+    n_jobs = launcher.get("n_jobs")
     if not isinstance(n_jobs, int) or n_jobs == 0:
         return 1
     return n_jobs if n_jobs > 0 else max(1, cpus + 1 + n_jobs)
@@ -70,12 +70,13 @@ class SharedCpusCallback(Callback):
         self._set = False
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        jobs = concurrent_jobs(config.hydra.launcher, available_cpus())
+        cpus = available_cpus()
+        jobs = concurrent_jobs(config.hydra.launcher, cpus)
         threads = config.get("threads")
-        self._set = wait_asleep_where_shared(jobs, threads if isinstance(threads, int) else None)
+        self._set = wait_asleep_where_shared(jobs, threads if isinstance(threads, int) else None, cpus)
         if self._set:
             log.debug("%d concurrent jobs of %s threads on %d CPUs: %s=%s for the workers", jobs,
-                      threads or "all", available_cpus(), WAIT_POLICY, PASSIVE)  # fmt: skip
+                      threads or "all", cpus, WAIT_POLICY, PASSIVE)  # fmt: skip
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self._set:
@@ -89,4 +90,4 @@ def rank_waits_asleep_where_shared(threads: int | None) -> bool:
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
     if "torch" in sys.modules or not ranks.isdigit():
         return False
-    return wait_asleep_where_shared(int(ranks), threads)
+    return wait_asleep_where_shared(int(ranks), threads, available_cpus())
