@@ -12,7 +12,6 @@ import re
 import runpy
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
@@ -32,6 +31,12 @@ from runner.options.compose import register_configs
 from runner.schema import RunConfig
 from tests import warm_python
 from tests.nets import SlowNet, TinyNet  # noqa: F401  (tests import them from here; subprocesses' targets from tests.nets)
+from tests.suite_budget import (  # noqa: F401  (pytest's hooks: where the suite's time goes, and its budget)
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
@@ -379,60 +384,3 @@ def _memoise_random_torchvision_models() -> None:
 _check_processes()
 _check_real_models()
 _memoise_random_torchvision_models()
-
-
-# ---- where the suite's time goes, and its budget ---------------------------------------------------------------------
-# Each run of the suite ends with its wall time, the seconds its workers spent (the CPU time it takes on a machine of
-# that many cores) and the files that took most, and keeps every file's seconds in pytest's cache
-# (`.pytest_cache/v/runner/seconds_by_file`) for the next look at where the time goes. RUNNER_SUITE_BUDGET_S=600 makes a
-# whole-suite run that took longer a failure (the budget the project holds the suite to on two cores).
-_SUITE_STARTED = time.perf_counter()
-_SECONDS_BY_FILE: dict[str, float] = {}
-_SECONDS_BY_WORKER: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    path = report.nodeid.split("::")[0]
-    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
-    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)  # xdist's controller
-    if worker is not None:
-        _SECONDS_BY_WORKER[worker] = _SECONDS_BY_WORKER.get(worker, 0.0) + report.duration
-
-
-def _whole_suite(config: pytest.Config) -> bool:
-    """No selection: every test of testpaths, every tier."""
-    args = [a for a in config.args if a.rstrip("/") not in ("tests", str(Path(__file__).parent))]
-    return not args and not config.getoption("keyword") and not config.getoption("markexpr")
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if hasattr(session.config, "workerinput") or not _SECONDS_BY_FILE:  # an xdist worker: the controller sums
-        return
-    if getattr(session.config, "cache", None) is not None:  # -p no:cacheprovider: nothing kept
-        session.config.cache.set(
-            "runner/seconds_by_file", dict(sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1]))
-        )
-    budget = os.environ.get("RUNNER_SUITE_BUDGET_S")
-    wall = time.perf_counter() - _SUITE_STARTED
-    if budget and _whole_suite(session.config) and wall > float(budget) and exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        session.config._suite_over_budget = (wall, float(budget))  # type: ignore[attr-defined]
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") or not _SECONDS_BY_FILE:
-        return
-    wall = time.perf_counter() - _SUITE_STARTED
-    spent = sum(_SECONDS_BY_FILE.values())
-    top = sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])[:8]
-    workers = sorted(_SECONDS_BY_WORKER.items())  # how evenly the files were spread
-    by_worker = f" ({', '.join(f'{w} {s:.0f}' for w, s in workers)})" if workers else ""
-    terminalreporter.write_line(
-        f"suite: {wall:.0f} s wall, {spent:.0f} worker-seconds{by_worker}; most: "
-        + ", ".join(f"{Path(p).name} {s:.0f}" for p, s in top)
-    )
-    over = getattr(config, "_suite_over_budget", None)
-    if over:
-        terminalreporter.write_line(
-            f"suite over its budget: {over[0]:.0f} s wall > RUNNER_SUITE_BUDGET_S={over[1]:.0f}", red=True
-        )
