@@ -16,8 +16,10 @@ import time
 import pandas as pd
 import pytest
 import torch
+from safetensors import safe_open
 
 from runner.methods.lm_patching import lm_activation_patching
+from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import PACKAGED_LMS
 from tests.lm_references import tl_bridge
 from tests.test_packaged_lm import IOI, IOI_PAIRS, packaged_ioi
@@ -55,6 +57,10 @@ def test_gemma3_has_its_published_shape(gemma3: dict) -> None:
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (4, 1, 262144)
     assert 267e6 < sum(p.numel() for p in model.parameters()) < 269e6
     assert next(model.parameters()).dtype == torch.float32
+    # Tied embeddings, as published: one tensor in the model and one in the converted file
+    assert config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    with safe_open(converted_folder(GEMMA3) / "model.safetensors", "pt") as saved:
+        assert "lm_head.weight" not in set(saved.keys())
 
 
 def test_gemma3_prefers_the_indirect_object(gemma3: dict) -> None:

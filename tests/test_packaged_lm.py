@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import runner.models.packaged_lm as packaged_lm
 from runner.errors import RunnerError
@@ -496,6 +497,10 @@ def test_smollm2_has_its_published_shape(smollm2) -> None:
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
     assert next(model.parameters()).dtype == torch.float32
+    # Tied embeddings, as published: one tensor in the model and one in the converted file
+    assert config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    with safe_open(converted_folder(SMOLLM2) / "model.safetensors", "pt") as saved:
+        assert "lm_head.weight" not in set(saved.keys())
 
 
 @pytest.mark.slow
