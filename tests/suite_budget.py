@@ -33,6 +33,8 @@ import pytest
 import torch
 from torch import nn
 
+from runner.cpu_sharing import available_cpus
+
 # The calibration workload's median CPU seconds on the reference machine, timed as the suite's controller times it
 # (tests/conftest.py imported): the development machine of 2026-12-02 (two cores of an Intel Xeon, AVX-512, torch
 # 2.14.1), quiet, where `make test` from a fresh clone took 539-551 s with every cache cold.
@@ -54,12 +56,12 @@ class Measured:
 
 
 MEASURED = pytest.StashKey[Measured]()
+STEAL_AT_START = pytest.StashKey[float | None]()  # the steal seconds as the first calibration ended
 _SUITE_STARTED = time.perf_counter()
 _SECONDS_BY_FILE: dict[str, float] = {}
 _SECONDS_BY_WORKER: dict[str, float] = {}
 _CALIBRATIONS: list[float] = []  # the workload's median CPU seconds: before the workers start, after they end
 _CALIBRATING_S: list[float] = []  # the wall time the timings took, not the suite's
-_STEAL_AT_START: list[float | None] = []
 
 
 def calibration_seconds(runs: int = 5) -> float:
@@ -137,19 +139,19 @@ def _suite_wall() -> float:
     return time.perf_counter() - _SUITE_STARTED - sum(_CALIBRATING_S)
 
 
-def _stolen_share(wall: float) -> float:
+def _stolen_share(config: pytest.Config, wall: float) -> float:
     """The share of the suite's CPUs' time that other machines had while it ran (0 where it is not counted)."""
-    start, now = (_STEAL_AT_START or [None])[0], _steal_now()
+    start, now = config.stash.get(STEAL_AT_START, None), _steal_now()
     if start is None or now is None or wall <= 0:
         return 0.0
-    return (now - start) / (wall * len(os.sched_getaffinity(0)))
+    return (now - start) / (wall * available_cpus())
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The controller, before xdist starts its workers: the machine as the suite finds it.
     if not hasattr(config, "workerinput") and _whole_suite(config):
         _calibrate()
-        _STEAL_AT_START.append(_steal_now())
+        config.stash[STEAL_AT_START] = _steal_now()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -170,7 +172,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _CALIBRATIONS:  # not the whole suite: no budget
         return
     wall = _suite_wall()
-    stolen = _stolen_share(wall)
+    stolen = _stolen_share(session.config, wall)
     _calibrate()  # the workers have ended
     measured = Measured(wall, stolen, reference_seconds(wall, _CALIBRATIONS, stolen))
     budget = os.environ.get(BUDGET_VARIABLE)
