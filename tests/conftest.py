@@ -31,8 +31,7 @@ from runner.options.compose import register_configs
 from runner.schema import RunConfig
 from tests import warm_python
 from tests.nets import SlowNet, TinyNet  # noqa: F401  (tests import them from here; subprocesses' targets from tests.nets)
-from tests.suite_budget import (  # noqa: F401  (pytest's hooks: where the suite's time goes, and its budget)
-    pytest_configure,
+from tests.suite_budget import (  # noqa: F401  (pytest's hooks: where the suite's time goes, and its tripwire)
     pytest_runtest_logreport,
     pytest_sessionfinish,
     pytest_terminal_summary,
