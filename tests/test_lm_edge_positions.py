@@ -39,9 +39,9 @@ def edge_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture
 def measured_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The circuits of every unit and of none measured by an intervention forward, not taken as known."""
-    from runner.methods.lm_edges import method
+    from runner.methods.lm_edges import evaluation
 
-    monkeypatch.setattr(method, "MEASURE_KNOWN_CIRCUITS", True)
+    monkeypatch.setattr(evaluation, "MEASURE_KNOWN_CIRCUITS", True)
 
 
 SHORT = {"clean": "t01 t02 t03 t01 t02", "corrupted": "t09 t08 t07 t01 t02", "answer": "t03", "distractor": "t07"}

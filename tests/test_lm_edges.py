@@ -378,9 +378,9 @@ def test_exact_edges_equal_the_plain_loop_and_top_k_patches_the_best_scored(edge
 @pytest.fixture
 def measured_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The circuits of every edge and of none measured by an intervention forward, not taken as known."""
-    from runner.methods.lm_edges import method
+    from runner.methods.lm_edges import evaluation
 
-    monkeypatch.setattr(method, "MEASURE_KNOWN_CIRCUITS", True)
+    monkeypatch.setattr(evaluation, "MEASURE_KNOWN_CIRCUITS", True)
 
 
 def test_circuits_of_every_edge_and_of_none_restore_1_and_0_and_one_edge_less_is_that_edge_corrupted(

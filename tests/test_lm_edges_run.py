@@ -15,6 +15,7 @@ from runner import app
 from runner.errors import RunnerError
 from runner.methods.lm_edges import lm_edge_attribution
 from runner.methods.lm_edges.method import LmEdges
+from runner.methods.lm_edges.scoring import Scoring
 from runner.methods.lm_edges.split import DISCOVERY, HELD_OUT, split_pairs
 from runner.options.method.lm_edges import HeldOutBy, LmEdgesConfig, LmEdgesMethodConfig
 from runner.results import load
@@ -146,5 +147,5 @@ def test_an_interrupted_run_resumes_from_its_scores_and_ends_as_an_uninterrupted
     def no_scoring(self, model, batch):  # noqa: ANN001, ANN202
         raise AssertionError("a resumed run scored a pair again")
 
-    monkeypatch.setattr(LmEdges, "_score", no_scoring)
+    monkeypatch.setattr(Scoring, "batch", no_scoring)
     _same(whole, _induction(tmp_path / "cut", "data.batch_size=4", "output.shard_batches=1"))

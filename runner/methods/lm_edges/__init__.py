@@ -2,8 +2,8 @@
 head's query, key or value input, MLP or the logits, carries the behaviour.
 
 graph.py          the edge graph of a model, from its site layout (per key-value head for keys and values)
-scores.py         each edge's first-order effect: writes x readers' gradients (EAP; EAP-IG averages the gradients)
-estimators.py     two more averages of the gradients: at the clean and corrupted runs, over runs interpolating outputs
+scores.py         each edge's first-order effect: the writers' clean - corrupted writes x the readers' gradients
+estimators.py     one estimator per mode: the runs whose readers' gradients it averages, and where they are taken
 intervene.py      edge interventions in one forward: exact edge patching, circuits, path patching
 positions.py      position slots of per-position edges (IO, S1+1, S2, end, ...; or counted back from the end)
 split.py          the pairs that find the circuit and those held out to test it
@@ -12,7 +12,10 @@ stability.py      bootstrap resamples of the pairs: intervals, inclusion, Jaccar
 run_scores.py     the run's scores read back, its ranking, and the tables about the whole run
 rows.py           the tables' columns
 export.py         the scores in the graph file the EAP-IG code and the MIB circuit track read
-method.py         `method=lm_edges`: scoring, then evaluation, over the data
+pair_runs.py      a batch's clean and corrupted runs, the pairs' metrics, and intervention forwards on the metric
+scoring.py        pass 1: each discovery pair's score of every edge (and path patching)
+evaluation.py     pass 2: the run's circuits on every pair, the checked edges patched exactly
+method.py         `method=lm_edges`: the adapter that runs both passes over the data
 
 `lm_edge_attribution` and `lm_path_patching` run it on a model and a list of pairs from a notebook, with no run
 directory.

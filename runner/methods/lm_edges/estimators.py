@@ -1,23 +1,30 @@
-"""Two more estimators of the readers' gradients that the edge scores take (scores.py:
-score(w -> r) = sum over positions of (write_w(clean) - write_w(corrupted)) . g_r), after Hanna et al. (2024)'s code
-(github.com/hannamw/EAP-IG, src/eap/attribute.py):
+"""How each mode estimates an edge's effect: one `Estimator` per method.edges.mode, saying the runs whose readers'
+gradients it averages and where they are taken. The edge scores (scores.py) are then, for every mode,
 
-  clean_corrupted     g_r = (dM/d(input of r) at the clean run + the same at the corrupted run) / 2: two traced runs
-                      (their `get_scores_clean_corrupted`);
-  eap_ig_activations  g_r = the mean of dM/d(input of r) over (1 + 2 layers) x steps runs (their
-                      `get_scores_ig_activations`): for each writer group G (the embeddings: site resid_pre.0; each
+    score(w -> r) = sum over positions of (write_w(clean) - write_w(corrupted)) . mean over the runs of dM/d(input of r)
+
+  eap                 one run: the corrupted run (Syed et al. 2023; TransformerLens's `attribution_patch`)
+  eap_clean           one run: the clean run (the EAP of Hanna et al.'s code, `get_scores_eap`, and so of the MIB
+                      circuit track's tables; the corrupted run is made without gradients for its writes)
+  eap_ig              `steps` runs of the corrupted prompt with its input embeddings moved k / steps of the way to
+                      the clean ones, k = 0 .. steps - 1 (Hanna et al.'s `get_scores_eap_ig`; MIB's EAP-IG-inputs)
+  clean_corrupted     two runs, the clean and the corrupted (their `get_scores_clean_corrupted`)
+  eap_ig_activations  (1 + 2 layers) x steps runs (their `get_scores_ig_activations`; MIB's EAP-IG-activations):
+                      for each writer group G (the embeddings: site resid_pre.0; each
                       layer's attention, all its heads together: site `head`, the heads' outputs z before the output
                       projection; each layer's MLP: `mlp_out`) and each k = 1 .. steps, the run of the clean prompt
                       with G's output set to a G(clean) + (1 - a) G(corrupted), a = k / steps (G's outputs in the
                       clean and in the corrupted run, constants), every other site computed by the forward. As in
                       theirs, the runs are of the clean prompt and a goes from 1/steps to 1: a = 1 (the clean run
                       itself, once per group) is among them, a = 0 is not.
+  exact               no gradient: every edge patched (intervene.py), one intervention a unit
 In a run where G is set nothing upstream reaches the metric through G: a reader of G's own block (the attention's
 q, k, v inputs when G is that attention, the MLP's input when G is that MLP) has gradient 0 in that run, as in theirs.
 
-Where this differs from their code:
-  - the sign: they score (corrupted - clean) . g, here (clean - corrupted) . g, as eap and eap_ig here: a positive
-    score means that moving the edge toward its clean value raises the metric;
+Where these differ from their code:
+  - the sign: they score (corrupted - clean) . g, here (clean - corrupted) . g: a positive score means that moving the
+    edge toward its clean value raises the metric (MIB ranks by |score| for CMD and by the signed score for CPR, so
+    the sign flips which end a signed ranking keeps, not which edges an absolute one does);
   - each pair is scored on its own, not the batch's mean (the run's mean over the discovery pairs comes later, as
     for every mode);
   - keys and values are read per key-value head (graph.py: one k and one v reader per key-value head, shared by its
@@ -29,11 +36,12 @@ Where this differs from their code:
   - the corrupted run is the run's corruption (method.edges.corruption: the pair's corrupted prompt, or the clean
     prompt with its embeddings edited); their mean-ablation `intervention` is not offered.
 
-A batch's runs are stacked in the rows of traced forwards, RUN_ROWS rows at most (one run at least), run j's pairs at
-rows j B .. (j + 1) B - 1: runs and pairs are independent, so one backward of the metrics' sum gives every run's
-gradients, summed over the runs site by site as they come and handed to the edge scores a chunk of layers at a time
-(scores.reader_gradients, ScoreSum). Memory grows with a forward's rows, not with the runs; the forwards with the
-runs / (RUN_ROWS // B).
+clean_corrupted's and eap_ig_activations' runs are stacked in the rows of traced forwards, RUN_ROWS rows at most (one
+run at least), run j's pairs at rows j B .. (j + 1) B - 1: runs and pairs are independent, so one backward of the
+metrics' sum gives every run's gradients, summed over the runs site by site as they come and handed to the edge
+scores a chunk of layers at a time (scores.reader_gradients, ScoreSum). Memory grows with a forward's rows, not with
+the runs; the forwards with the runs / (RUN_ROWS // B). eap_ig's runs go one a forward: memory does not grow with
+`steps`.
 """
 
 from __future__ import annotations
@@ -70,9 +78,9 @@ class Run:
 class Runs:
     """What a batch's runs need of the method: the model, its site hooks (on the graph's sites), the embedding edit's
     hook, the autocast, the graph, the prompts' mask (B, T), the metric of a run's last logits (B, V) -> (B,), where
-    the readers' gradients go (scores.reader_gradients' sink, `chunk_bytes` at a time), and where the corrupted run's
+    the readers' gradients go (scores.reader_gradients' sink, `chunk_bytes` at a time), where the corrupted run's
     views and last logits (B, V) go as soon as they are made (`kept`, `kept_logits`: before any gradient reaches the
-    sink, which reads them)."""
+    sink, which reads them), and the embeddings module (`embed`)."""
 
     model: nn.Module
     hooks: SiteHooks
@@ -85,17 +93,20 @@ class Runs:
     kept: dict[str, torch.Tensor]
     kept_logits: list[torch.Tensor]
     chunk_bytes: int | None = None
+    embed: nn.Module | None = None  # the embeddings (eap, eap_ig: their output is what the runs move)
 
     def views(self, run: Run) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """`run` without gradients: its sites' views and its last logits (B, V)."""
         return self._forward([run], grad=False)
 
-    def gradients(self, run: Callable[[int], Run], count: int, keep: int | None = None) -> None:
+    def gradients(
+        self, run: Callable[[int], Run], count: int, keep: int | None = None, per_forward: int | None = None
+    ) -> None:  # fmt: skip
         """The readers' gradients of the runs `run(0)` .. `run(count - 1)` into the sink (their sum), the runs stacked
-        RUN_ROWS rows a forward (each made when its forward comes); with `keep`, that run's views and logits go to
-        `kept` and `kept_logits` first."""
+        `per_forward` a forward (None: RUN_ROWS rows, one run at least), each made when its forward comes; with
+        `keep`, that run's views and logits go to `kept` and `kept_logits` first."""
         pairs = self.mask.shape[0]
-        step = max(1, RUN_ROWS // pairs)
+        step = per_forward or max(1, RUN_ROWS // pairs)
         for start in range(0, count, step):
             within_batch(0.5 * start / count, f"lm_edges: gradient runs {start}/{count}")
             chunk = [run(j) for j in range(start, min(start + step, count))]
@@ -139,35 +150,146 @@ def _stacked(edits: list[EmbeddingEdit | None]) -> EmbeddingEdit | None:
     return EmbeddingEdit(torch.cat([e.scale for e in chosen]), torch.cat([e.shift for e in chosen]))
 
 
-def clean_corrupted(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> int:
-    """The readers' gradients at the corrupted and at the clean run (`clean`: the clean prompts' ids) into the sink;
-    their mean is the sum / the runs returned. `steps` unread."""
-    both = [Run(corrupted.ids, corrupted.edit), Run(clean)]
-    runs.gradients(both.__getitem__, len(both), keep=0)
-    return len(both)
+class Estimator:
+    """A mode's estimate of the edges' effects: the runs whose readers' gradients it averages (`runs`, of `steps` and
+    the model's `layers`), where they are taken (`gradient_point`), the runs a traced forward stacks at most
+    (`stacked`, of the batch's pairs), the runs' views held besides the traced forward's (`kept_views`: the corrupted
+    run's for the writes, and the clean run's where the runs interpolate toward it), and `gradients`, which puts the
+    readers' gradients of the runs into `runs.sink` and the corrupted run's views and logits into `runs.kept` and
+    `runs.kept_logits` before any gradient goes to the sink. `traced`: False for a mode of no gradient (exact)."""
+
+    mode: EdgeMode
+    gradient_point: str
+    traced = True
+    kept_views = 1
+
+    def runs(self, steps: int, layers: int) -> int:
+        return 1
+
+    def stacked(self, steps: int, layers: int, pairs: int) -> int:
+        """The most runs one traced forward holds."""
+        return min(self.runs(steps, layers), max(1, RUN_ROWS // pairs))
+
+    def gradients(self, runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> None:
+        raise NotImplementedError
 
 
-def ig_activations(runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> int:
-    """The readers' gradients of the runs of the clean prompt with one writer group's output at a = k / steps of the
-    way from its corrupted to its clean value, k = 1 .. steps (module docstring), into the sink; their mean is the
-    sum / the runs returned."""
-    clean_views, _ = runs.views(Run(clean))
-    corrupted_views, corrupted_logits = runs.views(Run(corrupted.ids, corrupted.edit))
-    runs.kept.update(corrupted_views)
-    runs.kept_logits.append(corrupted_logits)
-    groups = runs.graph.writer_sites()  # the embeddings, then per layer its attention and its MLP
+class Integrated(Estimator):
+    """eap_ig: the runs of the corrupted prompt with its embeddings moved k / steps of the way to the clean ones,
+    k = 0 .. steps - 1, one a forward (the first, k = 0, is the corrupted run itself: its views are the kept ones)."""
 
-    def run(j: int) -> Run:
-        group, alpha = groups[j // steps], (j % steps + 1) / steps
-        value = alpha * clean_views[group] + (1 - alpha) * corrupted_views[group]  # theirs: a = 1 is the clean value
-        return Run(clean, None, {group: value})
+    mode = EdgeMode.eap_ig
+    gradient_point = "the corrupted run, its input embeddings moved k/steps of the way to the clean ones"
+    kept_views = 0  # the corrupted run is the first traced run
 
-    count = len(groups) * steps
-    runs.gradients(run, count)
-    return count
+    def runs(self, steps: int, layers: int) -> int:
+        return steps
+
+    def stacked(self, steps: int, layers: int, pairs: int) -> int:
+        return 1
+
+    def gradients(self, runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> None:
+        assert runs.embed is not None, "eap and eap_ig move the embeddings' output: Runs.embed"
+        with torch.no_grad():
+            # the embedding outputs the interpolation runs between (the edit hook sits on this module)
+            clean_embedding = runs.embed(clean)
+        count = self.runs(steps, 0)
+
+        def run(k: int) -> Run:
+            return Run(corrupted.ids, _toward(corrupted.edit, clean_embedding, k / count, corrupted.ids.shape))
+
+        runs.gradients(run, count, keep=0, per_forward=1)
 
 
-ESTIMATORS: dict[EdgeMode, Callable[[Runs, torch.Tensor, Corrupted, int], int]] = {
-    EdgeMode.clean_corrupted: clean_corrupted,
-    EdgeMode.eap_ig_activations: ig_activations,
+class AtCorrupted(Integrated):
+    """eap: the corrupted run alone (eap_ig of one step)."""
+
+    mode = EdgeMode.eap
+    gradient_point = "the corrupted run"
+
+    def runs(self, steps: int, layers: int) -> int:
+        return 1
+
+
+class AtClean(Estimator):
+    """eap_clean: the clean run alone; the corrupted run is made without gradients, for its writes and metric."""
+
+    mode = EdgeMode.eap_clean
+    gradient_point = "the clean run"
+
+    def gradients(self, runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> None:
+        corrupted_views, corrupted_logits = runs.views(Run(corrupted.ids, corrupted.edit))
+        runs.kept.update(corrupted_views)
+        runs.kept_logits.append(corrupted_logits)
+        runs.gradients(lambda j: Run(clean), 1)
+
+
+class CleanCorrupted(Estimator):
+    """clean_corrupted: the corrupted and the clean run, stacked in one forward where the rows allow."""
+
+    mode = EdgeMode.clean_corrupted
+    gradient_point = "the clean and the corrupted run, averaged"
+
+    def runs(self, steps: int, layers: int) -> int:
+        return 2
+
+    def gradients(self, runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> None:
+        both = [Run(corrupted.ids, corrupted.edit), Run(clean)]
+        runs.gradients(both.__getitem__, len(both), keep=0)
+
+
+class IgActivations(Estimator):
+    """eap_ig_activations: the runs of the clean prompt with one writer group's output at a = k / steps of the way
+    from its corrupted to its clean value, k = 1 .. steps (module docstring); the clean and the corrupted run are
+    made without gradients first, for the values the runs interpolate between."""
+
+    mode = EdgeMode.eap_ig_activations
+    gradient_point = "the clean run, one writer group's output moved from its corrupted toward its clean value"
+    kept_views = 2
+
+    def runs(self, steps: int, layers: int) -> int:
+        return (1 + 2 * layers) * steps
+
+    def gradients(self, runs: Runs, clean: torch.Tensor, corrupted: Corrupted, steps: int) -> None:
+        clean_views, _ = runs.views(Run(clean))
+        corrupted_views, corrupted_logits = runs.views(Run(corrupted.ids, corrupted.edit))
+        runs.kept.update(corrupted_views)
+        runs.kept_logits.append(corrupted_logits)
+        groups = runs.graph.writer_sites()  # the embeddings, then per layer its attention and its MLP
+
+        def run(j: int) -> Run:
+            group, alpha = groups[j // steps], (j % steps + 1) / steps
+            value = alpha * clean_views[group] + (1 - alpha) * corrupted_views[group]  # theirs: a = 1 is clean
+            return Run(clean, None, {group: value})
+
+        runs.gradients(run, len(groups) * steps)
+
+
+class Exact(Estimator):
+    """exact: no gradient; every unit patched in turn (the scoring pass's intervention forwards)."""
+
+    mode = EdgeMode.exact
+    gradient_point = "none: each edge patched"
+    traced = False
+    kept_views = 1
+
+    def stacked(self, steps: int, layers: int, pairs: int) -> int:
+        return 0
+
+
+ESTIMATORS: dict[EdgeMode, Estimator] = {
+    e.mode: e for e in (AtCorrupted(), AtClean(), Integrated(), CleanCorrupted(), IgActivations(), Exact())
 }
+
+
+def _toward(
+    edit: EmbeddingEdit | None, clean: torch.Tensor, alpha: float, shape: torch.Size
+) -> EmbeddingEdit | None:  # fmt: skip
+    """The edit that makes the corrupted run's embedding output E_c (edited by `edit`: E_c * s + t) into
+    (1 - alpha) (E_c * s + t) + alpha * clean; `edit` itself at alpha = 0."""
+    if alpha == 0:
+        return edit
+    b, t = shape
+    scale = torch.ones(b, t, 1, device=clean.device) if edit is None else edit.scale.to(clean.device)
+    shift = torch.zeros_like(clean) if edit is None else edit.shift.to(clean.device, clean.dtype)
+    return EmbeddingEdit(scale * (1 - alpha), shift * (1 - alpha) + clean * alpha)

@@ -3,11 +3,9 @@ and the readers' gradients.
 
     score(w -> r) = sum over positions of (write_w(clean) - write_w(corrupted)) . dM/d(input of r)
 
-with the gradient taken on the corrupted run (EAP, Syed et al. 2023; TransformerLens's `attribution_patch` at edge
-granularity), or averaged over the runs whose input embeddings are corrupted + k/steps (clean - corrupted),
-k = 0 .. steps-1 (EAP-IG, Hanna et al. 2024: their `get_scores_eap_ig`), or as estimators.py averages them
-(clean_corrupted, eap_ig_activations). A positive score: moving the edge toward its clean value raises the metric.
-With steps=1 eap and eap_ig are the same.
+with the gradient taken where each mode's estimator takes it (estimators.py: at the corrupted run, eap; at the clean
+run, eap_clean; averaged over interpolating runs, eap_ig and eap_ig_activations; ...). A positive score: moving the
+edge toward its clean value raises the metric.
 
 A reader's gradient is the gradient along its own path only: head h's query input is the residual stream as head h's
 query projection reads it (through the block's norm), so dM/d(input of a{l}.h{h}<q>) is the vector-Jacobian product
@@ -184,16 +182,3 @@ def _vjp(output: torch.Tensor, stream: torch.Tensor, cotangent: torch.Tensor, ba
         shape = (cotangent.shape[0], *stream.shape) if batched else stream.shape
         return torch.zeros(shape, device=stream.device)
     return found.float()
-
-
-def integrated(
-    steps: int, run: Callable[[float], tuple[dict[str, torch.Tensor], torch.Tensor]], graph: EdgeGraph, sink: Sink,
-    chunk_bytes: int | None = None,
-) -> None:  # fmt: skip
-    """The readers' gradients of `steps` runs into `sink` (their sum: the caller divides by `steps`): `run(alpha)`
-    runs the model traced with its input embeddings corrupted + alpha (clean - corrupted) and gives its views and
-    metric (B,); alpha = k/steps, k = 0 .. steps-1. One run's graph at a time: memory does not grow with `steps`."""
-    for k in range(steps):
-        views, metric = run(k / steps)
-        reader_gradients(graph, views, metric, sink, chunk_bytes=chunk_bytes)
-        del views, metric

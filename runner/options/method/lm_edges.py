@@ -18,6 +18,9 @@ from runner.site_kinds import SiteSelection
 
 class EdgeMode(str, Enum):
     eap = "eap"  # the gradient at the corrupted run: two forwards and one backward a batch
+    # the gradient at the clean run (Hanna et al.'s get_scores_eap: the EAP of the MIB circuit track's tables): two
+    # forwards and one backward a batch
+    eap_clean = "eap_clean"
     eap_ig = "eap_ig"  # the gradient averaged over `steps` runs from the corrupted toward the clean embeddings
     # the gradients at the clean and at the corrupted run averaged: two traced runs a batch (Hanna et al.'s
     # get_scores_clean_corrupted)
