@@ -207,6 +207,34 @@ def test_the_seed_fixes_the_bootstrap() -> None:
     assert not np.array_equal(bootstrap(scores, [3], 60, 12, True).lo, a.lo)
 
 
+def test_the_bootstrap_draws_pairs_by_id_not_by_column() -> None:
+    """The same pairs in another column order, their ids with them: the same resamples, to the bit (the means are
+    summed in the ids' order too). Without the ids the draws are by column: another order, another bootstrap."""
+    rng = np.random.default_rng(6)
+    scores = (rng.normal(0, 1, (40, 9)) + rng.normal(0, 0.3, (1, 9))).astype(np.float32)  # (E, N)
+    ids = [f"pair-{k}" for k in (3, 10, 7, 0, 8, 1, 5, 2, 4)]  # not in sorted order
+    shuffled = rng.permutation(9)
+    for absolute in (False, True):
+        a = bootstrap(scores, [0, 2, 5, 40], 50, 3, absolute, ids=ids)
+        b = bootstrap(scores[:, shuffled], [0, 2, 5, 40], 50, 3, absolute, ids=[ids[i] for i in shuffled])
+        np.testing.assert_array_equal(a.lo, b.lo)
+        np.testing.assert_array_equal(a.hi, b.hi)
+        for s in (2, 5, 40):
+            np.testing.assert_array_equal(a.inclusion[s], b.inclusion[s])
+            assert a.jaccard[s] == b.jaccard[s]
+        # the columns in the ids' sorted order, without ids: that same bootstrap
+        by_id = sorted(range(9), key=lambda i: ids[i])
+        c = bootstrap(scores[:, by_id], [0, 2, 5, 40], 50, 3, absolute)
+        np.testing.assert_array_equal(a.lo, c.lo)
+        assert a.jaccard == c.jaccard
+        # by column position, the order of the columns changes the draws
+        assert not np.array_equal(bootstrap(scores[:, shuffled], [2], 50, 3, absolute).lo, c.lo)
+    with pytest.raises(ValueError, match="distinct ids"):
+        bootstrap(scores, [2], 50, 3, True, ids=["a"] * 9)
+    with pytest.raises(ValueError, match="distinct ids"):
+        bootstrap(scores, [2], 50, 3, True, ids=ids[:8])
+
+
 def test_bootstrap_edge_cases_are_nan_not_errors() -> None:
     scores = np.random.default_rng(5).normal(0, 1, (8, 6))
     got = bootstrap(scores, [0, 3, 8], 20, 0, absolute=True)

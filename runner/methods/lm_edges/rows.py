@@ -224,7 +224,10 @@ LM_EDGE_CALIBRATION_SCHEMA = declare(
         pa.field("edges", pa.int64()),
         pa.field("pairs", pa.int64()),
         pa.field("spearman", pa.float64()),  # rank correlation of the edges' mean estimate and mean exact effect
-        pa.field("sign_agreement", pa.float64()),  # the fraction of (edge, pair) whose estimate has the exact sign
+        # the sign agreement is over the (edge, pair) whose exact effect is above float rounding (run_scores.py
+        # SIGN_TOLERANCE): an edge with no effect would otherwise agree or not as the batch happens to round it
+        pa.field("sign_agreement", pa.float64()),  # the fraction of sign_counted whose estimate has the exact's sign
+        pa.field("sign_counted", pa.int64()),  # the (edge, pair) with |exact| > 1e-3 x the pair's |clean - corrupted|
         pa.field("mean_abs_error", pa.float64()),  # mean |estimate - exact| over (edge, pair)
     ],
     Presentation(keys=("chosen", "mode", "metric"), values=("spearman", "sign_agreement", "mean_abs_error")),

@@ -5,6 +5,12 @@ Statistics over pairs (a score's mean and spread, the curve's means) are over th
 small span). The faithfulness curve is the MIB circuit track's: per size, f = (mean m(C) - mean m(empty)) /
 (mean m(full) - mean m(empty)) over a part's pairs, m(empty) measured (every edge ablated), m(full) the clean run;
 CPR and CMD are its areas (faithfulness.py). Stability: bootstrap resamples of the discovery pairs (stability.py).
+
+Every statistic over pairs is taken in one canonical order of the pairs, their ids sorted (`sample_id`): the same
+pairs in another order, or written in other batches or shards, give the same sums to the bit and the same bootstrap
+draws. Calibration: the sign agreement counts an (edge, pair) only where the exact effect is above SIGN_TOLERANCE of
+the pair's |clean - corrupted| (below it, an edge with no effect reads as 0 or as float rounding of either sign, as
+the batch happens to round it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ from runner.rows import Columns
 
 log = logging.getLogger(__name__)
 
+# lm_edge_calibration.sign_agreement counts an (edge, pair) only where |exact| > SIGN_TOLERANCE x the pair's
+# |clean - corrupted|: float32 rounding of an edge with no effect is ~1e-7 of the metric, a pair not flagged has a
+# span of at least min_span (5%) of it, so its noise is ~1e-6 of the span; an effect under 0.1% of it has no sign
+# worth checking.
+SIGN_TOLERANCE = 1e-3
+
+
+def canonical(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame`'s rows in the pairs' canonical order: by sample_id, and within a pair in the order written (a stable
+    sort), whatever the order of the pairs in the data, the batches and the shards."""
+    return frame.sort_values("sample_id", kind="stable").reset_index(drop=True)
+
+
+def _read_canonical(read: Callable[[str], pd.DataFrame | None], table: str) -> pd.DataFrame | None:
+    frame = read(table)
+    return None if frame is None else canonical(frame)
+
 
 def _flagged(frame: pd.DataFrame) -> np.ndarray:
     return (frame["degenerate"].astype(bool) | frame["small_span"].astype(bool)).to_numpy()
@@ -36,7 +59,8 @@ def _flagged(frame: pd.DataFrame) -> np.ndarray:
 
 @dataclass
 class RunScores:
-    """Every discovery pair's scores (pairs x edges, in sample order) and the ranking made of them."""
+    """Every discovery pair's scores (pairs x edges, in the pairs' canonical order: their ids sorted) and the ranking
+    made of them."""
 
     p: LmEdgesConfig
     graph: EdgeGraph
@@ -44,7 +68,7 @@ class RunScores:
     pair_ids: list[str]
     scores: np.ndarray  # (N, E) float32
     kept: np.ndarray  # (N,) bool: the pairs the run's statistics are over
-    frame: pd.DataFrame  # lm_edge_pair_scores' rows, in sample order
+    frame: pd.DataFrame  # lm_edge_pair_scores' rows, in the canonical order (sample_id sorted)
     mean: np.ndarray = field(init=False)  # (E,) float64
     order: np.ndarray = field(init=False)  # edges, first kept first
     rank: np.ndarray = field(init=False)  # (E,) 1-based
@@ -63,7 +87,7 @@ class RunScores:
         frame = read("lm_edge_pair_scores")
         if frame is None or frame.empty:
             raise RunnerError("lm_edges: no discovery pair was scored, so no circuit can be chosen.")
-        frame = frame.sort_values("sample", kind="stable").reset_index(drop=True)
+        frame = canonical(frame)
         scores = np.stack([np.asarray(s, dtype=np.float32) for s in frame["scores"]])  # (N, units)
         if scores.shape[1] != len(edge_index) * slots:
             raise RunnerError(
@@ -132,8 +156,9 @@ class RunScores:
         """The bootstrap over the kept discovery pairs (method.edges.resamples; None without, or with one pair)."""
         if self.stability is None and self.p.resamples and self.pairs >= 2:
             sizes = [n for n in self.sizes if n > 0]
+            ids = [i for i, kept in zip(self.pair_ids, self.kept.tolist(), strict=True) if kept]
             self.stability = bootstrap(self.scores[self.kept].T, sizes, self.p.resamples, self.p.seed,
-                                       self.p.ranking is EdgeRanking.absolute)  # fmt: skip
+                                       self.p.ranking is EdgeRanking.absolute, ids=ids)  # fmt: skip
         return self.stability
 
 
@@ -144,16 +169,15 @@ def final_tables(
     """The tables about the whole run (rows.py): lm_edges, and with circuits the curve, its areas and stability, and
     with checked edges the calibration."""
     stability = run.resample()
-    exact_frame = read("lm_edge_exact")
+    exact_frame, circuit = (_read_canonical(read, table) for table in ("lm_edge_exact", "lm_circuit"))
     tables = {"lm_edges": _edge_rows(run, columns, steps, metric, stability, exact_frame)}
-    circuit = read("lm_circuit")
     if circuit is not None and run.sizes:
         tables["lm_circuit_curve"] = _curve(run, circuit, stability, metric)
         tables["lm_circuit_scores"] = _areas(run, tables["lm_circuit_curve"], metric)
         if stability is not None:
             tables["lm_circuit_stability"] = _stability_rows(run, stability, columns)
     if exact_frame is not None and not exact_frame.empty:
-        tables["lm_edge_calibration"] = _calibration(exact_frame, metric)
+        tables["lm_edge_calibration"] = _calibration(exact_frame, metric, _spans(run))
     return {name: typed(name, columns) for name, columns in tables.items()}
 
 
@@ -277,11 +301,20 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def _calibration(exact: pd.DataFrame, metric: str) -> Columns:
-    """Per group of checked edges (top, random, all): the estimate against the exact effect."""
+def _spans(run: RunScores) -> pd.Series:
+    """Each discovery pair's |clean - corrupted| (float64), by sample_id."""
+    frame = run.frame
+    span = (frame["clean"].astype(np.float64) - frame["corrupted"].astype(np.float64)).abs()
+    return pd.Series(span.to_numpy(), index=frame["sample_id"].to_numpy())
+
+
+def _calibration(exact: pd.DataFrame, metric: str, spans: pd.Series) -> Columns:
+    """Per group of checked edges (top, random, all): the estimate against the exact effect. The sign agreement is
+    over the (edge, pair) whose |exact| is above SIGN_TOLERANCE x the pair's span `spans` (by sample_id; their count:
+    sign_counted); an estimate of 0 there disagrees."""
     usable = exact[~_flagged(exact)]
     rows: dict[str, list[Any]] = {k: [] for k in ("chosen", "edges", "pairs", "spearman", "sign_agreement",
-                                                  "mean_abs_error")}  # fmt: skip
+                                                  "sign_counted", "mean_abs_error")}  # fmt: skip
     groups: Sequence[tuple[str, pd.DataFrame]] = [
         ("top", usable[usable["chosen"] == "top"]),
         ("random", usable[usable["chosen"] == "random"]),
@@ -289,12 +322,16 @@ def _calibration(exact: pd.DataFrame, metric: str) -> Columns:
     ]
     for name, part in groups:
         est, ex = part["estimate"].to_numpy(float), part["exact"].to_numpy(float)
+        tolerance = SIGN_TOLERANCE * spans.reindex(part["sample_id"].to_numpy()).to_numpy(float)
+        signed = np.abs(ex) > tolerance  # NaN (a pair with no span): not counted
         means = part.groupby("edge")[["estimate", "exact"]].mean()
         rows["chosen"].append(name)
         rows["edges"].append(len(means))
         rows["pairs"].append(int(part["sample"].nunique()) if len(part) else 0)
         rows["spearman"].append(_spearman(means["estimate"].to_numpy(float), means["exact"].to_numpy(float)))
-        rows["sign_agreement"].append(float((np.sign(est) == np.sign(ex)).mean()) if len(part) else np.nan)
+        agree = np.sign(est[signed]) == np.sign(ex[signed])
+        rows["sign_agreement"].append(float(agree.mean()) if signed.any() else np.nan)
+        rows["sign_counted"].append(int(signed.sum()))
         rows["mean_abs_error"].append(float(np.abs(est - ex).mean()) if len(part) else np.nan)
     k = len(rows["chosen"])
     mode = exact["mode"].iloc[0]

@@ -1,8 +1,10 @@
 """Bootstrap stability of edge scores and circuits: how much of a circuit is the data, how much the draw of the pairs.
 
-Resample r draws N pairs with replacement (`numpy.random.default_rng(seed).integers(0, N, (R, N))[r]`); its edge
-scores are the means over the drawn pairs, W @ scores.T / N with W the (R, N) matrix of draw counts, in float64. From
-them:
+Resample r draws N pairs with replacement (`numpy.random.default_rng(seed).integers(0, N, (R, N))[r]`), positions in
+the pairs' canonical order: sorted by their ids where the ids are given (a draw is then keyed by pair id, and the same
+pairs in another order give the same resamples, to the bit), else the columns' order. Its edge scores are the means
+over the drawn pairs, W @ scores.T / N with W the (R, N) matrix of draw counts, in float64 (summed in that order).
+From them:
   - each edge's percentile interval of its resampled mean at `level`;
   - per circuit size n, each edge's inclusion: the fraction of resamples whose top-n (`top_edges`) holds it;
   - per size n, the Jaccard overlap |A ∩ B| / |A ∪ B| of the top-n sets A, B of every pair of resamples: its mean and
@@ -37,9 +39,21 @@ class Stability:
     jaccard: dict[int, tuple[float, float, float]]  # size -> (mean, 5th, 95th percentile) over pairs of resamples
 
 
-def _means(counts: np.ndarray, scores: np.ndarray, cols: slice) -> np.ndarray:
-    """(rows of counts, edges in cols) float64: the resamples' mean scores (an edge block converted at a time)."""
-    return counts @ scores[cols].astype(np.float64).T / scores.shape[1]
+def _means(counts: np.ndarray, scores: np.ndarray, cols: slice, order: list[int] | None) -> np.ndarray:
+    """(rows of counts, edges in cols) float64: the resamples' mean scores (an edge block converted at a time, its
+    pairs put in the canonical `order`: the sums run in that order)."""
+    block = scores[cols] if order is None else scores[cols][:, order]
+    return counts @ block.astype(np.float64).T / scores.shape[1]
+
+
+def canonical_order(ids: Sequence[str] | None, n: int) -> list[int] | None:
+    """The columns in their ids' sorted order (None: the columns' own order, as where they are sorted already)."""
+    if ids is None:
+        return None
+    if len(ids) != n or len(set(ids)) != n:
+        raise ValueError(f"bootstrap: {n} pairs need {n} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
+    order = sorted(range(n), key=lambda i: ids[i])
+    return None if order == list(range(n)) else order
 
 
 def _blocks(total: int, step: int) -> list[slice]:
@@ -47,13 +61,16 @@ def _blocks(total: int, step: int) -> list[slice]:
 
 
 def bootstrap(
-    scores: np.ndarray, sizes: Sequence[int], resamples: int, seed: int, absolute: bool, level: float = 0.95
-) -> Stability:
-    """The bootstrap over pairs of `scores` (E, N) (edge x pair): intervals, inclusion and Jaccard per size."""
+    scores: np.ndarray, sizes: Sequence[int], resamples: int, seed: int, absolute: bool, level: float = 0.95,
+    ids: Sequence[str] | None = None,
+) -> Stability:  # fmt: skip
+    """The bootstrap over pairs of `scores` (E, N) (edge x pair): intervals, inclusion and Jaccard per size; `ids`
+    (N distinct): the pairs' ids, whose sorted order the draws are made in."""
     e, n = scores.shape
     sizes = sorted({int(s) for s in sizes})
     if resamples < 1 or n < 1 or not 0 < level < 1 or any(not 0 <= s <= e for s in sizes):
         raise ValueError(f"bootstrap: resamples={resamples}, pairs={n}, level={level}, sizes within 0..{e} needed")
+    canonical = canonical_order(ids, n)
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, n, size=(resamples, n))  # (R, N) the pairs each resample takes
     offsets = (draws + n * np.arange(resamples)[:, None]).ravel()
@@ -64,7 +81,7 @@ def bootstrap(
     if spread:
         tail = (1 - level) / 2
         for cols in _blocks(e, max(1, _BLOCK // (resamples + n))):
-            lo[cols], hi[cols] = np.quantile(_means(counts, scores, cols), [tail, 1 - tail], axis=0)
+            lo[cols], hi[cols] = np.quantile(_means(counts, scores, cols, canonical), [tail, 1 - tail], axis=0)
 
     # smallest[r, i]: the index in `sizes` of the smallest size whose top-n in resample r holds edge i (len: none)
     smallest = np.full((resamples, e), len(sizes), dtype=np.min_scalar_type(len(sizes)))
@@ -72,7 +89,7 @@ def bootstrap(
     for rows in _blocks(resamples, max(1, _BLOCK // max(e, 1))) if sizes else []:
         block = np.empty((rows.stop - rows.start, e))  # (r, E)
         for cols in _blocks(e, max(1, _BLOCK // (n + block.shape[0]))):
-            block[:, cols] = _means(counts[rows], scores, cols)
+            block[:, cols] = _means(counts[rows], scores, cols, canonical)
         for r, means in zip(range(rows.start, rows.stop), block, strict=True):
             order = top_edges(means, sizes[-1], absolute)
             for k in range(len(sizes) - 1, -1, -1):  # largest first, so each edge ends at its smallest size
