@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,6 +170,29 @@ def _clean_corrupted_reference(model: nn.Module, tokenizer: Any, pair: dict[str,
     return {edge: (at_clean[edge] + at_corrupted[edge]) / 2 for edge in at_clean}
 
 
+def _eap_clean_reference(model: nn.Module, tokenizer: Any, pair: dict[str, str]) -> dict[str, float]:
+    """mode=eap_clean from the EAP-IG code's EAP (`get_scores_eap`: (corrupted - clean) write . the reader's gradient
+    at the clean run), its sign flipped: each edge's d metric / d eps at the clean prompt's run, eps x the writer's
+    clean - corrupted write added to the reader's input alone."""
+    e = _edge_setup(model, tokenizer, pair)
+    return _edge_derivatives(model, e, e["clean"], e["clean_embedding"])
+
+
+def test_eap_clean_is_twice_clean_corrupted_less_eap(llama) -> None:  # type: ignore[no-untyped-def]
+    """The clean run's gradient is twice the mean of the clean and corrupted runs' less the corrupted run's, edge by
+    edge and pair by pair (pairs of two lengths, padded), and it ranks the edges otherwise than eap."""
+    model, tokenizer = llama
+    pairs = [*PAIRS, {"clean": "t01 t02 t01", "corrupted": "t05 t02 t01", "answer": "t02", "distractor": "t05"}]
+    by_mode = {
+        mode: lm_edge_attribution(model, tokenizer, pairs, mode=mode, per_pair=True).score.astype(float).to_numpy()
+        for mode in ("eap", "eap_clean", "clean_corrupted")
+    }
+    expected = 2 * by_mode["clean_corrupted"] - by_mode["eap"]
+    scale = np.abs(by_mode["eap_clean"]).max()
+    assert np.abs(by_mode["eap_clean"] - expected).max() <= 1e-5 * max(1.0, scale)
+    assert np.abs(by_mode["eap_clean"] - by_mode["eap"]).max() > 0.01 * scale
+
+
 def _ig_activations_reference(model: nn.Module, tokenizer: Any, pair: dict[str, str], steps: int) -> dict[str, float]:
     """mode=eap_ig_activations from its definition (Hanna et al.'s get_scores_ig_activations, sign flipped): each
     edge's d metric / d eps averaged over the runs of the clean prompt with one group's output (the embeddings, layer
@@ -279,8 +303,11 @@ def _perturbed_logits(
 
 @pytest.mark.parametrize(
     "mode,steps",
-    [("eap", 1), ("eap_ig", 3), ("clean_corrupted", 1), pytest.param("eap_ig_activations", 3, marks=pytest.mark.slow)],
-)
+    [
+        ("eap", 1), ("eap_clean", 1), ("eap_ig", 3), ("clean_corrupted", 1),
+        pytest.param("eap_ig_activations", 3, marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
 def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_model, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
     """On Llama and on the post-normed families (each head's write at its run's norm scale), every mode's every edge
     equals plain autograd on the definition."""
@@ -290,6 +317,8 @@ def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_m
     reference: dict[str, float] = {}
     if mode == "clean_corrupted":
         reference = _clean_corrupted_reference(model, tokenizer, pair)
+    elif mode == "eap_clean":
+        reference = _eap_clean_reference(model, tokenizer, pair)
     elif mode == "eap_ig_activations":
         reference = _ig_activations_reference(model, tokenizer, pair, steps)
     for k in range(steps if mode in ("eap", "eap_ig") else 0):
