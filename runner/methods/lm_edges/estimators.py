@@ -113,8 +113,10 @@ class Runs:
             views, logits = self._forward(chunk, grad=True)
             if keep is not None and start <= keep < start + len(chunk):
                 rows = slice((keep - start) * pairs, (keep - start + 1) * pairs)
-                self.kept.update({name: view[rows].detach().clone() for name, view in views.items()})
-                self.kept_logits.append(logits[rows].detach().clone())
+                # a copy of the run's rows where the forward stacks others (their memory is freed), else the views
+                held = (lambda x: x.detach().clone()) if len(chunk) > 1 else torch.Tensor.detach
+                self.kept.update({name: held(view[rows]) for name, view in views.items()})
+                self.kept_logits.append(held(logits[rows]))
             metric = torch.cat([self.metric(part) for part in logits.split(pairs)])  # (runs x B,)
             reader_gradients(self.graph, views, metric, self.sink, runs=len(chunk), chunk_bytes=self.chunk_bytes)
             del views, logits, metric
@@ -180,7 +182,6 @@ class Integrated(Estimator):
 
     mode = EdgeMode.eap_ig
     gradient_point = "the corrupted run, its input embeddings moved k/steps of the way to the clean ones"
-    kept_views = 0  # the corrupted run is the first traced run
 
     def runs(self, steps: int, layers: int) -> int:
         return steps
@@ -206,6 +207,7 @@ class AtCorrupted(Integrated):
 
     mode = EdgeMode.eap
     gradient_point = "the corrupted run"
+    kept_views = 0  # its one traced run is the corrupted run: the views kept are that run's
 
     def runs(self, steps: int, layers: int) -> int:
         return 1

@@ -33,12 +33,12 @@ from torch import nn
 
 from runner.hooks import HookSession
 from runner.methods.lm.base import forward_last
-from runner.methods.lm_edges.estimators import RUN_ROWS
+from runner.methods.lm_edges.estimators import ESTIMATORS
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_edges.intervene import ROWS_PER_FORWARD, EdgeRuns
 from runner.models.lm_sites import LanguageModelLayout
 from runner.models.memory import kept_bytes, parameter_bytes, traced_bytes
-from runner.options.method.lm_edges import EdgeMode, LmEdgesConfig
+from runner.options.method.lm_edges import LmEdgesConfig
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,9 @@ def edge_plan(
     writers, readers, layers = len(graph.writers), len(graph.readers), graph.layers
     per_layer = layout.heads + 2 * layout.kv_heads + 1
     stream = b * t * width  # one (B, T, D) tensor's elements
-    runs = {EdgeMode.eap: 1, EdgeMode.eap_ig: p.steps, EdgeMode.clean_corrupted: 2,
-            EdgeMode.eap_ig_activations: (1 + 2 * layers) * p.steps, EdgeMode.exact: 0}[p.mode]  # fmt: skip
-    stacked = 1 if p.mode in (EdgeMode.eap, EdgeMode.eap_ig) else min(max(runs, 1), max(1, RUN_ROWS // b))
+    estimator = ESTIMATORS[p.mode]  # its runs (exact: none traced) and how many a traced forward stacks
+    runs = estimator.runs(p.steps, layers) if estimator.traced else 0
+    stacked = estimator.stacked(p.steps, layers, b) if runs else 1
     rows = stacked * b
     with HookSession(skeleton, []) as session:
         hooks = EdgeRuns(skeleton, layout, graph, session)
@@ -135,7 +135,7 @@ def edge_plan(
         site_grads = rows * t * (layout.heads * head_dim + 2 * layout.kv_heads * head_dim + width) * e
         vjp = layout.heads * rows * t * width * (3 * e + 4) + (layout.heads * stream * 4 if stacked > 1 else 0)
         head_writes = 3 * layout.heads * stream * e * (2 if getattr(hooks.head_writes, "post_norm", False) else 1)
-        kept = 0 if p.mode is EdgeMode.eap else views * (2 if p.mode is EdgeMode.eap_ig_activations else 1)
+        kept = estimator.kept_views * views
         per_position = writers * per_layer * group * stream // width * 8 if s > 1 else 0  # (W, n, B, T) twice
         phases.append(Phase("scoring", [
             ("weights", weights), ("clean run's views", views), ("corrupted run's views", kept),
