@@ -38,6 +38,7 @@ TABLES = {
     "factual_recall_smollm2": {"lm_patching"},
     "ioi_attention_smollm2": {"lm_attention"},
     "edges_lm_induction": EDGE_TABLES,
+    "edges_mib_lm_induction": EDGE_TABLES,
     "ioi_edges_smollm2": EDGE_TABLES,
     "ioi_edge_positions_smollm2": EDGE_TABLES,
     "ioi_edges_smollm2_templates": EDGE_TABLES,

@@ -220,3 +220,24 @@ def test_upsample_keeps_a_constant_map_constant_at_zero() -> None:
     assert up[1].min() == 0 and up[1].max() == 1  # an ordinary map is scaled as before
     assert (upsample(torch.full((1, 1, 1), 0.37), (32, 32)) == 0).all()  # a 1x1 layer's map
     assert torch.isnan(upsample(torch.tensor([[[float("nan"), 1.0]]]), (4, 4))).all()  # stays NaN
+
+
+def test_the_mib_table_takes_cpr_from_the_signed_ranking_and_cmd_from_the_absolute() -> None:
+    """As MIB's print_results.py: per split, CPR of the signed ranking's curve, CMD of the absolute one's; rows of
+    one ranking only are refused with a message naming the command that runs both."""
+    import pandas as pd
+
+    from runner.errors import RunnerError
+    from runner.methods.lm_edges import mib_scores
+
+    rows = pd.DataFrame({
+        "scored_by": ["eap_clean"] * 4, "ablation": ["corrupted"] * 4, "metric": ["token_logit_diff"] * 4,
+        "split": ["discovery", "held_out", "discovery", "held_out"],
+        "ranking": ["signed", "signed", "absolute", "absolute"],
+        "cpr": [1.2, 1.1, 0.7, 0.6], "cmd": [0.30, 0.35, 0.03, 0.05],
+    })  # fmt: skip
+    table = mib_scores(rows).set_index("split")
+    assert table.loc["discovery", "cpr"] == 1.2 and table.loc["held_out", "cpr"] == 1.1
+    assert table.loc["discovery", "cmd"] == 0.03 and table.loc["held_out", "cmd"] == 0.05
+    with pytest.raises(RunnerError, match="both rankings.*ranking=signed,absolute"):
+        mib_scores(rows[rows.ranking == "absolute"])

@@ -30,6 +30,7 @@ from torch import nn
 
 from runner.data.prompts import pairs_batch
 from runner.methods.base import as_frame, library_config, library_token_runtime, run_prepared
+from runner.methods.lm_edges.faithfulness import mib_scores  # noqa: F401  (the MIB table of a sweep of both rankings)
 from runner.methods.lm_edges.method import LmEdges
 from runner.models.check import check_positions
 from runner.options.method.lm_edges import LmEdgesMethodConfig

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 
+from runner.errors import RunnerError
 from runner.options.method.lm_edges import MIB_FRACTIONS  # the curve's x (its config default, declared there)
 
 
@@ -73,3 +75,21 @@ def top_edges(scores: np.ndarray, n: int, absolute: bool) -> np.ndarray:
     key = np.abs(key) if absolute else key
     # a stable ascending sort of -key: larger first, equal keys in index order, NaN (= -NaN) sorted to the end
     return np.argsort(-key, kind="stable")[:n]
+
+
+def mib_scores(scores: pd.DataFrame) -> pd.DataFrame:
+    """The MIB circuit track's table from the lm_circuit_scores rows of runs of both rankings (`runner.results.load(
+    sweep, "lm_circuit_scores")` of `-m ... method.edges.ranking=signed,absolute`): per (scored_by, ablation, metric,
+    split), CPR from the signed ranking's curve and CMD from the absolute one's, as print_results.py takes them.
+    Refused: rows lacking either ranking."""
+    keys = [k for k in ("scored_by", "ablation", "metric", "split") if k in scores.columns]
+    present = set(scores["ranking"]) if "ranking" in scores.columns else set()
+    if not {"signed", "absolute"} <= present:
+        raise RunnerError(
+            f"mib_scores needs lm_circuit_scores of both rankings (signed for CPR, absolute for CMD); these rows have"
+            f" {sorted(present) or 'none'}. Run both: python -m runner -m ... method.edges.ranking=signed,absolute"
+            " (experiment edges_mib_lm_induction does)."
+        )
+    cpr = scores[scores["ranking"] == "signed"].groupby(keys, observed=True)["cpr"].mean()
+    cmd = scores[scores["ranking"] == "absolute"].groupby(keys, observed=True)["cmd"].mean()
+    return pd.concat([cpr, cmd], axis=1).reset_index()
