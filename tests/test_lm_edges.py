@@ -19,6 +19,7 @@ from torch import nn
 
 from runner.errors import RunnerError
 from runner.methods.lm_edges import lm_edge_attribution
+from runner.methods.lm_edges.estimators import ESTIMATORS
 from runner.methods.lm_edges.graph import EdgeGraph
 from runner.methods.lm_patching import lm_activation_patching
 from runner.models.lm_sites import layout_of, layout_of_config
@@ -301,13 +302,16 @@ def _perturbed_logits(
             handle.remove()
 
 
-@pytest.mark.parametrize(
-    "mode,steps",
-    [
-        ("eap", 1), ("eap_clean", 1), ("eap_ig", 3), ("clean_corrupted", 1),
-        pytest.param("eap_ig_activations", 3, marks=pytest.mark.slow),
-    ],
-)  # fmt: skip
+# every gradient mode the registry has (exact has none: test_exact_edges_equal_the_plain_loop...): the interpolating
+# ones at 3 steps, eap_ig_activations marked slow ((1 + 2 layers) x 3 runs of a plain autograd reference each)
+GRADIENT_MODES = [
+    pytest.param(mode.value, 3, marks=pytest.mark.slow) if mode.value == "eap_ig_activations"
+    else (mode.value, 3 if mode.value == "eap_ig" else 1)
+    for mode, estimator in ESTIMATORS.items() if estimator.traced
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,steps", GRADIENT_MODES)
 def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_model, mode: str, steps: int) -> None:  # type: ignore[no-untyped-def]
     """On Llama and on the post-normed families (each head's write at its run's norm scale), every mode's every edge
     equals plain autograd on the definition."""
@@ -315,6 +319,8 @@ def test_every_edge_equals_the_autograd_reference_on_grouped_query_models(edge_m
     pair = PAIRS[0]
     table = lm_edge_attribution(model, tokenizer, [pair], mode=mode, steps=steps, per_pair=True)
     reference: dict[str, float] = {}
+    if mode not in ("eap", "eap_ig", "clean_corrupted", "eap_clean", "eap_ig_activations"):
+        raise AssertionError(f"mode {mode} has no reference here: write its definition as the others are")
     if mode == "clean_corrupted":
         reference = _clean_corrupted_reference(model, tokenizer, pair)
     elif mode == "eap_clean":
@@ -617,7 +623,7 @@ def test_settings_out_of_range_are_refused_with_their_key() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)  # cuda where there is one, marked gpu (`make test-gpu`)
-@pytest.mark.parametrize("mode", ["eap_ig", "exact", "clean_corrupted", "eap_ig_activations"])
+@pytest.mark.parametrize("mode", [mode.value for mode in ESTIMATORS])  # every mode the registry has
 def test_edges_and_circuits_on_the_device_equal_the_cpu(llama, device: str, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Scores, exact effects (top_k) and circuits computed on `device` equal the CPU's (on the CPU: the same code
     path with the model moved, a copy, run twice)."""

@@ -333,7 +333,12 @@ def test_no_target_given_is_the_logit_for_an_image_method_and_the_logit_differen
     a language-model method with an image target is refused there, before torch loads."""
     assert make_config().target.name == "logit"
     lm = ["model=hf_lm", "data=prompts", "data.file=induction"]
-    for method in ("lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges"):
+    from runner.options.registry import LM_FAMILY, METHODS, discover
+
+    discover()
+    language_model_methods = [option.name for option in METHODS if option.family == LM_FAMILY]
+    assert {"lm_patching", "lm_edges"} <= set(language_model_methods)
+    for method in language_model_methods:
         assert make_config(*lm, f"method={method}").target.name == "token_logit_diff", method
     assert make_config(*lm, "method=lm_patching", "target=answer_logprob").target.name == "answer_logprob"
     with pytest.raises(RunnerError, match=r"^method=lm_edges measures a language model's answer: use target="):
