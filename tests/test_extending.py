@@ -48,7 +48,7 @@ def table(out: Path, name: str) -> pd.DataFrame:
 @pytest.mark.process
 def test_every_example_adds_only_new_files_and_keeps_the_import_contract(tmp_path: Path) -> None:
     examples = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
-    assert set(examples) == {"cam_variant", "metric", "model_source", "data_source", "target"}
+    assert set(examples) == {"cam_variant", "metric", "model_source", "data_source", "target", "lm_method"}
     for example in examples:
         scratch = scratch_with(example, tmp_path / example)
         checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_imports.py"), str(scratch / "runner")],
@@ -125,3 +125,51 @@ def test_a_target_with_its_own_setting(tmp_path: Path) -> None:
         scores[scale] = table(out, "cam").sort_values(["sample", "layer", "call"])["score"].to_numpy()
     assert abs(scores[2] - 2 * scores[1]).max() < 1e-5 * abs(scores[1]).max()  # the setting reached the score
     assert (scores[1] != 0).any()
+
+
+@pytest.mark.process
+def test_a_language_model_method_reads_its_sites_through_the_hook_session(tmp_path: Path) -> None:
+    """method=lm_stream_norm on the shipped induction model: each layer's clean and corrupted norms at the last
+    position equal a plain transformers forward's (output_hidden_states: the embeddings, then each block's output,
+    except the last entry, which is after the final norm: the last block's output is the final norm's input), 1e-5
+    relative; the ratio is corrupted / clean; a bad setting is refused in one line before the weights load."""
+    import importlib.resources
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    scratch = scratch_with("lm_method", tmp_path)
+    lm = ("model=hf_lm", "data=prompts", "data.file=induction", "method=lm_stream_norm")
+    done = run(scratch, *lm, "method.sites=[resid_pre,resid_post]", out=tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = table(tmp_path / "out", "lm_stream_norm")
+    assert len(rows) == 2 * 2 * 2  # debug=tiny: 2 pairs x 2 sites x 2 layers
+
+    folder = Path(str(importlib.resources.files("runner.models") / "lm_induction"))
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    pairs = [json.loads(line) for line in (folder / "induction_pairs.jsonl").read_text().splitlines()]
+    final_input: list[torch.Tensor] = []
+    model.model.norm.register_forward_pre_hook(lambda module, args: final_input.append(args[0]))
+    last = model.config.num_hidden_layers - 1
+    for row in rows.itertuples():
+        for prompt, column in (("clean", "clean_norm"), ("corrupted", "corrupted_norm")):
+            ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(pairs[row.sample][prompt])["input_ids"]]])
+            final_input.clear()
+            with torch.no_grad():
+                states = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            if row.site == "resid_pre":
+                stream = states[row.layer]
+            else:
+                stream = final_input[0] if row.layer == last else states[row.layer + 1]
+            want = float(stream[0, -1].norm())
+            assert abs(getattr(row, column) - want) <= 1e-5 * want, (row, column, want)
+        assert row.ratio == pytest.approx(row.corrupted_norm / row.clean_norm, rel=1e-6)
+    assert (rows["ratio"] - 1).abs().max() > 0.01  # the corrupted prompt's stream differs: not the clean one twice
+
+    for bad, words in (("method.layers=[7]", "method.layers=[7]: the model has layers 0..1"),
+                       ("method.sites=[head]", "method.sites=['head']: per-head sites")):  # fmt: skip
+        refused = run(scratch, *lm, bad, out=tmp_path / "bad")
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and words in lines[0], refused.stderr[-2000:]
+        assert "model induction" not in refused.stdout + refused.stderr  # refused by `planned`, before any weights
