@@ -234,6 +234,13 @@ STAND_IN = {
     "python -m runner experiment=ioi_smollm2 debug=light": "README.md's `experiment=ioi_smollm2` runs it on SmolLM2",
     "python -m runner model=hf_lm model.name=smollm2-135m data=ioi method=lm_dla":
         "README.md's `experiment=ioi_dla_smollm2` runs lm_dla on SmolLM2's IOI pairs",
+    "python -m runner experiment=ioi_edges_smollm2_templates":
+        "README.md's `experiment=ioi_edges_smollm2` runs lm_edges on SmolLM2's IOI pairs; this one splits them by template",
+    "python -m runner experiment=ioi_edge_positions_smollm2":
+        "README.md's `experiment=ioi_edges_smollm2` runs lm_edges on SmolLM2; per-position slots are named from the"
+        " pairs' roles, which the stand-in's tokenizer (SmolLM2's) makes as the model's does",
+    "python -m runner experiment=factual_recall_smollm2":
+        "README.md's `experiment=ioi_smollm2` runs lm_patching on SmolLM2; this one adds a noise corruption",
 }  # fmt: skip
 STAND_IN_MODEL = "smollm2-135m"
 
