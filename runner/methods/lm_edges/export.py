@@ -13,9 +13,11 @@ one edge into `a{l}.h{h}<k|v>` for every query head h of group g (h // (heads //
 `repeat_kv`), each with the group's score: the effect through the key or value input that the group's heads share,
 which does not split per query head. Scores are as in the table (NaN stays NaN, which Python's json reads back).
 
-A node is in the graph when an edge of `in_circuit` touches it (logits always). EAP-IG's own circuits also drop edges
-that do not connect input to logits (`Graph.prune`); this file keeps the circuit as it was evaluated, and with these
-node flags EAP-IG's `evaluate_graph` builds the input of every reader whose output the circuit uses, as the runner does.
+`eap_ig_graph(..., in_circuit=...)` marks a circuit's edges `in_graph`, and a node is in the graph when an edge of
+`in_circuit` touches it (logits always); EAP-IG's own circuits also drop edges that do not connect input to logits
+(`Graph.prune`), which this does not. The run's file (`lm_edges.eap_ig.json`, method.py) is written with no circuit:
+every edge's `in_graph` is false and only `logits` is in the graph, as the MIB circuit track wants of a file of
+scores, from which it chooses its own circuits (`Graph.apply_topn`).
 """
 
 from __future__ import annotations
