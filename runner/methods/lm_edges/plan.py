@@ -13,15 +13,22 @@ The peak is the largest of the run's phases, each the sum of what it holds at on
   circuits                    (the evaluation: circuit sizes or fractions) the weights, both runs' views of a
                               whole batch (both parts), one intervention forward of variants x copies x pairs rows
                               without gradient (about ROWS_PER_FORWARD rows, one variant at least; a copy per
-                              reader of a layer, and copy 0) at its widest layer, each variant's writes so far (float32, every writer's
-                              at the last layer) and the copies' deltas.
+                              reader of a layer, and copy 0) at its widest layer or at its logits, each variant's
+                              writes so far (float32, every writer's at the last layer) and the copies' deltas.
   exact edges                 (mode exact, top_k's checks) the weights, both runs' views, the writes, and one
                               forward of two copies a variant.
 
+An intervention forward's widest point is a block (its activations) or the logits that end it: rows x vocabulary
+(float32 at the last position), with copy 0's rows copied out and the clean run's logits repeated beside them for
+the metric (Gemma 3's 262,144 tokens make the logits, not a block, the widest point).
+
 B is the most discovery pairs in one batch (the split is known from the pairs' ids before the model loads; the
 circuits' batch holds both parts), T the longest prompt. Float32 parts stay float32 at any weight dtype (the scores'
-accumulation); the rest is in the weights' dtype. The CPU figures were checked against torch's allocator (scripts/plan_memory.py); the GPU adds the caching
-allocator's fragmentation, which the plan does not model.
+accumulation); the rest is in the weights' dtype. The phases are what torch allocates (checked against its
+allocator: scripts/plan_memory.py --allocator). `EdgePlan.resident` is the plan of the process's resident memory on
+the CPU: there the C library keeps most of what the scoring pass frees for later allocations of other sizes, so the
+evaluation's phases also hold the scoring pass's tensors (runner/plan.py adds the process itself). The GPU adds the
+caching allocator's fragmentation, which the plan does not model.
 """
 
 from __future__ import annotations
@@ -64,6 +71,17 @@ class EdgePlan:
     def peak(self) -> Phase:
         return max(self.phases, key=lambda p: p.total)
 
+    def resident(self) -> EdgePlan:
+        """The plan of the resident memory on the CPU: each phase after the scoring pass (the evaluation's) also
+        holds the scoring pass's tensors beyond the weights, which glibc's heap keeps after torch frees them (the
+        evaluation's tensors, of other sizes, reuse little of it: measured, benchmarks/RESULTS.md)."""
+        scoring = next((phase for phase in self.phases if phase.name == "scoring"), None)
+        if scoring is None:
+            return self
+        freed = scoring.total - dict(scoring.terms).get("weights", 0)
+        term = ("the scoring pass's freed memory", freed)
+        return EdgePlan(self.counts, [p if p is scoring else Phase(p.name, [*p.terms, term]) for p in self.phases])
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -104,6 +122,7 @@ def edge_plan(
     config = getattr(skeleton, "config", None)
     width = int(config.hidden_size)
     inner = int(getattr(config, "intermediate_size", 4 * width) or 4 * width)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
     head_dim = int(getattr(config, "head_dim", None) or width // layout.heads)
     weights = parameter_bytes(skeleton)
     e = next(skeleton.parameters()).element_size()
@@ -149,7 +168,7 @@ def edge_plan(
         copies = per_layer + 1
         variants = max(1, ROWS_PER_FORWARD // (copies * whole))
         one = variants * whole * t * width  # a (V, B, T, D) tensor's elements
-        forward = _forward(layout, width, inner, t, e, variants * copies * whole)
+        forward = _forward(layout, width, inner, t, e, variants * copies * whole, vocab, variants * whole)
         passing = copies * one * 4  # a layer's copies' deltas
         current = writers * one * 4  # each variant's writes so far, float32 (at the last layer: every writer's)
         phases.append(Phase("circuits", [
@@ -160,13 +179,19 @@ def edge_plan(
         rows = max(1, ROWS_PER_FORWARD // (2 * b)) * 2 * b
         phases.append(Phase("exact edges", [
             ("weights", weights), *both_views, ("writes", writes_bytes),
-            ("a forward's activations", _forward(layout, width, inner, t, e, rows)),
+            ("a forward's activations", _forward(layout, width, inner, t, e, rows, vocab, rows // 2)),
         ]))  # fmt: skip
     return EdgePlan(counts, phases)
 
 
-def _forward(layout: LanguageModelLayout, width: int, inner: int, tokens: int, e: int, rows: int) -> int:
-    """Bytes of one forward of `rows` rows without gradient at its widest point: the embeddings, the stream, a block's
-    norms, attention output and sums (six streams wide), the MLP's gate, up and product, and one layer's attention
-    scores and probabilities."""
-    return rows * tokens * (6 * width + 3 * inner) * e + 2 * rows * layout.heads * tokens * tokens * 4
+def _forward(
+    layout: LanguageModelLayout, width: int, inner: int, tokens: int, e: int, rows: int, vocab: int, measured: int,
+) -> int:  # fmt: skip
+    """Bytes of one forward of `rows` rows without gradient at its widest point, a block or the logits. A block: the
+    embeddings, the stream, its norms, attention output and sums (six streams wide), the MLP's gate, up and product,
+    and one layer's attention scores and probabilities. The logits: rows x `vocab` at the last position (in the
+    weights' dtype, and in float32), beside the `measured` rows' logits copied out (copy 0's) and the clean run's
+    logits repeated to match them for the metric (float32)."""
+    block = rows * tokens * (6 * width + 3 * inner) * e + 2 * rows * layout.heads * tokens * tokens * 4
+    logits = rows * vocab * (e + (4 if e != 4 else 0)) + 2 * measured * vocab * 4
+    return max(block, logits)
