@@ -234,9 +234,9 @@ def plan_lines(plan: RunPlan) -> list[str]:
         lines += [f"  {name:<44}{size(bytes_):>12}" for name, bytes_ in phase.terms if bytes_]
     free = "unknown" if plan.free is None else size(plan.free)
     verdict = "fits" if plan.fits else "does not fit"
-    held = f" ({size(plan.held)} of it held already)" if plan.held else ""
     what = "resident memory" if plan.resident else "tensors"
-    lines += ["", f"peak {size(plan.peak)}{held} ({plan.peak_phase.name}, {what}; torch's allocations alone"
-              f" {size(plan.tensors)}), {plan.dtype} weights, batch {plan.batch_size}; {plan.device} has {free} free:"
-              f" {verdict}"]  # fmt: skip
+    held = f"; this process holds {size(plan.held)} of it already" if plan.held else ""
+    lines += ["", f"peak {size(plan.peak)} ({plan.peak_phase.name}, {what}; torch's allocations alone"
+              f" {size(plan.tensors)}{held}), {plan.dtype} weights, batch {plan.batch_size}; {plan.device} has {free}"
+              f" free: {verdict}"]  # fmt: skip
     return lines
