@@ -239,5 +239,5 @@ def test_the_mib_table_takes_cpr_from_the_signed_ranking_and_cmd_from_the_absolu
     table = mib_scores(rows).set_index("split")
     assert table.loc["discovery", "cpr"] == 1.2 and table.loc["held_out", "cpr"] == 1.1
     assert table.loc["discovery", "cmd"] == 0.03 and table.loc["held_out", "cmd"] == 0.05
-    with pytest.raises(RunnerError, match="both rankings.*ranking=signed,absolute"):
+    with pytest.raises(RunnerError, match="both rankings.*method.edges.ranking=both"):
         mib_scores(rows[rows.ranking == "absolute"])

@@ -149,3 +149,40 @@ def test_an_interrupted_run_resumes_from_its_scores_and_ends_as_an_uninterrupted
 
     monkeypatch.setattr(Scoring, "batch", no_scoring)
     _same(whole, _induction(tmp_path / "cut", "data.batch_size=4", "output.shard_batches=1"))
+
+
+@pytest.mark.slow
+def test_ranking_both_evaluates_each_rankings_circuits_as_its_own_run(tmp_path: Path) -> None:
+    """method.edges.ranking=both in one run: per ranking, the circuits' metrics, the curve, CPR/CMD and the
+    stability rows of the run of that ranking alone; the run's lm_edges (rank, checked edges) are the absolute
+    ranking's; mib_scores reads CPR from its signed rows and CMD from its absolute ones."""
+    from runner.methods.lm_edges import mib_scores
+
+    tables = ("lm_circuit", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit_stability", "lm_edges")
+    runs = {}
+    for ranking in ("both", "signed", "absolute"):
+        out = tmp_path / ranking
+        app.run(make_config("experiment=edges_lm_induction", "data.limit=16", "method.edges.top_k=4",
+                            "method.edges.resamples=40", "progress=false", "report=false",
+                            f"method.edges.ranking={ranking}"), out)  # fmt: skip
+        runs[ranking] = {t: load(out, t) for t in tables}
+    both = runs["both"]
+    keys = {"lm_circuit": ["split", "edges", "sample_id"], "lm_circuit_curve": ["split", "edges"],
+            "lm_circuit_scores": ["split"], "lm_circuit_stability": ["edges", "edge"]}  # fmt: skip
+    values = {"lm_circuit": ["circuit_metric", "faithfulness"], "lm_circuit_curve": ["faithfulness", "jaccard"],
+              "lm_circuit_scores": ["cpr", "cmd"], "lm_circuit_stability": ["inclusion", "rank"]}  # fmt: skip
+    for table, key in keys.items():
+        assert set(both[table]["ranking"]) == {"signed", "absolute"}, table
+        for ranking in ("signed", "absolute"):
+            x = both[table][both[table]["ranking"] == ranking].set_index(key).sort_index()[values[table]]
+            y = runs[ranking][table].set_index(key).sort_index()[values[table]]
+            assert x.index.equals(y.index), (table, ranking)
+            assert np.allclose(x.to_numpy(float), y.to_numpy(float), atol=1e-6, equal_nan=True), (table, ranking)
+    signed, absolute = (runs[r]["lm_circuit_curve"] for r in ("signed", "absolute"))
+    assert not np.allclose(signed["faithfulness"].to_numpy(float), absolute["faithfulness"].to_numpy(float))
+    ranks = both["lm_edges"].set_index("edge")["rank"].sort_index()
+    assert ranks.equals(runs["absolute"]["lm_edges"].set_index("edge")["rank"].sort_index())
+    table = mib_scores(both["lm_circuit_scores"]).set_index("split")
+    scores = {r: runs[r]["lm_circuit_scores"].set_index("split") for r in ("signed", "absolute")}
+    assert np.allclose(table["cpr"], scores["signed"].loc[table.index, "cpr"])
+    assert np.allclose(table["cmd"], scores["absolute"].loc[table.index, "cmd"])

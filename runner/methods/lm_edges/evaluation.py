@@ -12,7 +12,7 @@ from runner.data.base import Batch
 from runner.methods.lm.pairs import PairMetrics
 from runner.methods.lm_edges.pair_runs import PairRuns, Receiving, pairs_of
 from runner.methods.lm_edges.rows import naming_keys, typed
-from runner.methods.lm_edges.run_scores import RunScores
+from runner.methods.lm_edges.run_scores import RunScores, joined
 from runner.methods.lm_edges.scores import writes
 from runner.methods.lm_edges.split import DISCOVERY
 from runner.options.method.lm_edges import EdgeAblation
@@ -26,11 +26,14 @@ MEASURE_KNOWN_CIRCUITS = False
 
 
 class Evaluation:
-    """The evaluation pass of a run (`batch` per batch): `pairs` what it runs on, `run` the run's scores and ranking,
+    """The evaluation pass of a run (`batch` per batch): `pairs` what it runs on, `run` the run's scores and ranking
+    (with ranking=both, the circuits of each ranking are evaluated: `ranked`; `run` is the primary, absolute one),
     `parts` each pair id's part (discovery | held_out)."""
 
     def __init__(self, pairs: PairRuns, run: RunScores, parts: dict[str, str]) -> None:
-        self.pairs, self.p, self.run, self.parts = pairs, pairs.p, run, parts
+        self.pairs, self.p, self.parts = pairs, pairs.p, parts
+        self.ranked = run.rankings()
+        self.run = self.ranked[-1]
 
     def batch(self, model: nn.Module, batch: Batch) -> BatchOutput:
         """Every pair of the batch: the run's circuits (lm_circuit); the discovery pairs: the checked edges' exact
@@ -43,8 +46,10 @@ class Evaluation:
         if self.run.sizes:
             ablated = runs.kept if self.p.ablation is EdgeAblation.corrupted else self.run.means_like(runs.clean_sites)
             positions = self.pairs.positions(batch.sample_ids, runs.mask)
-            tables["lm_circuit"] = self._circuit(model, runs.clean_ids, runs.mask, ablated, runs.metrics, splits,
-                                                 positions)  # fmt: skip
+            tables["lm_circuit"] = joined([
+                self._circuit(ranked, model, runs.clean_ids, runs.mask, ablated, runs.metrics, splits, positions)
+                for ranked in self.ranked
+            ])  # fmt: skip
         predicted = runs.clean_logits.argmax(dim=1)
         index = [i for i, part in enumerate(splits) if part == DISCOVERY]
         if len(self.run.checked) and index:
@@ -62,14 +67,15 @@ class Evaluation:
         return BatchOutput(predicted=predicted, tables=tables)
 
     def _circuit(
-        self, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
+        self, ranked: RunScores, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
         metrics: PairMetrics, splits: list[str], positions: torch.Tensor | None,
     ) -> Columns:  # fmt: skip
         """Per (size, pair): the clean run with every edge outside the run's circuit of that size given the value of
         its writer in `ablated` (the corrupted run's views, or the discovery pairs' means), its metric, and the
-        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge. Per-position edges: circuits
+        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge; `ranked`: the ranking
+        whose circuits these are. Per-position edges: circuits
         of units, `positions` (B, T) each position's slot."""
-        sizes, total = self.run.sizes, len(self.pairs.columns["edge"])
+        sizes, total = ranked.sizes, len(self.pairs.columns["edge"])
         b, n = clean_ids.shape[0], len(sizes)
         clean, corrupted = metrics.clean.float().cpu(), metrics.corrupted.float().cpu()
         # Circuits whose metric is known without a forward: every edge kept is the clean run, none kept (every edge
@@ -85,7 +91,7 @@ class Evaluation:
         for at in range(0, len(rows), step):
             within_batch(0.2 + 0.6 * at / len(rows), f"lm_edges: circuits {at}/{len(rows)}")
             chosen = rows[at : at + step]
-            masks = self.run.circuit_masks(chosen).to(device)
+            masks = ranked.circuit_masks(chosen).to(device)
             measured = (
                 self.pairs.intervened(model, self.pairs.hooks.circuit(masks, positions), run).float().cpu()
             )  # (chosen, B)
@@ -102,7 +108,7 @@ class Evaluation:
             "total_edges": [total] * (n * b),
             "scored_by": [self.p.mode.value] * (n * b),
             "ablation": [self.p.ablation.value] * (n * b),
-            "ranking": [self.p.ranking.value] * (n * b),
+            "ranking": [ranked.p.ranking.value] * (n * b),
             "split": splits * n,
             "metric": [target_name(self.pairs.target)] * (n * b),
             "circuit_metric": measured.reshape(-1),

@@ -78,17 +78,17 @@ def top_edges(scores: np.ndarray, n: int, absolute: bool) -> np.ndarray:
 
 
 def mib_scores(scores: pd.DataFrame) -> pd.DataFrame:
-    """The MIB circuit track's table from the lm_circuit_scores rows of runs of both rankings (`runner.results.load(
-    sweep, "lm_circuit_scores")` of `-m ... method.edges.ranking=signed,absolute`): per (scored_by, ablation, metric,
-    split), CPR from the signed ranking's curve and CMD from the absolute one's, as print_results.py takes them.
-    Refused: rows lacking either ranking."""
+    """The MIB circuit track's table from lm_circuit_scores rows of both rankings (a run of method.edges.ranking=both,
+    or runs of each: `runner.results.load(folder, "lm_circuit_scores")`): per (scored_by, ablation, metric, split),
+    CPR from the signed ranking's curve and CMD from the absolute one's, as print_results.py takes them (the mean
+    where several runs give a group). Refused: rows lacking either ranking."""
     keys = [k for k in ("scored_by", "ablation", "metric", "split") if k in scores.columns]
     present = set(scores["ranking"]) if "ranking" in scores.columns else set()
     if not {"signed", "absolute"} <= present:
         raise RunnerError(
             f"mib_scores needs lm_circuit_scores of both rankings (signed for CPR, absolute for CMD); these rows have"
-            f" {sorted(present) or 'none'}. Run both: python -m runner -m ... method.edges.ranking=signed,absolute"
-            " (experiment edges_mib_lm_induction does)."
+            f" {sorted(present) or 'none'}. Run both in one run with method.edges.ranking=both (experiment"
+            " edges_mib_lm_induction does)."
         )
     cpr = scores[scores["ranking"] == "signed"].groupby(keys, observed=True)["cpr"].mean()
     cmd = scores[scores["ranking"] == "absolute"].groupby(keys, observed=True)["cmd"].mean()

@@ -138,8 +138,8 @@ class LmEdges(CorruptedPairsMethod):
 
     def final_tables(self, read: Callable[[str], pd.DataFrame | None]) -> dict[str, Columns]:
         assert self.evaluation is not None
-        run = self.evaluation.run
-        self.tables = final_tables(run, read, self.p, self.columns, self.scoring.steps, target_name(self.pairs.target))
+        runs, metric = self.evaluation.ranked, target_name(self.pairs.target)
+        self.tables = final_tables(runs, read, self.p, self.columns, self.scoring.steps, metric)
         return self.tables
 
     def finish(self, out: Path) -> None:

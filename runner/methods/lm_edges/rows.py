@@ -117,7 +117,7 @@ LM_CIRCUIT_SCHEMA = declare(
         pa.field("total_edges", pa.int64()),
         pa.field("scored_by", pa.string()),  # the mode that ranked the edges
         pa.field("ablation", pa.string()),  # what the left-out edges carry: corrupted | mean
-        pa.field("ranking", pa.string()),  # absolute | signed
+        pa.field("ranking", pa.string()),  # absolute | signed (a run of ranking=both has rows of each)
         pa.field("split", pa.string()),  # discovery (the pairs the circuit was found on) | held_out
         pa.field("metric", pa.string()),
         # the clean run with every other edge given its ablated value (its corrupted one, or its writer's mean)
@@ -207,12 +207,13 @@ LM_CIRCUIT_STABILITY_SCHEMA = declare(
         pa.field("edges", pa.int64()),  # the circuit's size
         *EDGE_FIELDS[:4],
         SLOT_FIELD,
-        pa.field("rank", pa.int64()),  # the edge's rank in the run
+        pa.field("rank", pa.int64()),  # the edge's rank in the run, under this row's ranking
         pa.field("in_circuit", pa.bool_()),  # in the run's circuit of this size
         pa.field("inclusion", pa.float32()),  # the fraction of resamples whose circuit of this size holds it
         pa.field("resamples", pa.int64()),
+        pa.field("ranking", pa.string()),  # absolute | signed (a run of ranking=both has rows of each)
     ],
-    Presentation(keys=("edges",), values=("inclusion",)),
+    Presentation(keys=("ranking", "edges"), values=("inclusion",)),
     classes=False,
 )
 LM_EDGE_CALIBRATION_SCHEMA = declare(

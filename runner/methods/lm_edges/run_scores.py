@@ -15,6 +15,7 @@ the batch happens to round it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,14 @@ class RunScores:
     def pairs(self) -> int:
         return int(self.kept.sum())
 
+    def rankings(self) -> list[RunScores]:
+        """The run's scores under each ranking it evaluates: itself, or with method.edges.ranking=both the signed
+        ranking's and the absolute one's (the primary, last: its rank and checked edges are the run's)."""
+        if self.p.ranking is not EdgeRanking.both:
+            return [self]
+        return [dataclasses.replace(self, p=dataclasses.replace(self.p, ranking=r))
+                for r in (EdgeRanking.signed, EdgeRanking.absolute)]  # fmt: skip
+
     def circuit_masks(self, rows: list[int]) -> torch.Tensor:
         """(len(rows), writers, readers) bool: the run's circuit of each size self.sizes[row]; per-position edges:
         (len(rows), writers, readers, slots), its units."""
@@ -163,22 +172,46 @@ class RunScores:
 
 
 def final_tables(
-    run: RunScores, read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig, columns: dict[str, list[Any]],
-    steps: int, metric: str,
+    runs: list[RunScores], read: Callable[[str], pd.DataFrame | None], p: LmEdgesConfig,
+    columns: dict[str, list[Any]], steps: int, metric: str,
 ) -> dict[str, Columns]:  # fmt: skip
-    """The tables about the whole run (rows.py): lm_edges, and with circuits the curve, its areas and stability, and
-    with checked edges the calibration."""
+    """The tables about the whole run (rows.py): lm_edges (of the primary ranking, `runs`' last), and with circuits
+    the curve, its areas and stability of each ranking in `runs` (RunScores.rankings), and with checked edges the
+    calibration."""
+    run = runs[-1]
     stability = run.resample()
     exact_frame, circuit = (_read_canonical(read, table) for table in ("lm_edge_exact", "lm_circuit"))
     tables = {"lm_edges": _edge_rows(run, columns, steps, metric, stability, exact_frame)}
     if circuit is not None and run.sizes:
-        tables["lm_circuit_curve"] = _curve(run, circuit, stability, metric)
-        tables["lm_circuit_scores"] = _areas(run, tables["lm_circuit_curve"], metric)
-        if stability is not None:
-            tables["lm_circuit_stability"] = _stability_rows(run, stability, columns)
+        curves, areas, kept = [], [], []
+        for ranked in runs:
+            resampled = ranked.resample()
+            curve = _curve(ranked, circuit[circuit["ranking"] == ranked.p.ranking.value], resampled, metric)
+            curves.append(curve)
+            areas.append(_areas(ranked, curve, metric))
+            if resampled is not None:
+                kept.append(_stability_rows(ranked, resampled, columns))
+        tables["lm_circuit_curve"] = joined(curves)
+        tables["lm_circuit_scores"] = joined(areas)
+        if kept:
+            tables["lm_circuit_stability"] = joined(kept)
     if exact_frame is not None and not exact_frame.empty:
         tables["lm_edge_calibration"] = _calibration(exact_frame, metric, _spans(run))
     return {name: typed(name, columns) for name, columns in tables.items()}
+
+
+def joined(parts: list[Columns]) -> Columns:
+    """Columns of the same keys, one part's rows after another's."""
+    if len(parts) == 1:
+        return parts[0]
+    out: Columns = {}
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        if all(isinstance(v, list) for v in values):
+            out[key] = [x for v in values for x in v]
+        else:
+            out[key] = np.concatenate([np.asarray(v) for v in values])
+    return out
 
 
 def _edge_rows(
@@ -288,7 +321,7 @@ def _stability_rows(run: RunScores, stability: Stability, columns: dict[str, lis
             rows["in_circuit"].append(bool(run.rank[e] <= n))
             rows["inclusion"].append(float(inclusion[e]))
     k = len(rows["edges"])
-    return {"sample_index": [-1] * k, **rows, "resamples": [run.p.resamples] * k}
+    return {"sample_index": [-1] * k, **rows, "resamples": [run.p.resamples] * k, "ranking": [run.p.ranking.value] * k}
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

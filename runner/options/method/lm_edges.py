@@ -40,6 +40,9 @@ class EdgeAblation(str, Enum):
 class EdgeRanking(str, Enum):
     absolute = "absolute"  # a circuit of n edges: the n of largest |score|
     signed = "signed"  # ... the n of largest score (edges that work against the metric come last)
+    # the circuits of both, each evaluated, in one run: the MIB circuit track's tables take CPR from the signed ranking
+    # and CMD from the absolute one (the run's rank column and checked edges follow the absolute ranking)
+    both = "both"
 
 
 class PositionSlots(str, Enum):
