@@ -59,21 +59,19 @@ class Evaluation:
             deltas = writes(self.pairs.graph, self.pairs.hooks.head_writes, runs.clean_sites, runs.kept, runs.mask)
             receiving = Receiving(runs.corrupted.ids, runs.corrupted.edit, runs.mask, runs.kept, runs.metrics)
             positions = self.pairs.positions(discovery.sample_ids, runs.mask)
-            exact = (
-                self.pairs.exact(model, receiving, self.run.checked, deltas, positions).float().cpu()
-            )  # (checked, pairs)
+            exact = self.pairs.exact(model, receiving, self.run.checked, deltas, positions)  # (checked, pairs)
+            exact = exact.float().cpu()
             tables["lm_edge_exact"] = self._exact_rows(exact, runs.metrics, index, [batch.sample_ids[i] for i in index])
         self.pairs.hooks.clear()
         return BatchOutput(predicted=predicted, tables=tables)
 
     def _circuit(
-        self, ranked: RunScores, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor, ablated: dict[str, torch.Tensor],
-        metrics: PairMetrics, splits: list[str], positions: torch.Tensor | None,
+        self, ranked: RunScores, model: nn.Module, clean_ids: torch.Tensor, mask: torch.Tensor,
+        ablated: dict[str, torch.Tensor], metrics: PairMetrics, splits: list[str], positions: torch.Tensor | None,
     ) -> Columns:  # fmt: skip
-        """Per (size, pair): the clean run with every edge outside the run's circuit of that size given the value of
+        """Per (size, pair): the clean run with every edge outside `ranked`'s circuit of that size given the value of
         its writer in `ablated` (the corrupted run's views, or the discovery pairs' means), its metric, and the
-        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge; `ranked`: the ranking
-        whose circuits these are. Per-position edges: circuits
+        faithfulness (metric - empty) / (clean - empty), empty: the circuit of no edge. Per-position edges: circuits
         of units, `positions` (B, T) each position's slot."""
         sizes, total = ranked.sizes, len(self.pairs.columns["edge"])
         b, n = clean_ids.shape[0], len(sizes)
@@ -92,9 +90,8 @@ class Evaluation:
             within_batch(0.2 + 0.6 * at / len(rows), f"lm_edges: circuits {at}/{len(rows)}")
             chosen = rows[at : at + step]
             masks = ranked.circuit_masks(chosen).to(device)
-            measured = (
-                self.pairs.intervened(model, self.pairs.hooks.circuit(masks, positions), run).float().cpu()
-            )  # (chosen, B)
+            deltas = self.pairs.hooks.circuit(masks, positions)
+            measured = self.pairs.intervened(model, deltas, run).float().cpu()  # (chosen, B)
             found.update(zip(chosen, measured, strict=True))
         measured = torch.stack([known[s] if s in known else found[i] for i, s in enumerate(sizes)])  # (sizes, B)
         empty = measured[sizes.index(0)]  # (B,) m(empty), measured: sizes always hold 0
