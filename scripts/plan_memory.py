@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from runner.app import run  # noqa: E402
 from runner.commands.layers import compose  # noqa: E402
 from runner.configure import to_run_config  # noqa: E402
-from runner.models.memory import peak_bytes  # noqa: E402
+from runner.models.memory import PEAK_RSS_PROBE, peak_bytes  # noqa: E402
 from runner.plan import GB, run_plan  # noqa: E402
 
 LLAMAS = ("llama:4x256x8x4", "llama:8x512x8x2", "llama:6x768x12x4")
@@ -61,24 +61,13 @@ def overrides(case: str, mode: str | None) -> list[str]:
     ]  # fmt: skip
 
 
-# The run as `python -m runner ARGS`, printing its peak resident memory as it exits: /proc/self/status VmHWM, the
-# high-water mark of this process's own memory (ru_maxrss would not do: a child's starts at its parent's, carried
-# over the fork and exec).
-PROBE = """import atexit, runpy, sys
-def peak():
-    with open("/proc/self/status") as status:
-        print("PEAK_RSS_KIB", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
-atexit.register(peak)
-sys.argv = ["runner", *sys.argv[1:]]
-runpy.run_module("runner", run_name="__main__", alter_sys=True)
-"""
 
 
 def peak_rss(arguments: list[str]) -> int:
     """The peak resident memory (bytes) of `python -m runner ARGUMENTS` run as its own process, into a temporary
     directory."""
     with tempfile.TemporaryDirectory() as out:
-        done = subprocess.run([sys.executable, "-c", PROBE, *arguments, f"hydra.run.dir={out}"], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS_PROBE, *arguments, f"hydra.run.dir={out}"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     if done.returncode != 0 or "PEAK_RSS_KIB" not in done.stderr:
         raise SystemExit(f"runner {' '.join(arguments)} exited {done.returncode}:\n{done.stderr[-2000:]}")

@@ -24,23 +24,13 @@ from runner.methods.lm_edges.intervene import EdgeRuns
 from runner.methods.lm_edges.plan import _forward
 from runner.models import model_tokenizer
 from runner.models.lm_sites import layout_of
-from runner.models.memory import peak_bytes, traced_bytes
+from runner.models.memory import PEAK_RSS_PROBE, peak_bytes, traced_bytes
 from runner.plan import run_plan
 from tests.conftest import make_config, run_cli
 from tests.lm_references import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "conf" / "model_configs"
-# `python -m runner ARGS`, printing its peak resident memory as it exits: its own high-water mark (VmHWM; ru_maxrss
-# would start at the parent's, carried over the fork and exec). scripts/plan_memory.py measures with the same.
-PROBE = """import atexit, runpy, sys
-def peak():
-    with open("/proc/self/status") as status:
-        print("PEAK_RSS_KIB", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
-atexit.register(peak)
-sys.argv = ["runner", *sys.argv[1:]]
-runpy.run_module("runner", run_name="__main__", alter_sys=True)
-"""
 # a random Llama from the induction model's config: 3 layers, 96 wide, 4 query heads sharing 2 key-value heads
 SMALL = ["experiment=edges_lm_induction", "model.weights=null", "+model.config.num_hidden_layers=3",
          "+model.config.hidden_size=96", "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
@@ -145,7 +135,7 @@ def test_the_planned_peak_is_within_a_fifth_of_the_runs_peak_resident_memory(tmp
     overrides = [*SMALL, "data.batch_size=16"]
     plan = run_plan(make_config(*overrides), torch.device("cpu"), free=2**50)
     args = [*overrides, "progress=false", "method.pictures=false", f"hydra.run.dir={tmp_path / 'out'}"]
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS_PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "TQDM_DISABLE": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     measured = int(done.stderr.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024

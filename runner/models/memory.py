@@ -87,3 +87,16 @@ def peak_bytes(call: Callable[[], Any], device: torch.device) -> tuple[Any, int]
         held += size
         peak = max(peak, held)
     return result, peak
+
+
+# `python -c PEAK_RSS_PROBE ARGS` is `python -m runner ARGS` printing its peak resident memory as it exits, on stderr
+# (PEAK_RSS_KIB n): /proc/self/status VmHWM, this process's own high-water mark (ru_maxrss would not do: a child's
+# starts at its parent's, carried over the fork and exec). scripts/plan_memory.py and tests/test_plan.py measure so.
+PEAK_RSS_PROBE = """import atexit, runpy, sys
+def peak():
+    with open("/proc/self/status") as status:
+        print("PEAK_RSS_KIB", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
+atexit.register(peak)
+sys.argv = ["runner", *sys.argv[1:]]
+runpy.run_module("runner", run_name="__main__", alter_sys=True)
+"""
