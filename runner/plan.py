@@ -29,6 +29,7 @@ from runner.methods import method_class
 from runner.models import model_layout, model_skeleton, model_tokenizer
 from runner.models.check import available_bytes
 from runner.models.lm_sites import LanguageModelLayout
+from runner.models.memory import status_bytes
 from runner.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -130,15 +131,8 @@ def process_terms(prepared: Prepared) -> list[tuple[str, int]]:
 
 
 def resident_bytes() -> int:
-    """This process's resident memory now (Linux: /proc/self/status VmRSS; 0 where unknown)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    """This process's resident memory now (0 where unknown)."""
+    return status_bytes("VmRSS")
 
 
 def run_plan(

@@ -89,13 +89,26 @@ def peak_bytes(call: Callable[[], Any], device: torch.device) -> tuple[Any, int]
     return result, peak
 
 
+def status_bytes(field: str) -> int:
+    """A field of this process's /proc/self/status in bytes (Linux: VmRSS, its resident memory now; VmHWM, its
+    high-water mark); 0 where it is not there."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 # `python -c PEAK_RSS_PROBE ARGS` is `python -m runner ARGS` printing its peak resident memory as it exits, on stderr
-# (PEAK_RSS_KIB n): /proc/self/status VmHWM, this process's own high-water mark (ru_maxrss would not do: a child's
+# (PEAK_RSS_KIB n): status_bytes("VmHWM"), this process's own high-water mark (ru_maxrss would not do: a child's
 # starts at its parent's, carried over the fork and exec). scripts/plan_memory.py and tests/test_plan.py measure so.
 PEAK_RSS_PROBE = """import atexit, runpy, sys
 def peak():
-    with open("/proc/self/status") as status:
-        print("PEAK_RSS_KIB", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
+    from runner.models.memory import status_bytes
+    print("PEAK_RSS_KIB", status_bytes("VmHWM") // 1024, file=sys.stderr)
 atexit.register(peak)
 sys.argv = ["runner", *sys.argv[1:]]
 runpy.run_module("runner", run_name="__main__", alter_sys=True)
