@@ -11,7 +11,13 @@ from enum import Enum
 from runner.errors import RunnerError, suggest
 
 SITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "head", "q", "k", "v", "pattern")
-PER_HEAD = ("head", "q", "k", "v", "pattern")  # sites with a head axis
+PER_HEAD = ("head", "q", "k", "v", "pattern", "latent")  # sites with a head axis (latent: one per latent, width 1)
+# The sites of a sparse dictionary spliced into the model (model.dictionaries; runner/dictionaries/splice.py): its
+# latents (one per latent and position) and its error term (what it fails to reconstruct, d_model wide).
+DICTIONARY_KINDS = ("latent", "error")
+# Where a dictionary reads: a stream or branch site (an SAE reconstructs it), or `mlp` (a transcoder: reads the MLP's
+# input, writes what the MLP adds to the stream, mlp_out).
+DICTIONARY_SITES = ("resid_pre", "resid_post", "attn_out", "mlp_out", "mlp")
 
 
 class Positions(str, Enum):
@@ -22,12 +28,14 @@ class Positions(str, Enum):
 
 
 def check_sites(key: str, sites: Sequence[str]) -> None:
-    """RunnerError unless `sites` (set at `key`) names sites of SITE_KINDS, each once, at least one."""
+    """RunnerError unless `sites` (set at `key`) names sites of SITE_KINDS (or a spliced dictionary's, DICTIONARY_KINDS),
+    each once, at least one."""
     chosen = list(sites)
-    unknown = [s for s in chosen if s not in SITE_KINDS]
-    hint = suggest(unknown[0], SITE_KINDS) if unknown else ""
+    known = (*SITE_KINDS, *DICTIONARY_KINDS)
+    unknown = [s for s in chosen if s not in known]
+    hint = suggest(unknown[0], known) if unknown else ""
     if unknown or not chosen or len(set(chosen)) != len(chosen):
-        raise RunnerError(f"{key}={chosen}: each one of {', '.join(SITE_KINDS)}, once (at least one).{hint}")
+        raise RunnerError(f"{key}={chosen}: each one of {', '.join(known)}, once (at least one).{hint}")
 
 
 def check_layers(key: str, layers: Sequence[int] | None) -> None:

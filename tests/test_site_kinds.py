@@ -11,7 +11,7 @@ import pytest
 from runner.errors import RunnerError
 from runner.models import lm_sites
 from runner.options.registry import LM_FAMILY, METHODS, discover
-from runner.site_kinds import PER_HEAD, SITE_KINDS, check_layers, check_sites
+from runner.site_kinds import DICTIONARY_KINDS, PER_HEAD, SITE_KINDS, check_layers, check_sites
 
 
 def lm_configs() -> dict[str, object]:
@@ -27,7 +27,7 @@ def test_every_language_model_method_says_which_sites_it_reads() -> None:
         selection = cfg.selection()
         assert selection is not None and selection.sites and set(selection.sites) <= set(SITE_KINDS), name
         selection.check()  # the defaults pass the rule
-    assert lm_sites.SITE_KINDS is SITE_KINDS and set(PER_HEAD) <= set(SITE_KINDS)
+    assert lm_sites.SITE_KINDS is SITE_KINDS and set(PER_HEAD) <= {*SITE_KINDS, *DICTIONARY_KINDS}
 
 
 def with_layers(cfg: object, layers: list[int]) -> object:

@@ -18,12 +18,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from runner.dictionaries.splice import splice_hooks
 from runner.errors import RunnerError
 from runner.hooks.edits import Reinitialised
 from runner.hooks.inplace import InplaceOff
 from runner.hooks.spec_hooks import GRADIENT_KINDS, BoundHook, SpecHooks, map_tensors
 from runner.hooks.tensors import TensorSaver
 from runner.layers import Layer
+from runner.models.lm_sites import SPLICED, layout_of
 from runner.schema import HookAction, HookKind
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class HookSession:
     # ---- lifetime -------------------------------------------------------------------------------
     def __enter__(self) -> HookSession:
         try:
+            self._splice_dictionaries()
             if any(h.spec.kind is HookKind.backward for h in self.hooks):
                 self._disable_inplace()
             for bound in self.hooks:
@@ -119,6 +122,14 @@ class HookSession:
             capture.clear()
         self._spec_hooks.clear()
         self._tensors.clear()
+
+    def _splice_dictionaries(self) -> None:
+        """Route each site of a language model that has a sparse dictionary spliced in through it (first, before any
+        other hook on those modules: every other hook sees the spliced model)."""
+        if not any(hasattr(m, SPLICED) for m in self.model.modules()):
+            return
+        for module, hook, pre in splice_hooks(self.model, layout_of(self.model)):
+            self.add_hook(module, hook, pre=pre)
 
     @property
     def modified_modules(self) -> set[str]:

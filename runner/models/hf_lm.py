@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.dictionaries.splice import CHILD, Spliced, attach
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
 from runner.models.hf import (
@@ -27,9 +29,9 @@ from runner.models.hf import (
     refuse_remote_code,
     transformers_module,
 )
-from runner.models.lm_sites import LanguageModelLayout, layout_of, layout_of_config
+from runner.models.lm_sites import LanguageModelLayout, Placement, layout_of, layout_of_config
 from runner.models.packaged_lm import converted_folder
-from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM, HfLmModelConfig
+from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM, DictionaryConfig, HfLmModelConfig
 from runner.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class HfLmSource(ModelSource):
         transformers = transformers_module()
         name = _located(checked.name)
         config = _model_config(transformers, name, checked)
-        return layout_of_config(config, checked.attn_implementation)
+        layout = layout_of_config(config, checked.attn_implementation)
+        return planned_dictionaries(layout, config, checked.dictionaries)
 
     def skeleton(self, cfg: ModelConfig) -> nn.Module:
         """The model built from its config.json on the meta device, in the run's dtype and attention."""
@@ -135,6 +138,8 @@ class HfLmSource(ModelSource):
             tokenizer = load_tokenizer(transformers, tokenizer_name)
         _check_vocabulary(model, tokenizer, tokenizer_name)
         layout = layout_of(model)  # refuses an architecture without a site adapter, before any data loads
+        if cfg.dictionaries:
+            layout = spliced_dictionaries(model, layout, cfg.dictionaries)
         packaged = PACKAGED_LMS.get(cfg.name)
         weights = f", weights {packaged.quantisation}" if packaged and cfg.weights is not None else ""
         model_type = str(getattr(model.config, "model_type", layout.arch.family))
@@ -142,6 +147,46 @@ class HfLmSource(ModelSource):
         log.info("model %s: %s, %d layers, %d heads (%d key-value), attention %s, %s%s", cfg.name, family,
                  layout.layers, layout.heads, layout.kv_heads, layout.attn_implementation, cfg.dtype, weights)  # fmt: skip
         return ModelBundle(model, None, None, tokenizer=tokenizer)
+
+
+def planned_dictionaries(
+    layout: LanguageModelLayout, config: Any, dictionaries: list[DictionaryConfig]
+) -> LanguageModelLayout:
+    """The layout with model.dictionaries placed, each read from its config alone (no weights) and refused where it
+    does not fit the model: its layer, and the width it reads and writes against the model's."""
+    from runner.dictionaries.formats import check_fits, read_spec
+
+    d_model = int(getattr(config, "hidden_size", None) or config.n_embd)
+    placed = []
+    for i, item in enumerate(dictionaries):
+        key = f"model.dictionaries[{i}]"
+        layout.block_layers([item.layer], f"{key}.layer")
+        spec = read_spec(Path(item.path).expanduser())
+        if spec.transcoder != (item.site == "mlp"):
+            raise RunnerError(
+                f"{key}: {item.path} holds a {spec.kind}, placed at site={item.site}; a transcoder goes at site=mlp"
+                " (it reads the MLP's input and writes its output), an SAE at a stream or branch site."
+            )
+        check_fits(spec, d_model, f"{key} ({item.site}.{item.layer})")
+        placed.append(Placement(item.site, item.layer, spec.width, f"{layout.arch.blocks}.{item.layer}.{CHILD}"))
+    return replace(layout, dictionaries=tuple(placed))
+
+
+def spliced_dictionaries(
+    model: nn.Module, layout: LanguageModelLayout, dictionaries: list[DictionaryConfig]
+) -> LanguageModelLayout:
+    """model.dictionaries checked against the loaded model, their weights loaded and spliced in (splice.py)."""
+    from runner.dictionaries.formats import load_dictionary
+
+    planned_dictionaries(layout, model.config, dictionaries)
+    loaded = []
+    for item in dictionaries:
+        dictionary = load_dictionary(Path(item.path).expanduser())
+        spec = dictionary.spec
+        log.info("dictionary %s: %s %s of %d latents at %s.%d", item.path, spec.architecture, spec.kind, spec.width,
+                 item.site, item.layer)  # fmt: skip
+        loaded.append(Spliced(dictionary, item.site, item.layer))
+    return attach(model, layout, loaded)
 
 
 def _finite(model: nn.Module) -> bool:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from runner.errors import RunnerError, suggest
-from runner.site_kinds import SITE_KINDS
+from runner.site_kinds import DICTIONARY_KINDS, SITE_KINDS
 
 
 # The functions of a config that some fields of an Architecture are; each docstring's first line is what
@@ -288,6 +288,26 @@ def _fused_part(layout: str, part: int, heads: int, kv_heads: int) -> tuple[Call
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a sparse dictionary is spliced into the model (model.dictionaries; runner/dictionaries/splice.py): the
+    site it reads (runner/site_kinds.py DICTIONARY_SITES) at block `layer`, its latents' count, and the dotted name of
+    its splice module, whose submodules `latents` and `error` output its latents (B, T, width) and error (B, T, d)."""
+
+    site: str
+    layer: int
+    width: int
+    module: str
+
+
+def _per_latent(raw: torch.Tensor) -> torch.Tensor:
+    return raw.unsqueeze(-1)  # (B, T, width) -> (B, T, width, 1): each latent a "head" of width 1
+
+
+def _latents_back(raw: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new.squeeze(-1)
+
+
+@dataclass(frozen=True)
 class LanguageModelLayout:
     """A causal LM's family, sizes and parts, read from its config and module tree."""
 
@@ -298,6 +318,11 @@ class LanguageModelLayout:
     attn_implementation: str
     logit_softcap: float | None = None  # the final logits are c * tanh(x / c) (Gemma 2 and 3); None: as they are
     mutated: tuple[str, ...] = ()  # parts of a block whose output the block changes in place (Architecture.mutated)
+    dictionaries: tuple[Placement, ...] = ()  # the sparse dictionaries spliced in (sites `latent` and `error`)
+
+    def dictionary_at(self, layer: int) -> Placement | None:
+        """The dictionary spliced at block `layer` (None: none)."""
+        return next((p for p in self.dictionaries if p.layer == layer), None)
 
     def logits(self, raw: torch.Tensor) -> torch.Tensor:
         """The model's logits from its unembedding's output: the final softcap applied where the family has one."""
@@ -324,12 +349,13 @@ class LanguageModelLayout:
         return replace(spec, mutated=True) if spec.where == "output" and spec.module in changed else spec
 
     def _site(self, kind: str, layer: int) -> SiteSpec:
-        if kind not in SITE_KINDS:
-            raise RunnerError(
-                f"Unknown site '{kind}'.{suggest(kind, list(SITE_KINDS))} Sites: {', '.join(SITE_KINDS)}."
-            )
+        known = (*SITE_KINDS, *DICTIONARY_KINDS)
+        if kind not in known:
+            raise RunnerError(f"Unknown site '{kind}'.{suggest(kind, list(known))} Sites: {', '.join(known)}.")
         if not 0 <= layer < self.layers:
             raise RunnerError(f"Layer {layer} of site {kind}: the model has layers 0..{self.layers - 1}.")
+        if kind in DICTIONARY_KINDS:
+            return self._dictionary_site(kind, layer)
         a = self.arch
         block = f"{a.blocks}.{layer}"
         if kind == "resid_pre":
@@ -364,17 +390,39 @@ class LanguageModelLayout:
         get, put = _fused_part(a.fused_layout, part, self.heads, self.kv_heads)
         return SiteSpec(kind, layer, f"{block}.{a.qkv}", "output", get, put, heads)
 
+    def _dictionary_site(self, kind: str, layer: int) -> SiteSpec:
+        """A spliced dictionary's latents (per latent: a head axis of `width` heads, each of width 1) or error."""
+        placed = self.dictionary_at(layer)
+        if placed is None:
+            where = sorted(p.layer for p in self.dictionaries)
+            have = (
+                f"layers {where}"
+                if where
+                else "no layer: give model.dictionaries=[{path: FOLDER, site: ..., layer: ...}]"
+            )
+            raise RunnerError(f"Site {kind}.{layer} is a spliced dictionary's; the model has one at {have}.")
+        if kind == "latent":
+            return SiteSpec(kind, layer, f"{placed.module}.latents", "output", _per_latent, _latents_back, placed.width)
+        return SiteSpec(kind, layer, f"{placed.module}.error", "output", _same, _replace)
+
     def available(self) -> list[str]:
-        """The site kinds this model has (pattern: with eager attention only)."""
+        """The site kinds this model has (pattern: with eager attention only; latent and error: with a dictionary)."""
         lacks = {"resid_mid"} if self.arch.mid_norm is None else set()
         if self.attn_implementation != "eager":
             lacks.add("pattern")
-        return [k for k in SITE_KINDS if k not in lacks]
+        return [k for k in SITE_KINDS if k not in lacks] + (list(DICTIONARY_KINDS) if self.dictionaries else [])
+
+
+# The attribute by which a module spliced into the model says it is a sparse dictionary, and where (its Placement).
+SPLICED = "spliced_dictionary"
 
 
 def layout_of(model: nn.Module) -> LanguageModelLayout:
-    """The layout of a Hugging Face causal LM; RunnerError naming the supported families for another model."""
-    return layout_of_config(getattr(model, "config", None))
+    """The layout of a Hugging Face causal LM, with the dictionaries spliced into it; RunnerError naming the supported
+    families for another model."""
+    layout = layout_of_config(getattr(model, "config", None))
+    placed = tuple(getattr(m, SPLICED) for m in model.modules() if hasattr(m, SPLICED))
+    return replace(layout, dictionaries=placed) if placed else layout
 
 
 def layout_of_config(config: Any, attn_implementation: str | None = None) -> LanguageModelLayout:

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, suggest
 from runner.fingerprints import listing_digest
 from runner.options.registry import MODELS
 from runner.schema import ModelConfig
+from runner.site_kinds import DICTIONARY_SITES
 
 # model.name of the model that ships inside the package (runner/models/lm_induction/).
 SHIPPED_LM = "induction"
@@ -70,6 +71,19 @@ PACKAGED_LMS = {
 }
 
 
+@dataclass
+class DictionaryConfig:
+    """A sparse dictionary (SAE or transcoder) to splice into the model: its folder (SAELens's cfg.json +
+    sae_weights.safetensors, or Gemma Scope's params.safetensors; a `method=train_sae` run's `dictionary` folder),
+    the site it reads and the block (docs/dictionaries.md)."""
+
+    path: str = ""
+    # resid_pre | resid_post | attn_out | mlp_out (an SAE reconstructs the site) | mlp (a transcoder: reads the MLP's
+    # input, writes what the MLP adds, mlp_out)
+    site: str = "resid_post"
+    layer: int = 0
+
+
 @MODELS.option("runner.models.hf_lm:HfLmSource", name="hf_lm")
 @dataclass
 class HfLmModelConfig(ModelConfig):
@@ -95,6 +109,9 @@ class HfLmModelConfig(ModelConfig):
     # The dtype the weights are loaded in, whatever the saved one: float32, bfloat16 or float16. Activations follow
     # the weights; metrics are computed in float32 from the final logits either way.
     dtype: str = "float32"
+    # Sparse dictionaries spliced in with an error term, one per layer: [{path: FOLDER, site: resid_post, layer: 3}].
+    # Their latents and errors are the sites `latent` and `error` of that layer for every LM method.
+    dictionaries: list[DictionaryConfig] = field(default_factory=list)
 
     MODALITY: ClassVar[str] = "text"  # its models take token ids (image models' schemas have none: "image")
 
@@ -111,11 +128,17 @@ class HfLmModelConfig(ModelConfig):
                 f"model.attn_implementation={self.attn_implementation}: use one of {', '.join(ATTENTION)}"
                 " (eager materialises the attention pattern; the others are faster)."
             )
+        check_dictionaries(self.dictionaries)
         return []
 
     def fingerprint(self) -> dict[str, str]:
         """A local folder's files (names, sizes, modification times): the weights a resume must find unchanged."""
         found = super().fingerprint()
+        for i, item in enumerate(self.dictionaries):
+            count, digest = listing_digest(
+                Path(item.path).expanduser(), lambda p: p.suffix in (".safetensors", ".json")
+            )
+            found[f"model.dictionaries[{i}] (folder)"] = f"{count} files, {digest}"
         packaged = PACKAGED_LMS.get(self.name)
         if packaged is not None:  # the packaged file the cached conversion came from
             parts = packaged_parts(packaged)
@@ -127,6 +150,30 @@ class HfLmModelConfig(ModelConfig):
             count, digest = listing_digest(folder, lambda p: p.suffix in (".safetensors", ".bin", ".json"))
             found["model.name (folder)"] = f"{count} files, {digest}"
         return found
+
+
+def check_dictionaries(dictionaries: list[DictionaryConfig]) -> None:
+    """model.dictionaries refused, before anything loads, where an entry lacks its folder, names an unknown site, or
+    shares its layer with another (the sites `latent` and `error` are addressed by layer)."""
+    layers: list[int] = []
+    for i, item in enumerate(dictionaries):
+        key = f"model.dictionaries[{i}]"
+        if not item.path:
+            raise RunnerError(f"{key} has no path: give {{path: FOLDER, site: resid_post, layer: N}}.")
+        if item.site not in DICTIONARY_SITES:
+            raise RunnerError(
+                f"{key}.site={item.site}: use one of {', '.join(DICTIONARY_SITES)} (mlp: a transcoder)."
+                f"{suggest(item.site, DICTIONARY_SITES)}"
+            )
+        if not Path(item.path).expanduser().is_dir():
+            raise RunnerError(f"{key}.path={item.path} is no folder: give the dictionary's folder.")
+        layers.append(item.layer)
+    twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if twice:
+        raise RunnerError(
+            f"model.dictionaries places two dictionaries at layer(s) {twice}: give one per layer (the sites latent"
+            " and error are named by their layer)."
+        )
 
 
 def packaged_parts(packaged: PackagedLm) -> list[Path] | None:
