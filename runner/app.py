@@ -39,7 +39,7 @@ from runner.layers import Layer, check_selection, expand_auto, layer_order, prob
 from runner.loop import ShardLoop, interrupted, run_loader, run_shard, shard_batches, stop_on_signals
 from runner.methods import Runtime, build_method, method_class
 from runner.models import build_model, check_input, check_positions, model_layout
-from runner.options.registry import lm_method_names
+from runner.options.registry import DATA, lm_method_names
 from runner.plan import check_memory
 from runner.progress import run_progress
 from runner.schema import RunConfig
@@ -183,6 +183,7 @@ def _run_locked(config: RunConfig, out: Path, device: torch.device) -> RunResult
     runtime.target = build_target(config.target)  # a `_target_` function that does not import fails here
     if method_class(config.method).modality == "text":  # before the model's weights load
         _refuse_layer_selection(config)
+        _check_samples(config)
         config = _lightened(config)
         _check_layout(config, runtime.target)
         check_memory(config, device)  # a run whose planned peak exceeds the free memory: refused here
@@ -380,6 +381,28 @@ def _check_modality(config: RunConfig, model_kind: str) -> None:
     )
 
 
+def _samples(source: type) -> str:
+    """What a sample of a text source is: "pairs" (prompt pairs, where the source says nothing) or "windows"."""
+    return getattr(source, "SAMPLES", "pairs")
+
+
+def _check_samples(config: RunConfig) -> None:
+    """Before the weights load: a language-model method reads prompt pairs (the default) or windows of plain text
+    (its class's `samples`), and the run's text data must give that kind (its schema's `SAMPLES`)."""
+    if getattr(type(config.data), "MODALITY", "image") != "text":
+        return  # image data: `_check_modality` says so once the model is known
+    wanted = getattr(method_class(config.method), "samples", "pairs")
+    given = _samples(type(config.data))
+    if wanted != given:
+        sources = [
+            o.name for o in DATA if getattr(o.schema, "MODALITY", "image") == "text" and _samples(o.schema) == wanted
+        ]
+        raise RunnerError(
+            f"method={config.method.name} reads {wanted} of text (data={' | '.join(sources)}), and data={config.data.name}"
+            f" gives {given}."
+        )
+
+
 def _run_text(
     config: RunConfig, out: Path, device: torch.device, runtime: Runtime, tokenizer: Any, model: torch.nn.Module
 ) -> RunResult:
@@ -388,7 +411,8 @@ def _run_text(
     method = build_method(config.method, [], runtime, None)
     dataset = build_dataset(config.data, tokenizer, config.seed)
     check_positions(model, dataset)  # before any forward: a prompt longer than the model's positions
-    dataset = kept_pairs(model, dataset, config.data, device)  # data.keep: the pairs the model gets right
+    if _samples(type(config.data)) == "pairs":
+        dataset = kept_pairs(model, dataset, config.data, device)  # data.keep: the pairs the model gets right
     class_names = ClassNames.of(config.data, dataset, None)
     return _run_prepared(config, out, device, runtime, model, hooks, method, dataset, class_names)
 
