@@ -144,3 +144,24 @@ def first_difference(clean: torch.Tensor, corrupted: torch.Tensor, edit: Embeddi
         differs |= ((scale != 1).any(-1) | (shift != 0).any(-1)) & mask.bool()
     where = differs.any(0).nonzero()
     return int(where[0]) if len(where) else clean.shape[1]
+
+
+def unchanged_latents(
+    cells: Sequence[Cell], clean: dict[str, torch.Tensor], corrupted: dict[str, torch.Tensor]
+) -> set[int]:
+    """The cells of a dictionary's latents (site `latent`) whose value is the same in the clean and the corrupted run
+    for every pair: patching one puts into the receiving run the value it already has, so its metric is the receiving
+    run's and no forward is spent on it. A sparse dictionary's latent is zero in both runs almost everywhere (a TopK
+    SAE of 4,096 latents with k = 32 fires at most 32 per position)."""
+    same: dict[str, torch.Tensor] = {}  # site name -> (T, width) bool: equal at that position for every pair
+    for name, view in clean.items():
+        if name.startswith("latent."):
+            same[name] = (view == corrupted[name]).all(dim=-1).all(dim=0).cpu()  # (B, T, width, 1) -> (T, width)
+    unchanged = set()
+    for c, cell in enumerate(cells):
+        if cell.kind != "latent":
+            continue
+        equal = same[f"latent.{cell.layer}"][:, cell.head]  # (T,)
+        if bool(equal.all() if cell.position is None else equal[cell.position]):
+            unchanged.add(c)
+    return unchanged

@@ -16,7 +16,7 @@ from runner.methods.lm.base import CorruptedPairsMethod, forward_last
 from runner.methods.lm.pairs import Receiver, pair_metrics
 from runner.methods.lm_patching.attribution import attribution_rows
 from runner.methods.lm_patching.engine import cells_of
-from runner.methods.lm_patching.exact import ExactPatcher, first_difference
+from runner.methods.lm_patching.exact import ExactPatcher, first_difference, unchanged_latents
 from runner.methods.lm_patching.rows import cell_rows
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 from runner.options.method.lm_patching import HeadPositions, LmPatchingMethodConfig
@@ -77,6 +77,7 @@ class LmPatching(CorruptedPairsMethod):
         cells = cells_of(self.layout, self.p.sites, self.layers, t,
                          self.p.head_positions is HeadPositions.each)  # fmt: skip
         first = first_difference(clean_ids, corrupted_ids, noise, mask)
+        same = unchanged_latents(cells, clean_sites, corrupted_sites)
         top_k = self.p.top_k if self.p.mode is PatchMode.attribution_topk else None
         parts: list[Columns] = []
         for n, direction in enumerate(self.p.directions):
@@ -91,7 +92,7 @@ class LmPatching(CorruptedPairsMethod):
             # A cell before the first position where the two runs differ patches a value into a run that already
             # has it (the causal mask: nothing there sees the difference): its metric is the receiving run's.
             patched = run.metric.float().cpu().expand(len(cells), b).clone()
-            live = [i for i, c in enumerate(cells) if c.position is None or c.position >= first]
+            live = [i for i, c in enumerate(cells) if (c.position is None or c.position >= first) and i not in same]
             if live:
                 patched[live] = self.exact.patched_metrics(model, run.ids, mask, run.edit, run.sources,
                                                            [cells[i] for i in live], metrics.answers,

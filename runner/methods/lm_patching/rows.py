@@ -22,7 +22,7 @@ LM_PATCHING_SCHEMA = declare(
         pa.field("direction", pa.string()),  # denoising | noising
         pa.field("site", pa.string()),  # resid_pre, attn_out, mlp_out, head, ...
         pa.field("layer", pa.int64()),  # the block's index
-        pa.field("head", pa.int64()),  # null for whole-site cells
+        pa.field("head", pa.int64()),  # the head (site latent: the latent's index); null for whole-site cells
         pa.field("position", pa.int64()),  # the token's position (BOS = 0 when prepended); null: every position
         *PAIR_TEXT_FIELDS,
         pa.field("metric", pa.string()),  # the run's target
