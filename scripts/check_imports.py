@@ -47,7 +47,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("runner.store", "runner.results")),
     (
         "sources",
-        ("runner.runtime", "runner.configure", "runner.models", "runner.data", "runner.targets", "runner.layers"),
+        (
+            "runner.runtime",
+            "runner.configure",
+            "runner.models",
+            "runner.data",
+            "runner.targets",
+            "runner.layers",
+            "runner.dictionaries",
+        ),
     ),
     ("viz", ("runner.viz",)),
     ("hooks", ("runner.hooks",)),

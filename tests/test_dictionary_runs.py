@@ -228,3 +228,26 @@ def test_a_dictionary_that_does_not_fit_is_refused_in_one_line(
     errors = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
     assert len(errors) == 1 and message in errors[0], done.stderr
     assert not list((tmp_path / "run").rglob("*.parquet"))
+
+
+def test_dla_splits_each_dictionarys_site_into_its_active_latents_error_and_bias(spliced: dict, tmp_path: Path) -> None:
+    """The transcoder's latents + error + decoder bias add up to its MLP's row (m0); the SAE's at the last layer's
+    resid_post to that stream's accumulated row; each latent row is an active latent (f != 0) of the cell."""
+    app.run(make_config(*spliced["run"], "method=lm_dla", "method.positions=all"), tmp_path)
+    frame = load(tmp_path, "lm_dla")
+    keys = ["sample", "position"]
+    split = frame[frame.kind.isin(["latent", "latent_error", "latent_bias"])]
+    for layer, whole in ((0, frame[frame.writer == "m0"]), (1, frame[frame.writer == "resid_post.1"])):
+        parts = split[split.layer == layer].groupby(keys)["value"].sum()
+        whole = whole.set_index(keys)["value"]
+        assert len(whole) > 5 and whole.abs().max() > 1e-3
+        assert ((parts - whole).abs() <= 1e-4 * whole.abs().max()).all(), layer
+    # the rows are the active latents: the transcoder's on pair 0's clean prompt, position by position
+    model, tokenizer, transcoder = spliced["model"], spliced["tokenizer"], spliced["transcoder"]
+    seen = _site_inputs(model, alone(tokenizer, SAME_LENGTH[0]))
+    active = transcoder.encode(seen["mlp_in"])[0] != 0  # (T, width)
+    rows = split[(split["sample"] == 0) & (split.kind == "latent") & (split.layer == 0)]
+    assert len(rows) == int(active.sum()) > 0
+    assert all(active[int(r.position), int(r["head"])] for _, r in rows.iterrows())
+    # totals leave the re-split rows out: every row of a cell has the cell's writers' sum
+    assert (frame.groupby(keys)["total"].nunique() == 1).all()

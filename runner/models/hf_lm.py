@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.dictionaries.formats import check_fits, load_dictionary, read_spec
 from runner.dictionaries.splice import CHILD, Spliced, attach
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
@@ -154,8 +155,6 @@ def planned_dictionaries(
 ) -> LanguageModelLayout:
     """The layout with model.dictionaries placed, each read from its config alone (no weights) and refused where it
     does not fit the model: its layer, and the width it reads and writes against the model's."""
-    from runner.dictionaries.formats import check_fits, read_spec
-
     d_model = int(getattr(config, "hidden_size", None) or config.n_embd)
     placed = []
     for i, item in enumerate(dictionaries):
@@ -176,8 +175,6 @@ def spliced_dictionaries(
     model: nn.Module, layout: LanguageModelLayout, dictionaries: list[DictionaryConfig]
 ) -> LanguageModelLayout:
     """model.dictionaries checked against the loaded model, their weights loaded and spliced in (splice.py)."""
-    from runner.dictionaries.formats import load_dictionary
-
     planned_dictionaries(layout, model.config, dictionaries)
     loaded = []
     for item in dictionaries:

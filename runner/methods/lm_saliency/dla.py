@@ -17,6 +17,13 @@ softcap, Gemma 2's: there they differ).
 onto the direction, without the bias row (TransformerLens' `accumulated_resid` with `logit_attrs`): the last one plus
 `bias` is `total`.
 
+With sparse dictionaries spliced in (model.dictionaries), the site each one writes is split once more into its active
+latents' decoder writes f_i x W_dec[i] (kind `latent`, `head` the latent's index, writer `d<layer>.f<i>`), its error
+(`latent_error`) and its decoder bias (`latent_bias`), through the same frozen norm: for a dictionary at an MLP
+(mlp_out, or a transcoder) the three add up to that MLP's row, at attn_out to the layer's heads and attention bias, at
+a stream site to the accumulated stream there (resid_post.l: resid_pre.l+1's row). Like `accumulated`, these rows
+re-split writers already counted, so `total` leaves them out; a latent that is zero at a position has no row there.
+
 One forward without gradient per batch; the writers are summed back and compared with the final stream, and a family
 whose stream holds a write the runner does not know (the sum differs) is refused rather than reported wrong.
 """
@@ -109,7 +116,15 @@ class LmDla(LanguageModelMethod):
         self.specs = [
             *(layout.site(kind, layer) for layer in range(layout.layers) for kind in ("resid_pre", "head", "mlp_out")),
             layout.site("resid_post", last),
+            *(layout.site(kind, p.layer) for p in layout.dictionaries for kind in ("latent", "error")),
         ]
+        self.dictionaries = {p.layer: model.get_submodule(p.module).dictionary for p in layout.dictionaries}
+        for layer, dictionary in self.dictionaries.items():
+            if dictionary.spec.normalize == "constant_norm_rescale":  # each write divided by its input's own norm
+                raise RunnerError(
+                    f"method=lm_dla: the dictionary at layer {layer} rescales each input by its norm"
+                    " (constant_norm_rescale), which this split does not keep: use method=lm_grad_x_act or lm_patching."
+                )
         self.hooks = SiteHooks(model, self.specs, session)
         self.final = f"resid_post.{last}"
 
@@ -184,19 +199,65 @@ class LmDla(LanguageModelMethod):
         w, n = values.shape
         kinds, writers, layers, heads = (np.array(c, dtype=object) for c in zip(*names, strict=True))
         cell = np.tile(np.arange(n), w)  # row-major (writer, cell): row w * N + n
+        kinds, writers, layers, heads = (np.repeat(x, n) for x in (kinds, writers, layers, heads))  # row w * N + n
+        split = self._dictionary_rows(views, rows, index, frozen, rows_of)
+        if split is not None:  # the dictionaries' rows after the writers' (a cell's active latents only)
+            kinds, writers, layers, heads, cell = (
+                np.concatenate([x, y]) for x, y in zip((kinds, writers, layers, heads, cell), split[:5], strict=True)
+            )
+            toward = torch.cat([toward.reshape(-1, 2), split[5]])  # (rows, 2)
+            values = toward[..., 0] - toward[..., 1]
         return {
             "_cell": cell,
-            "kind": np.repeat(kinds, n),
-            "writer": np.repeat(writers, n),
-            "layer": np.repeat(layers, n),
-            "head": np.repeat(heads, n),
-            "metric": [target_name(self.target)] * (w * n),
+            "kind": kinds,
+            "writer": writers,
+            "layer": layers,
+            "head": heads,
+            "metric": [target_name(self.target)] * len(cell),
             "value": values.reshape(-1).cpu(),
             "answer_value": toward[..., 0].reshape(-1).cpu(),
             "distractor_value": toward[..., 1].reshape(-1).cpu(),
             "total": total.cpu()[cell],
             "logit_diff": logit_diff.cpu()[cell],
         }
+
+    def _dictionary_rows(
+        self, views: dict[str, torch.Tensor], rows: torch.Tensor, index: torch.Tensor, frozen: FrozenNorm,
+        rows_of: torch.Tensor,
+    ) -> tuple[np.ndarray, ...] | None:  # fmt: skip
+        """Each spliced dictionary's active latents, error and decoder bias at the N cells, as rows: (kinds, writers,
+        layers, heads, cells) and (rows, 2) their values toward the answer's and the distractor's rows; None without
+        dictionaries."""
+        if not self.dictionaries:
+            return None
+        device = rows_of.device
+        parts: list[tuple[list[str], list[str], list[int], list[int | None], list[int], torch.Tensor]] = []
+        for layer, dictionary in self.dictionaries.items():
+            f = views[f"latent.{layer}"][rows.to(device), index.to(device)][..., 0].float()  # (N, width)
+            error = views[f"error.{layer}"][rows.to(device), index.to(device)].float()  # (N, D)
+            scale = dictionary.spec.scale if dictionary.spec.normalize == "expected_average_only_in" else 1.0
+            most = max(int((f != 0).sum(-1).max()), 1)  # the most latents active at one cell
+            active = f.abs().topk(most, dim=-1)  # (N, most): each cell's active latents first
+            acts = f.gather(-1, active.indices)  # (N, most)
+            w_dec = dictionary.W_dec.float().to(device) / scale  # (width, D)
+            writes = (acts[..., None] * w_dec[active.indices]).transpose(0, 1)  # (most, N, D)
+            bias = (dictionary.b_dec.float().to(device) / scale).expand_as(error)  # (N, D)
+            toward = torch.einsum("wnd,ndk->wnk", frozen(torch.cat([writes, error[None], bias[None]])), rows_of)
+            live = (acts != 0).T  # (most, N)
+            latent_at, cell_at = live.nonzero(as_tuple=True)
+            ids = active.indices.T[latent_at, cell_at].tolist()
+            n = f.shape[0]
+            parts.append((
+                ["latent"] * len(ids) + ["latent_error"] * n + ["latent_bias"] * n,
+                [f"d{layer}.f{i}" for i in ids] + [f"d{layer}.error"] * n + [f"d{layer}.b_dec"] * n,
+                [layer] * (len(ids) + 2 * n),
+                [*ids, *([None] * (2 * n))],
+                [*cell_at.tolist(), *range(n), *range(n)],
+                torch.cat([toward[latent_at, cell_at], toward[-2], toward[-1]]),
+            ))  # fmt: skip
+        columns = [np.array([x for part in parts for x in part[c]], dtype=object) for c in range(4)]
+        cells = np.array([x for part in parts for x in part[4]], dtype=np.int64)
+        return (*columns, cells, torch.cat([part[5] for part in parts]))
 
     def _check_sum(self, summed: torch.Tensor, stream: torch.Tensor) -> None:
         """Refuse a family whose final stream is not the sum of the writes read (a write the runner does not know)."""
