@@ -80,6 +80,8 @@ def peak_summary(
                     continue
                 token = tokens.get(_key((*key, *_tuple(at))))
                 where = _where(at if isinstance(at, tuple) else (at,), cells, token, by_role=slots is not None)
+                if row.get("site") == "latent":  # a dictionary's latents are its "heads" (runner/site_kinds.py)
+                    where = where.replace("head ", "latent ", 1)
                 fewer = int(counts[value].loc[[at]].iloc[0])
                 row[f"{value} {end} at"] = where + (f", {fewer} of {n} pairs" if fewer < n else "")
         row.update({f"{value} mean": part[value].mean() for value in means})
