@@ -22,7 +22,7 @@ def lm_configs() -> dict[str, object]:
 def test_every_language_model_method_says_which_sites_it_reads() -> None:
     configs = lm_configs()
     assert set(configs) == {"lm_patching", "lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_dla",
-                            "lm_cache"}  # fmt: skip
+                            "lm_cache", "train_sae"}  # fmt: skip
     for name, cfg in configs.items():
         selection = cfg.selection()
         assert selection is not None and selection.sites and set(selection.sites) <= set(SITE_KINDS), name
