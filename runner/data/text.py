@@ -93,7 +93,7 @@ def text_source(cfg: TextConfig, tokenizer: Any, seed: int) -> TextWindows:
 def token_stream(texts: list[str], tokenizer: Any, source: str) -> list[int]:
     """The documents joined by blank lines, as one list of token ids without special tokens; refused when most of it
     is the tokenizer's unknown token."""
-    stream = list(tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"])
+    stream = list(tokenizer("\n\n".join(texts), add_special_tokens=False, verbose=False)["input_ids"])
     unknown = getattr(tokenizer, "unk_token_id", None)
     if unknown is not None and stream:
         share = sum(1 for token in stream if token == unknown) / len(stream)

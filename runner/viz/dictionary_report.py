@@ -1,4 +1,4 @@
-"""The report's sections of method=train_sae's tables (their declarations name them: runner/methods/train_sae/rows.py):
+"""The report's sections of method=train_sae's tables (their declarations in runner/methods/train_sae/ name them):
 the evaluation as a table with its definitions, the training curve at a few steps, the held-out windows' losses, and
 the feature table as a reader scans it on Neuronpedia: a latent's density, its top contexts with the token marked, and
 the tokens its decoder direction promotes and suppresses."""

@@ -22,15 +22,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
 from runner.dictionaries.dictionary import Dictionary
 from runner.methods.train_sae.activations import SiteReader
+from runner.tables import Presentation, declare
 
 DENSE = 0.1  # a latent firing at more than this share of the positions is dense
 DEGENERATE = 1e-6  # |CE_zero - CE_clean| below this (nats): no recovered share
 CHUNK = 4096  # positions encoded at once
+WINDOWS_TABLE = "train_sae_windows"
+
+WINDOWS = declare(
+    WINDOWS_TABLE,  # one row per window of the data: its part, and the held-out ones' losses
+    [
+        pa.field("split", pa.string()),  # train | held_out
+        pa.field("positions", pa.int64()),  # the positions the dictionary reads (all but the BOS)
+        pa.field("ce_clean", pa.float64()),  # held_out only: the mean CE of the window's predictions after the BOS
+        pa.field("ce_sae", pa.float64()),
+        pa.field("ce_zero", pa.float64()),
+        pa.field("mse", pa.float64()),  # the mean |x - x_hat|^2 over the window's positions
+        pa.field("l0", pa.float64()),
+    ],
+    Presentation(section="runner.viz.dictionary_report:windows_section"),
+    classes=False,
+)
 
 
 @dataclass(frozen=True)

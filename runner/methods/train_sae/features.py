@@ -20,11 +20,35 @@ import torch
 
 from runner.dictionaries.dictionary import Dictionary
 from runner.methods.train_sae.evaluation import DENSE
+from runner.tables import Presentation, declare
 
 CONTEXT_BEFORE = 8  # tokens shown before a top-activating token
 CONTEXT_AFTER = 3  # and after it
 CHUNK = 4096  # positions encoded at once
 LATENT_CHUNK = 256  # latents whose logit effects are computed at once
+FEATURES_TABLE = "train_sae_features"
+
+FEATURES = declare(
+    FEATURES_TABLE,  # one row per latent, from the held-out windows (features.py)
+    [
+        pa.field("latent", pa.int64()),  # its index: row i of W_dec, column i of W_enc
+        pa.field("density", pa.float64()),  # the share of the held-out positions at which it fires
+        pa.field("mean_activation", pa.float32()),  # its mean f where it fires; NaN: dead
+        pa.field("max_activation", pa.float32()),  # its largest f on the held-out positions (0: dead)
+        pa.field("dead", pa.bool_()),  # it fires at no held-out position
+        pa.field("dense", pa.bool_()),  # density above 0.1
+        pa.field("top_activations", pa.list_(pa.float32())),  # its largest f, largest first
+        pa.field("top_contexts", pa.list_(pa.string())),  # the text around each, the token marked «...»
+        pa.field("top_windows", pa.list_(pa.string())),  # each one's window (its sample id)
+        pa.field("top_positions", pa.list_(pa.int64())),  # and its position in the window (the BOS is 0)
+        pa.field("promoted", pa.list_(pa.string())),  # the tokens of largest W_dec[i] @ W_U^T (no final norm)
+        pa.field("promoted_logits", pa.list_(pa.float32())),  # their W_dec[i] @ W_U^T
+        pa.field("suppressed", pa.list_(pa.string())),  # the tokens of smallest W_dec[i] @ W_U^T
+        pa.field("suppressed_logits", pa.list_(pa.float32())),  # their W_dec[i] @ W_U^T
+    ],
+    Presentation(section="runner.viz.dictionary_report:features_section"),
+    classes=False,
+)
 
 
 def top_activations(dictionary: Dictionary, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

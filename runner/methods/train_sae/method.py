@@ -38,16 +38,16 @@ from runner.hooks import HookSession
 from runner.layers import Layer
 from runner.methods.lm.base import LanguageModelMethod
 from runner.methods.train_sae.activations import SiteReader, check_buffer
-from runner.methods.train_sae.evaluation import reconstruction, recovered, spliced_losses
-from runner.methods.train_sae.features import feature_columns
-from runner.methods.train_sae.rows import EVALUATION_TABLE, FEATURES_TABLE, STEPS_TABLE, WINDOWS_TABLE
-from runner.methods.train_sae.training import Trained, Training, train_dictionary
+from runner.methods.train_sae.evaluation import WINDOWS_TABLE, reconstruction, recovered, spliced_losses
+from runner.methods.train_sae.features import FEATURES_TABLE, feature_columns
+from runner.methods.train_sae.training import STEPS_TABLE, Trained, Training, train_dictionary
 from runner.models.check import available_bytes
 from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of, unembedding
 from runner.options.method.train_sae import TrainSaeConfig
 from runner.progress import within_batch
 from runner.rows import BatchOutput, Columns
 from runner.runtime import Runtime
+from runner.tables import Presentation, declare
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,46 @@ HOOK_NAMES = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "res
               "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}  # fmt: skip
 
 
+TABLE = "train_sae"  # the evaluation, one row per dictionary: the run's main table
+
+EVALUATION = declare(
+    TABLE,  # one row per dictionary: the run's main table
+    [
+        pa.field("site", pa.string()),  # resid_pre, resid_mid, resid_post, attn_out, mlp_out
+        pa.field("layer", pa.int64()),  # the block's index
+        pa.field("hook_name", pa.string()),  # the site in TransformerLens's names, as SAELens's cfg.json says it
+        pa.field("architecture", pa.string()),  # topk | jumprelu
+        pa.field("width", pa.int64()),  # latents
+        pa.field("k", pa.int64()),  # topk's latents per position; null for jumprelu
+        pa.field("d_in", pa.int64()),  # the site's width
+        pa.field("steps", pa.int64()),  # training steps (method.steps)
+        pa.field("batch_tokens", pa.int64()),  # activations per step (at most the training set)
+        pa.field("train_positions", pa.int64()),  # activations trained on (the training windows' positions)
+        pa.field("heldout_positions", pa.int64()),  # activations evaluated on
+        pa.field("scale", pa.float64()),  # s: the dictionary reads s x (mean |s x| = sqrt(d_in) over the training set)
+        pa.field("fvu", pa.float64()),  # sum |x - x_hat|^2 / sum |x - mean x|^2 over the held-out positions
+        pa.field("mse", pa.float64()),  # the mean over held-out positions of |x - x_hat|^2 (the site's own units)
+        pa.field("l0", pa.float64()),  # the mean number of latents with f > 0 per held-out position
+        pa.field("dead", pa.int64()),  # latents that fire at no held-out position
+        pa.field("dead_fraction", pa.float64()),  # dead / width
+        pa.field("dense", pa.int64()),  # latents that fire at more than 10% of the held-out positions
+        pa.field("dense_fraction", pa.float64()),  # dense / width
+        pa.field("ce_clean", pa.float64()),  # the model's next-token CE (nats) on the held-out windows
+        pa.field("ce_sae", pa.float64()),  # with the site replaced by the reconstruction (no error term)
+        pa.field("ce_zero", pa.float64()),  # with the site replaced by zeros
+        pa.field("ce_recovered", pa.float64()),  # (ce_zero - ce_sae) / (ce_zero - ce_clean); NaN where degenerate
+        pa.field("degenerate", pa.bool_()),  # |ce_zero - ce_clean| < 1e-6: no recovered share
+        pa.field("final_loss", pa.float64()),  # the training loss of the last step
+        pa.field("train_seconds", pa.float64()),  # the training's wall time (not the collection's or evaluation's)
+        pa.field("dictionary", pa.string()),  # its folder (SAELens's layout), relative to the run directory
+    ],
+    Presentation(
+        keys=("site",), values=("fvu", "l0", "ce_recovered"), section="runner.viz.dictionary_report:evaluation_section"
+    ),
+    classes=False,
+)
+
+
 def hook_name(site: str, layer: int) -> str:
     """The site in TransformerLens's names: blocks.<layer>.hook_<site>."""
     return f"blocks.{layer}.{HOOK_NAMES[site]}"
@@ -65,7 +105,7 @@ def hook_name(site: str, layer: int) -> str:
 
 class TrainSae(LanguageModelMethod):
     name = "train_sae"
-    table = EVALUATION_TABLE
+    table = TABLE
     summary_values = ("fvu", "l0", "ce_recovered")
     passes = 2  # collection, then evaluation (module docstring)
     samples = "windows"  # windows of plain text (data=text), not prompt pairs
@@ -254,7 +294,7 @@ class TrainSae(LanguageModelMethod):
         features = feature_columns(self.dictionary, x, windows_ids, sample_ids, self.first, self.source.tokenizer,
                                    unembedding(self.model).weight, rec.fires, self.cfg.contexts,
                                    self.cfg.logit_tokens)  # fmt: skip
-        every = {EVALUATION_TABLE: evaluation, STEPS_TABLE: steps, FEATURES_TABLE: features}
+        every = {TABLE: evaluation, STEPS_TABLE: steps, FEATURES_TABLE: features}
         return {
             table: {"sample_index": torch.full((_rows(columns),), -1), **columns} for table, columns in every.items()
         }

@@ -42,15 +42,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 import torch
 from torch import nn
 
 from runner.dictionaries.dictionary import Dictionary, DictionarySpec
 from runner.randomness import sample_generator
+from runner.tables import Presentation, declare
 
 log = logging.getLogger(__name__)
 
 DECAY = 0.2  # the share of the steps at the end over which the learning rate decays to 0
+STEPS_TABLE = "train_sae_steps"
+
+STEPS = declare(
+    STEPS_TABLE,  # one row per training step (the normalised activations' units)
+    [
+        pa.field("step", pa.int64()),  # counted from 0
+        pa.field("loss", pa.float64()),  # mse + the auxiliary term
+        pa.field("mse", pa.float64()),  # the batch's mean |x' - x_hat'|^2 (x' = s x)
+        pa.field("fvu", pa.float64()),  # the batch's sum |x' - x_hat'|^2 / sum |x' - its mean|^2
+        pa.field("l0", pa.float64()),  # the batch's mean latents with f > 0 per position
+        pa.field("aux_loss", pa.float64()),  # topk: AuxK (before its weight); jumprelu: the L0 term's L0
+        pa.field("dead", pa.int64()),  # latents that have not fired for method.dead_steps steps
+        pa.field("lr", pa.float64()),  # the step's learning rate (its last fifth decays to 0)
+    ],
+    Presentation(section="runner.viz.dictionary_report:steps_section"),
+    classes=False,
+)
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,9 @@ class TextConfig(DataConfig):
     source: str = PYTHON_DOCS
     context: int = 128  # tokens per window, the BOS included where one is prepended
     bos: bool = True  # prepend the tokenizer's BOS token to every window (where the tokenizer has one)
-    # The share of the windows kept out of training for evaluation, chosen by the run's seed (at least one window
-    # when above 0).
-    holdout: float = 0.1
-    # How many of the text's windows the run uses, drawn by the run's seed from the whole text (null: every window);
-    # data.limit then keeps the first of these in text order, and the held-out share is taken of what is kept.
-    windows: Optional[int] = None  # noqa: UP045 (OmegaConf)
+    holdout: float = 0.1  # the share of the windows kept out of training, chosen by the run's seed (at least one)
+    # data.limit then keeps the first of these (in text order), and the held-out share is taken of what is kept
+    windows: Optional[int] = None  # windows drawn by the seed from the whole text (null: all)  # noqa: UP045 (OmegaConf)
 
     MODALITY: ClassVar[str] = "text"
     SAMPLES: ClassVar[str] = "windows"  # what a sample is: a window of text (prompt sources give "pairs")

@@ -32,16 +32,12 @@ class TrainSaeConfig(MethodConfig):
     architecture: str = "topk"  # topk | jumprelu
     width: int = 512  # latents (SAELens's d_sae)
     k: Optional[int] = 32  # topk: latents kept per token  # noqa: UP045 (OmegaConf)
-    # jumprelu: the loss is |x - x_hat|^2 + l0_coefficient * L0, the L0's and the threshold's gradient through the
-    # rectangle kernel of this width (Rajamanoharan et al. 2024), thresholds starting at threshold_init (SAELens's
-    # defaults; activations normalised to a mean norm of sqrt(d_in) first)
-    l0_coefficient: float = 1.0
-    bandwidth: float = 0.05
-    threshold_init: float = 0.01
-    # topk: the auxiliary loss (AuxK, Gao et al. 2024) that makes dead latents predict the residual: its weight, and
-    # how many training steps without firing make a latent dead for it
-    aux_coefficient: float = 0.03125
-    dead_steps: int = 200
+    # SAELens's defaults for jumprelu, on activations normalised to a mean norm of sqrt(d_in):
+    l0_coefficient: float = 1.0  # jumprelu: the loss is |x - x_hat|^2 + l0_coefficient * L0
+    bandwidth: float = 0.05  # jumprelu: the rectangle kernel's width in the L0's and threshold's pseudo-derivatives
+    threshold_init: float = 0.01  # jumprelu: every latent's threshold at the start
+    aux_coefficient: float = 0.03125  # topk: the weight of AuxK (Gao et al. 2024: dead latents predict the residual)
+    dead_steps: int = 200  # training steps without firing that make a latent dead (AuxK trains the dead ones)
     steps: int = 1000  # Adam steps
     batch_tokens: int = 1024  # activations per step, drawn without replacement, a new order each pass
     lr: float = 0.001  # Adam's learning rate, decayed linearly to 0 over the last fifth of the steps
