@@ -44,7 +44,7 @@ WINDOWS = declare(
         pa.field("ce_sae", pa.float64()),
         pa.field("ce_zero", pa.float64()),
         pa.field("mse", pa.float64()),  # the mean |x - x_hat|^2 over the window's positions
-        pa.field("l0", pa.float64()),
+        pa.field("l0", pa.float64()),  # the mean number of latents with f > 0 over the window's positions
     ],
     Presentation(section="runner.viz.dictionary_report:windows_section"),
     classes=False,
