@@ -103,6 +103,8 @@ RUNS = {
         "method.edges.per_pair=true",
         "method.edges.per_position=true",
     ],
+    # The shipped induction model on its own text, the experiment made smaller (neither TINY nor prompt pairs).
+    "train_sae": ["experiment=train_sae_induction", "method.steps=5", "data.windows=20"],
 }
 # The command line the first run pretends to have: one swept column of each type.
 OVERRIDES = ["seed=3", "method.faithfulness.enabled=true", "+note.lr=0.5", "name=yes", "hydra.run.dir=x"]
@@ -129,7 +131,10 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[st
     for name, extra in RUNS.items():
         overrides = OVERRIDES if name == "gradcam" else []
         with mock.patch.object(provenance, "hydra_overrides", return_value=overrides):
-            base = lm_inputs(tmp_path_factory.mktemp("lm")) if name.startswith("lm_") else TINY
+            if name.startswith("lm_"):
+                base = lm_inputs(tmp_path_factory.mktemp("lm"))
+            else:
+                base = [] if name == "train_sae" else TINY  # train_sae: its experiment's own model and text
             result = app.run(make_config(*base, *extra), tmp_path_factory.mktemp(name))
         for table, folder in result.tables.items():
             out.setdefault(table, []).append((name, pq.read_schema(sorted(folder.glob("part-*.parquet"))[0])))
@@ -149,6 +154,7 @@ def test_every_declared_schema_is_what_real_runs_write(written: dict[str, list[t
         | {"lm_grad_x_act", "lm_logit_lens", "lm_attention", "lm_edges", "lm_circuit", "lm_circuit_curve"}
         | {"lm_circuit_scores", "lm_circuit_stability", "lm_edge_pair_scores", "lm_edge_pairs", "lm_edge_exact"}
         | {"lm_edge_calibration", "lm_dla", "lm_cache", "lm_paths"}
+        | {"train_sae", "train_sae_steps", "train_sae_features", "train_sae_windows"}
     )
     for table, files in written.items():
         seen: set[str] = set()
