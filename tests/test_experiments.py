@@ -28,6 +28,7 @@ EXPERIMENTS = sorted(path.stem for path in (CONF / "experiment").glob("*.yaml"))
 # experiment fails here until it is listed: say what it should write.
 EDGE_TABLES = {"lm_edges", "lm_edge_pair_scores", "lm_circuit", "lm_circuit_curve", "lm_circuit_scores",
                "lm_circuit_stability", "lm_edge_exact", "lm_edge_calibration"}  # fmt: skip
+SAE_TABLES = {"train_sae", "train_sae_steps", "train_sae_features", "train_sae_windows"}
 TABLES = {
     "attribution_patching_effnet": {"patching"},
     "attribution_patching_lm": {"lm_patching"},
@@ -48,6 +49,8 @@ TABLES = {
     "ioi_paths_smollm2": {"lm_edges", "lm_edge_pair_scores", "lm_paths"},
     "ioi_dla_smollm2": {"lm_dla"},
     "ioi_cache_smollm2": {"lm_cache"},
+    "train_sae_induction": SAE_TABLES,
+    "train_sae_smollm2": SAE_TABLES,
     "cam_vs_patching_effnet": {"cam_vs_patching"},
     "evaluate_effnet": {"cam", "evaluation"},
     "localisation_effnet": {"cam", "evaluation"},
@@ -65,12 +68,14 @@ TABLES = {
     "sanity_randomization": {"sanity"},
 }
 # tables whose rows are about the whole run (no sample)
-RUN_ROWS = {"lm_edges", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit_stability", "lm_edge_calibration"}
+RUN_ROWS = {"lm_edges", "lm_circuit_curve", "lm_circuit_scores", "lm_circuit_stability", "lm_edge_calibration",
+            "train_sae", "train_sae_steps", "train_sae_features"}  # fmt: skip
 ONE_PHOTO = {"patching_channels", "patching_effnet"}  # they set data.photos: [chelsea]
 # Settings that name SmolLM2's layers (23.3's query, layers 23 and 29): its two-layer stand-in gets its own
 STAND_IN_PATHS = {
     "ioi_paths_smollm2": ["method.edges.paths=[{senders: ['a0.*'], receivers: ['a1.h0<q>', logits]}]"],
     "ioi_cache_smollm2": ["method.layers=[0,1]"],
+    "train_sae_smollm2": ["method.layer=1"],
 }
 
 
@@ -104,7 +109,8 @@ def offline(name: str, folder: Path) -> list[str]:
     if model in (EMBEDDED, SHIPPED_LM):
         return []
     if model == SMOLLM2:
-        return [f"model.name={stand_in_for(SMOLLM2, folder)}", "data.keep=all", *STAND_IN_PATHS.get(name, [])]
+        keep = ["data.keep=all"] if hasattr(config.data, "keep") else []  # prompt pairs (not data=text's windows)
+        return [f"model.name={stand_in_for(SMOLLM2, folder)}", *keep, *STAND_IN_PATHS.get(name, [])]
     if model == GEMMA3:
         return [f"model.name={stand_in_for(GEMMA3, folder, same_family=True)}", "data.keep=all"]
     if config.model.source == "hf_lm":
@@ -141,7 +147,8 @@ SMALLER = {
     "evaluate_effnet": [
         "method.evaluation.road_percentages=[9,49,89]",
         "method.evaluation.faithfulness_correlation_runs=10",
-    ]
+    ],
+    "train_sae_smollm2": ["method.steps=20"],  # 1,000 steps of a 2,048-latent SAE: tested in tests/test_train_sae.py
 }
 
 
