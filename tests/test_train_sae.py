@@ -219,6 +219,15 @@ def test_every_evaluation_figure_equals_a_computation_written_here(induction: tu
     assert rec.l0 == pytest.approx(float((f > 0).sum(1).float().mean()), rel=1e-6)
     assert torch.equal(rec.fires, fires)
     assert rec.dead == int((fires == 0).sum()) >= 3 and rec.dense == int((fires > 0.1 * len(x)).sum()) >= 1
+    massive = x.clone()
+    massive[:2] *= 100  # two positions far above 10 x the median norm
+    error = (massive - hand_encode(dictionary, massive)[1]).pow(2).sum(-1)  # (N,)
+    typical = massive[2:]
+    rec = reconstruction(dictionary, massive)
+    assert rec.massive == 2 and rec.fvu == pytest.approx(float(error.sum() / (massive - massive.mean(0)).pow(2).sum()),
+                                                         rel=1e-5)  # fmt: skip
+    assert rec.fvu_without_massive == pytest.approx(float(error[2:].sum() / (typical - typical.mean(0)).pow(2).sum()),
+                                                    rel=1e-5)  # fmt: skip
 
     # The three forwards, against plain hooks on block 0's output (positions 1.. replaced; the BOS kept)
     ids = data.windows[held]

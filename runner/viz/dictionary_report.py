@@ -16,10 +16,12 @@ from runner.schema import FiguresConfig
 from runner.tables import Presentation
 from runner.viz.report import Page, plain_html
 
-EVALUATION_COLUMNS = ("site", "layer", "architecture", "width", "k", "fvu", "l0", "dead", "dense", "ce_clean", "ce_sae",
-                      "ce_zero", "ce_recovered", "train_positions", "heldout_positions", "train_seconds")  # fmt: skip
+EVALUATION_COLUMNS = ("site", "layer", "architecture", "width", "k", "fvu", "fvu_without_massive", "massive_positions",
+                      "l0", "dead", "dense", "ce_clean", "ce_sae", "ce_zero", "ce_recovered", "train_positions",
+                      "heldout_positions", "train_seconds")  # fmt: skip
 EVALUATION_WORDS = (
-    "On the held-out windows, every position but the BOS: fvu = sum |x - x_hat|^2 / sum |x - mean x|^2; l0 = the mean"
+    "On the held-out windows, every position but the BOS: fvu = sum |x - x_hat|^2 / sum |x - mean x|^2,"
+    " fvu_without_massive the same without the massive positions (|x| above 10 x the median); l0 = the mean"
     " number of latents that fire per position; dead: latents that fire at no held-out position; dense: at more than"
     " 10% of them; ce_*: the next-token cross-entropy (nats) of the model, with the site replaced by the reconstruction"
     " (no error term), and replaced by zeros; ce_recovered = (ce_zero - ce_sae) / (ce_zero - ce_clean) (SAELens's"

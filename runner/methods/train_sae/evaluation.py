@@ -4,6 +4,10 @@ position but the BOS):
 
     FVU       the fraction of variance unexplained, sum |x - x_hat|^2 / sum |x - mean(x)|^2, the mean over the
               held-out positions (1 - SAELens's `explained_variance`);
+    massive   positions whose |x| is above 10 x the median |x| of the held-out positions: in SmolLM2's residual
+              stream the first token of some windows has a norm near 100 x the median, and one such position can
+              carry most of sum |x - mean(x)|^2; `fvu_without_massive` is the FVU of the other positions (about their
+              own mean), reported beside the FVU rather than filtered out of it;
     L0        the mean over positions of the number of latents with f > 0;
     dead      latents with f > 0 at no held-out position (SAELens counts them over its evaluation tokens too);
     dense     latents with f > 0 at more than 10% of the positions (a density above 0.1);
@@ -31,6 +35,9 @@ from runner.methods.train_sae.activations import SiteReader
 from runner.tables import Presentation, declare
 
 DENSE = 0.1  # a latent firing at more than this share of the positions is dense
+# A position whose |x| is above this many times the median is massive (Sun et al. 2024, "Massive activations": a
+# few positions, often the first of a text, whose norm is tens to thousands of times the others')
+MASSIVE = 10.0
 DEGENERATE = 1e-6  # |CE_zero - CE_clean| below this (nats): no recovered share
 CHUNK = 4096  # positions encoded at once
 WINDOWS_TABLE = "train_sae_windows"
@@ -60,6 +67,8 @@ class Reconstruction:
     mse: float  # the mean over positions of |x - x_hat|^2
     l0: float
     fires: torch.Tensor  # (W,) int64: positions at which each latent has f > 0
+    massive: int = 0  # positions whose |x| is above MASSIVE x the median |x|
+    fvu_without_massive: float = math.nan  # the FVU of the other positions (about their own mean)
 
     @property
     def density(self) -> torch.Tensor:
@@ -76,21 +85,31 @@ class Reconstruction:
 
 
 def reconstruction(dictionary: Dictionary, x: torch.Tensor) -> Reconstruction:
-    """FVU, mean squared error, L0 and each latent's firing count of `dictionary` on `x` (N, d), in chunks."""
-    mean = x.double().mean(0).float()  # (d,)
-    sse = sst = active = 0.0
+    """FVU, mean squared error, L0 and each latent's firing count of `dictionary` on `x` (N, d), in chunks; and the
+    FVU without the massive positions."""
+    norms = x.norm(dim=-1)  # (N,)
+    massive = norms > MASSIVE * norms.median()  # (N,)
+    means = x.double().mean(0).float(), x[~massive].double().mean(0).float()  # (d,) each: all, without massive
+    sse = sst = sse_typical = sst_typical = active = 0.0
     fires = torch.zeros(dictionary.width, dtype=torch.long)
     with torch.no_grad():
-        for chunk in x.split(CHUNK):
+        for chunk, big in zip(x.split(CHUNK), massive.split(CHUNK), strict=True):
             f = dictionary.encode(chunk)  # (C, W)
-            x_hat = dictionary.decode(f, chunk)  # (C, d)
-            sse += float((chunk - x_hat).double().pow(2).sum())
-            sst += float((chunk - mean).double().pow(2).sum())
+            error = (chunk - dictionary.decode(f, chunk)).double().pow(2).sum(-1)  # (C,)
+            sse += float(error.sum())
+            sst += float((chunk - means[0]).double().pow(2).sum())
+            sse_typical += float(error[~big].sum())
+            sst_typical += float((chunk[~big] - means[1]).double().pow(2).sum())
             on = f > 0
             active += float(on.sum())
             fires += on.sum(0).cpu()
     n = x.shape[0]
-    return Reconstruction(n, sse / sst if sst > 0 else math.nan, sse / max(n, 1), active / max(n, 1), fires)
+    return Reconstruction(n, _ratio(sse, sst), sse / max(n, 1), active / max(n, 1), fires, int(massive.sum()),
+                          _ratio(sse_typical, sst_typical))  # fmt: skip
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
 
 
 def next_token_ce(logits: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:

@@ -76,6 +76,8 @@ EVALUATION = declare(
         pa.field("heldout_positions", pa.int64()),  # activations evaluated on
         pa.field("scale", pa.float64()),  # s: the dictionary reads s x (mean |s x| = sqrt(d_in) over the training set)
         pa.field("fvu", pa.float64()),  # sum |x - x_hat|^2 / sum |x - mean x|^2 over the held-out positions
+        pa.field("fvu_without_massive", pa.float64()),  # the FVU of the positions whose |x| is under 10 x the median
+        pa.field("massive_positions", pa.int64()),  # held-out positions whose |x| is above 10 x the median |x|
         pa.field("mse", pa.float64()),  # the mean over held-out positions of |x - x_hat|^2 (the site's own units)
         pa.field("l0", pa.float64()),  # the mean number of latents with f > 0 per held-out position
         pa.field("dead", pa.int64()),  # latents that fire at no held-out position
@@ -278,14 +280,16 @@ class TrainSae(LanguageModelMethod):
             "d_in": [self.d_in], "steps": [self.cfg.steps], "batch_tokens": [self.cfg.batch_tokens],
             "train_positions": [len(self.training) * (self.source.windows.shape[1] - self.first)],
             "heldout_positions": [rec.positions], "scale": [self.trained.dictionary.spec.scale],
-            "fvu": [rec.fvu], "mse": [rec.mse], "l0": [rec.l0], "dead": [rec.dead],
+            "fvu": [rec.fvu], "fvu_without_massive": [rec.fvu_without_massive],
+            "massive_positions": [rec.massive], "mse": [rec.mse], "l0": [rec.l0], "dead": [rec.dead],
             "dead_fraction": [rec.dead / self.cfg.width], "dense": [rec.dense],
             "dense_fraction": [rec.dense / self.cfg.width], **{key: [value] for key, value in ce.items()},
             "ce_recovered": [share], "degenerate": [degenerate], "final_loss": [curve["loss"][-1]],
             "train_seconds": [self.trained.seconds], "dictionary": [FOLDER],
         }  # fmt: skip
-        log.info("train_sae: held out, fvu %.4f, l0 %.1f, dead %d, dense %d, CE clean %.4f, spliced %.4f, zeroed %.4f:"
-                 " %.1f%% recovered", rec.fvu, rec.l0, rec.dead, rec.dense, ce["ce_clean"], ce["ce_sae"], ce["ce_zero"],
+        log.info("train_sae: held out, fvu %.4f (%.4f without %d massive positions), l0 %.1f, dead %d, dense %d, CE"
+                 " clean %.4f, spliced %.4f, zeroed %.4f: %.1f%% recovered", rec.fvu, rec.fvu_without_massive,
+                 rec.massive, rec.l0, rec.dead, rec.dense, ce["ce_clean"], ce["ce_sae"], ce["ce_zero"],
                  100 * share)  # fmt: skip
         steps = {key: pa.array(values, pa.int64() if key in ("step", "dead") else pa.float64())
                  for key, values in curve.items()}  # fmt: skip
