@@ -48,6 +48,7 @@ TABLES = {
     "ioi_edges_gemma3": EDGE_TABLES,
     "ioi_paths_smollm2": {"lm_edges", "lm_edge_pair_scores", "lm_paths"},
     "ioi_dla_smollm2": {"lm_dla"},
+    "ioi_features_smollm2": {"lm_patching"},
     "ioi_cache_smollm2": {"lm_cache"},
     "train_sae_induction": SAE_TABLES,
     "train_sae_smollm2": SAE_TABLES,
@@ -110,12 +111,33 @@ def offline(name: str, folder: Path) -> list[str]:
         return []
     if model == SMOLLM2:
         keep = ["data.keep=all"] if hasattr(config.data, "keep") else []  # prompt pairs (not data=text's windows)
-        return [f"model.name={stand_in_for(SMOLLM2, folder)}", *keep, *STAND_IN_PATHS.get(name, [])]
+        stand_in = stand_in_for(SMOLLM2, folder)
+        return [f"model.name={stand_in}", *keep, *STAND_IN_PATHS.get(name, []),
+                *stand_in_dictionaries(config, stand_in, folder)]  # fmt: skip
     if model == GEMMA3:
         return [f"model.name={stand_in_for(GEMMA3, folder, same_family=True)}", "data.keep=all"]
     if config.model.source == "hf_lm":
         return [f"model.name={build_word_lm(prompt_words(config.data), folder)}"]
     return ["model.weights=null", *(["+model.kwargs.image_size=32"] if model.startswith("vit") else [])]
+
+
+def stand_in_dictionaries(config: object, stand_in: Path, folder: Path) -> list[str]:
+    """An experiment that splices dictionaries into SmolLM2 (trained by another run) gets a random TopK SAE of the
+    stand-in's width at its last layer instead, where the experiment's sites then are."""
+    placed = config.model.dictionaries  # type: ignore[attr-defined]
+    if not placed:
+        return []
+    import json
+
+    from runner.dictionaries.formats import save_saelens
+    from tests.test_dictionary_splice import random_dictionary
+
+    width = json.loads((stand_in / "config.json").read_text())["hidden_size"]
+    path = folder / "stand_in_sae"
+    if not path.exists():
+        save_saelens(random_dictionary(width, "topk"), path, "blocks.1.hook_resid_post", "stand-in")
+    site = placed[0].site
+    return [f"model.dictionaries=[{{path: {path}, site: {site}, layer: 1}}]", "method.patching.layers=[1]"]
 
 
 def test_debug_tiny_keeps_the_progress_bar() -> None:

@@ -160,7 +160,13 @@ def planned_dictionaries(
     for i, item in enumerate(dictionaries):
         key = f"model.dictionaries[{i}]"
         layout.block_layers([item.layer], f"{key}.layer")
-        spec = read_spec(Path(item.path).expanduser())
+        folder = Path(item.path).expanduser()
+        if not folder.is_dir():
+            raise RunnerError(
+                f"{key}.path={item.path} is no folder: give the dictionary's folder (a method=train_sae run writes"
+                " one to <run>/dictionary)."
+            )
+        spec = read_spec(folder)
         if spec.transcoder != (item.site == "mlp"):
             raise RunnerError(
                 f"{key}: {item.path} holds a {spec.kind}, placed at site={item.site}; a transcoder goes at site=mlp"

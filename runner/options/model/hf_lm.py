@@ -153,8 +153,9 @@ class HfLmModelConfig(ModelConfig):
 
 
 def check_dictionaries(dictionaries: list[DictionaryConfig]) -> None:
-    """model.dictionaries refused, before anything loads, where an entry lacks its folder, names an unknown site, or
-    shares its layer with another (the sites `latent` and `error` are addressed by layer)."""
+    """model.dictionaries refused, before anything loads, where an entry lacks its path, names an unknown site, or
+    shares its layer with another (the sites `latent` and `error` are addressed by layer). The folder itself is read
+    with the model's layout (runner/models/hf_lm.py planned_dictionaries)."""
     layers: list[int] = []
     for i, item in enumerate(dictionaries):
         key = f"model.dictionaries[{i}]"
@@ -165,8 +166,6 @@ def check_dictionaries(dictionaries: list[DictionaryConfig]) -> None:
                 f"{key}.site={item.site}: use one of {', '.join(DICTIONARY_SITES)} (mlp: a transcoder)."
                 f"{suggest(item.site, DICTIONARY_SITES)}"
             )
-        if not Path(item.path).expanduser().is_dir():
-            raise RunnerError(f"{key}.path={item.path} is no folder: give the dictionary's folder.")
         layers.append(item.layer)
     twice = sorted({layer for layer in layers if layers.count(layer) > 1})
     if twice:
