@@ -84,8 +84,8 @@ class SiteReader:
 
 
 def check_buffer(tokens: int, d_in: int, width: int, batch_tokens: int, free: int | None) -> None:
-    """Refuse, before any forward, activations of `tokens` positions that with the training's tensors would take more
-    than MEMORY_SHARE of the `free` bytes (None: unknown, not checked)."""
+    """Refuse, before any forward, activations of `tokens` positions (the training and the held-out windows') that with
+    the training's tensors would take more than MEMORY_SHARE of the `free` bytes (None: unknown, not checked)."""
     buffer = tokens * d_in * 4  # float32
     # the parameters, their gradients and Adam's two moments, and a step's (batch, width) tensors
     training = 4 * (2 * width * d_in + width + d_in) * 4 + 6 * batch_tokens * width * 4

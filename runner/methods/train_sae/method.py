@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from runner.data.base import Batch, underlying
 from runner.data.text import TextWindows
 from runner.dictionaries.formats import save_saelens
+from runner.distributed import rank_and_world
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.layers import Layer
@@ -144,6 +145,8 @@ class TrainSae(LanguageModelMethod):
             )
 
     def setup(self, session: HookSession, num_samples: int) -> None:
+        if rank_and_world()[1] > 1:
+            raise RunnerError("method=train_sae trains one dictionary in one process: run it without torchrun.")
         if self.runtime.output_dir is None:
             raise RunnerError(
                 "method=train_sae writes its dictionary into a run directory: run it with python -m runner."
@@ -153,7 +156,7 @@ class TrainSae(LanguageModelMethod):
         self.spec = self.planned(self.cfg, self.layout, self.runtime.target)
         self.reader = SiteReader(model, self.layout, self.spec, session)
         self.d_in = int(model.get_input_embeddings().weight.shape[1])
-        positions = len(self.training) * (self.source.windows.shape[1] - self.first)
+        positions = len(self.dataset) * (self.source.windows.shape[1] - self.first)  # type: ignore[arg-type]
         check_buffer(positions, self.d_in, self.cfg.width, self.cfg.batch_tokens, available_bytes(self.runtime.device))
 
     def run_batch(self, model: nn.Module, batch: Batch, session: HookSession) -> BatchOutput:
@@ -162,7 +165,8 @@ class TrainSae(LanguageModelMethod):
         if self.trained is None:  # pass 1: collect the training windows
             rows = [b for b in range(ids.shape[0]) if not held[b]]
             if rows:
-                acts = self.reader.read(ids[rows])  # (R, T, d)
+                with self.runtime.autocast():
+                    acts = self.reader.read(ids[rows])  # (R, T, d)
                 for r, b in enumerate(rows):
                     self.train_acts[batch.first_index + b] = acts[r, self.first :].clone()
             return BatchOutput(predicted=predicted)
@@ -182,7 +186,8 @@ class TrainSae(LanguageModelMethod):
         if rows:
             assert self.trained is not None
             within_batch(0.0, f"train_sae: 3 forwards of {len(rows)} held-out windows")
-            losses = spliced_losses(self.reader, self.dictionary, ids[rows], self.first)
+            with self.runtime.autocast():
+                losses = spliced_losses(self.reader, self.dictionary, ids[rows], self.first)
             for r, b in enumerate(rows):
                 acts = losses.acts[r]  # (T - first, d)
                 self.heldout_acts[batch.first_index + b] = acts
@@ -235,7 +240,8 @@ class TrainSae(LanguageModelMethod):
         for start in range(0, len(missing), COLLECT_BATCH):
             part = missing[start : start + COLLECT_BATCH]
             ids = torch.stack([self.dataset[i][0] for i in part]).to(self.runtime.device)  # type: ignore[index]
-            acts = self.reader.read(ids)  # (B, T, d)
+            with self.runtime.autocast():
+                acts = self.reader.read(ids)  # (B, T, d)
             for r, i in enumerate(part):
                 into[i] = acts[r, self.first :].clone()
 
