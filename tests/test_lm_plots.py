@@ -403,3 +403,26 @@ def test_report_of_an_lm_patching_run_shows_the_heatmaps(tmp_path: Path) -> None
     assert "per layer and head" in table  # the head cells at every position
     assert table.count('<img src="data:image/png;base64,') == 4
     assert "restoration max at" in table and "restoration min" in table  # the peak cells, not a mean over positions
+
+
+def test_a_dictionarys_latents_are_drawn_as_the_latents_with_the_largest_effects() -> None:
+    """100 latents patched at 4 positions: the map has TOP_LATENTS rows, among them the latents with a large effect,
+    its axis names latents, and the caption says how many were left out."""
+    strong = {7: 0.9, 63: -0.7}  # latent -> its effect at position 2 (others: small)
+    rows = []
+    for sample, tokens in TOKENS.items():
+        for latent in range(100):
+            for position, token in enumerate(tokens):
+                value = strong.get(latent, latent / 1e4) if position == 2 else 0.0
+                rows.append({"sample": sample, "direction": "denoising", "site": "latent", "layer": 3,
+                             "head": latent, "position": position, "token": token, "metric": "token_logit_diff",
+                             "patch_method": "exact", "restoration": value, "small_span": False})  # fmt: skip
+    drawn = lm_plots.lm_patching_figures(pd.DataFrame(rows), None, FiguresConfig())
+    caption, fig = drawn[0]
+    array, _, _ = image_of(fig)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert array.shape == (lm_plots.TOP_LATENTS, 4)
+    assert {"7", "63"} <= set(labels) and "0" not in labels  # the strong ones kept, the weakest left out
+    assert fig.axes[0].get_ylabel().startswith("latent")
+    assert f"the {lm_plots.TOP_LATENTS} latents of 100 with the largest effects" in caption
+    close(drawn)

@@ -105,6 +105,9 @@ def lm_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresCon
             left = _left_out(cells)
             reference = frame[frame["site"] == site]  # every row of the site: the pairs' positions and tokens
             whole, heads = cells[cells["head"].isna()], cells[cells["head"].notna()]
+            if site == "latent":  # a dictionary's thousands of latents: those with the largest effects are drawn
+                heads, shown = _top_latents(heads, "effect", TOP_LATENTS)
+                left += shown
             if whole["position"].notna().any():
                 drawn = _layer_position(whole, "effect", by, f"{label}: {name}", label, reference)
                 maps.append(replace(drawn, caption=f"Patching ({name}): {words} per layer and position"
@@ -116,10 +119,26 @@ def lm_patching_figures(frame: pd.DataFrame, by: str | None, figures: FiguresCon
                                     f" per layer and head{drawn.caption}{sparse}{left}."))  # fmt: skip
             each = heads[heads["position"].notna()]
             if not each.empty:
-                drawn = _head_position(each, "effect", by, f"{label}: {name}", label, reference)
-                maps.append(replace(drawn, caption=f"Patching ({name}, each head at each position): {words} per head"
-                                    f" and position{drawn.caption}{sparse}{left}."))  # fmt: skip
+                unit = "latent" if site == "latent" else "head"
+                drawn = _head_position(each, "effect", by, f"{label}: {name}", label, reference, unit)
+                maps.append(replace(drawn, caption=f"Patching ({name}, each {unit} at each position): {words} per"
+                                    f" {unit} and position{drawn.caption}{sparse}{left}."))  # fmt: skip
     return _draw_groups(groups, figures, "of this direction and metric")
+
+
+TOP_LATENTS = 24  # a dictionary's latents drawn in a patching map: those with the largest mean effect
+
+
+def _top_latents(cells: pd.DataFrame, value: str, count: int) -> tuple[pd.DataFrame, str]:
+    """The rows of the `count` latents (the `head` column of site `latent`) whose mean over pairs of `value` is
+    largest in size at some cell, and the caption's words for what was left out ('' when none was)."""
+    means = cells.groupby(["layer", "head", "position"], dropna=False, observed=True)[value].mean().abs()
+    peak = means.groupby(level=["layer", "head"], observed=True).max().sort_values(ascending=False)
+    if len(peak) <= count:
+        return cells, ""
+    kept = set(peak.index[:count])
+    rows = cells[[(layer, head) in kept for layer, head in zip(cells["layer"], cells["head"], strict=True)]]
+    return rows, f"; the {count} latents of {len(peak)} with the largest effects (rows of the table hold them all)"
 
 
 def lm_grad_x_act_figures(frame: pd.DataFrame, by: str | None, figures: FiguresConfig) -> list[tuple[str, Figure]]:
@@ -296,9 +315,11 @@ def _layer_head(frame: pd.DataFrame, value: str, by: str | None, title: str, lab
 
 
 def _head_position(
-    frame: pd.DataFrame, value: str, by: str | None, title: str, label: str, reference: pd.DataFrame
-) -> Map:
-    """Head x position map of the one layer with the largest |mean| (over pairs) cell."""
+    frame: pd.DataFrame, value: str, by: str | None, title: str, label: str, reference: pd.DataFrame,
+    unit: str = "head",
+) -> Map:  # fmt: skip
+    """Head x position map of the one layer with the largest |mean| (over pairs) cell (`unit`: what a row is called:
+    a head, or a dictionary's latent)."""
     means = frame.groupby(["layer", "head", "position"], observed=True)[value].mean().abs()
     layers = sorted(frame["layer"].dropna().unique().tolist())
     layer = means.idxmax()[0] if means.notna().any() else layers[0]
@@ -310,7 +331,7 @@ def _head_position(
     chosen = (f"; layer {_layer_name(layer)}, the layer with the largest |mean| cell of the {len(layers)} patched"
               " (the others are in the table)" if len(layers) > 1 else f"; layer {_layer_name(layer)}")  # fmt: skip
     return Map(panels, f"{title}, layer {_layer_name(layer)}", ticks["tick"].tolist(), axis.title,
-               [str(int(h)) for h in heads], f"head (layer {_layer_name(layer)})", label,
+               [str(int(h)) for h in heads], f"{unit} (layer {_layer_name(layer)})", label,
                f"{chosen}; {axis.words} on the x axis{note}{_pairs_note(part, value)}")  # fmt: skip
 
 
