@@ -251,3 +251,14 @@ def test_dla_splits_each_dictionarys_site_into_its_active_latents_error_and_bias
     assert all(active[int(r.position), int(r["head"])] for _, r in rows.iterrows())
     # totals leave the re-split rows out: every row of a cell has the cell's writers' sum
     assert (frame.groupby(keys)["total"].nunique() == 1).all()
+
+
+def test_runner_layers_lists_the_latents_and_error_where_a_dictionary_is(spliced: dict) -> None:
+    run = [o for o in spliced["run"] if not o.startswith("hydra.")]
+    done = run_cli("layers", *run, "method=lm_patching", "method.patching.sites=[latent]", "method.patching.layers=[1]")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if ".dictionary." in line]
+    width = spliced["sae"].width
+    assert any("latent.1" in line and f"[1, 4, {width}, 1]" in line and " * " in line for line in lines)
+    assert any("error.1" in line for line in lines) and any("latent.0" in line for line in lines)
+    assert sum("latent." in line for line in done.stdout.splitlines()) == 2  # one per dictionary, none elsewhere

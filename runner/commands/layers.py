@@ -87,7 +87,7 @@ def site_table(model: torch.nn.Module, config: RunConfig) -> pd.DataFrame:
     from runner.models.lm_sites import layout_of
 
     layout = layout_of(model)
-    specs = [layout.site(kind, layer) for layer in range(layout.layers) for kind in layout.available()]
+    specs = [layout.site(kind, layer) for layer in range(layout.layers) for kind in layout.available(layer)]
     selection = config.method.selection()  # None: an image method on a language model selects no site
     kinds, layers = (set(selection.sites), selection.layers) if selection is not None else (set(), None)
     chosen = {s.name for s in specs if s.kind in kinds and (layers is None or s.layer in layers)}

@@ -405,12 +405,14 @@ class LanguageModelLayout:
             return SiteSpec(kind, layer, f"{placed.module}.latents", "output", _per_latent, _latents_back, placed.width)
         return SiteSpec(kind, layer, f"{placed.module}.error", "output", _same, _replace)
 
-    def available(self) -> list[str]:
-        """The site kinds this model has (pattern: with eager attention only; latent and error: with a dictionary)."""
+    def available(self, layer: int | None = None) -> list[str]:
+        """The site kinds this model has (pattern: with eager attention only); at block `layer`, also latent and error
+        where a dictionary is spliced there (None: at any block)."""
         lacks = {"resid_mid"} if self.arch.mid_norm is None else set()
         if self.attn_implementation != "eager":
             lacks.add("pattern")
-        return [k for k in SITE_KINDS if k not in lacks] + (list(DICTIONARY_KINDS) if self.dictionaries else [])
+        spliced = bool(self.dictionaries) if layer is None else self.dictionary_at(layer) is not None
+        return [k for k in SITE_KINDS if k not in lacks] + (list(DICTIONARY_KINDS) if spliced else [])
 
 
 # The attribute by which a module spliced into the model says it is a sparse dictionary, and where (its Placement).
