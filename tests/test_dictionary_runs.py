@@ -33,7 +33,7 @@ def spliced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pairs.write_text("\n".join(json.dumps(p) for p in SAME_LENGTH))
     run = [*[o for o in run if not o.startswith("data.file=")], f"data.file={pairs}"]
     d = model.config.hidden_size
-    sae = random_dictionary(d, "topk", seed=3)
+    sae = random_dictionary(d, "topk", seed=3, width=256)  # k = 6 of 256: most latents are 0 in both runs
     transcoder = random_dictionary(d, "jumprelu", seed=4, transcoder=True)
     transcoder = _without_input_bias(transcoder)
     save_saelens(sae, folder / "sae", "blocks.1.hook_resid_post", "tiny-llama")
@@ -97,6 +97,14 @@ def test_exact_patching_of_each_latent_and_error_equals_a_plain_hooks_loop(splic
     frame = load(tmp_path, "lm_patching")
     model, tokenizer = spliced["model"], spliced["tokenizer"]
     checked = 0
+    every: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {
+        "resid": [],
+        "mlp": [],
+    }  # each pair's (clean, corrupted) f
+    for pair in SAME_LENGTH:
+        sites = [_site_inputs(model, alone(tokenizer, {"clean": pair[key]})) for key in ("clean", "corrupted")]
+        every["resid"].append(tuple(spliced["sae"].encode(x["resid"]) for x in sites))  # type: ignore[arg-type]
+        every["mlp"].append(tuple(spliced["transcoder"].encode(x["mlp_in"]) for x in sites))  # type: ignore[arg-type]
     for sample, pair in enumerate(SAME_LENGTH):
         clean_ids = alone(tokenizer, pair)
         corrupted_ids = alone(tokenizer, {"clean": pair["corrupted"]})
@@ -108,13 +116,19 @@ def test_exact_patching_of_each_latent_and_error_equals_a_plain_hooks_loop(splic
         rows = frame[frame["sample"] == sample]
         for part, layer, dictionary in (("resid", 1, spliced["sae"]), ("mlp", 0, spliced["transcoder"])):
             latents = rows[(rows.site == "latent") & (rows.layer == layer)]
-            assert len(latents) == dictionary.width  # every latent has its row, unchanged ones too
             f_clean, f_corrupted = f[part]
+            # a row for each latent that differs between the runs of some pair, none for the others (no effect)
+            changed = {
+                i for i in range(dictionary.width)
+                if any((spliced_f[0][0, :, i] != spliced_f[1][0, :, i]).any() for spliced_f in every[part])
+            }  # fmt: skip
+            assert set(latents["head"].astype(int)) == changed and len(changed) > 0
+            assert part == "mlp" or len(changed) < dictionary.width / 2  # the TopK SAE's rows: far from every latent
             for _, row in latents.iterrows():
                 i = int(row["head"])
                 change = (f_clean[0, :, i] - f_corrupted[0, :, i])[:, None] * dictionary.W_dec[i]  # (T, d)
                 if not change.abs().any():
-                    assert row["patched"] == row["corrupted"]  # not run: the receiving run's own metric
+                    assert row["patched"] == row["corrupted"]  # unchanged in this pair: the receiving run's metric
                     continue
                 expected = _logit_diff(model, corrupted_ids, pair, tokenizer, {part: change[None]})
                 assert row["patched"] == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))

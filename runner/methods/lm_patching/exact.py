@@ -150,9 +150,9 @@ def unchanged_latents(
     cells: Sequence[Cell], clean: dict[str, torch.Tensor], corrupted: dict[str, torch.Tensor]
 ) -> set[int]:
     """The cells of a dictionary's latents (site `latent`) whose value is the same in the clean and the corrupted run
-    for every pair: patching one puts into the receiving run the value it already has, so its metric is the receiving
-    run's and no forward is spent on it. A sparse dictionary's latent is zero in both runs almost everywhere (a TopK
-    SAE of 4,096 latents with k = 32 fires at most 32 per position)."""
+    for every pair: patching one puts into the receiving run the value it already has, so it has no effect (its
+    restoration is 0) and the method neither runs nor reports it. A sparse dictionary's latent is zero in both runs
+    almost everywhere (a TopK SAE of 4,096 latents with k = 32 fires at most 32 per position)."""
     same: dict[str, torch.Tensor] = {}  # site name -> (T, width) bool: equal at that position for every pair
     for name, view in clean.items():
         if name.startswith("latent."):

@@ -4,6 +4,7 @@ patched in each direction, many cells per forward, or estimated to first order (
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from runner.progress import Stage, within_batch
 from runner.rows import BatchOutput, Columns, concat_columns
 from runner.runtime import Runtime
 from runner.targets.tokens import TokenTarget, token_target
+
+log = logging.getLogger(__name__)
 
 
 class LmPatching(CorruptedPairsMethod):
@@ -78,6 +81,9 @@ class LmPatching(CorruptedPairsMethod):
                          self.p.head_positions is HeadPositions.each)  # fmt: skip
         first = first_difference(clean_ids, corrupted_ids, noise, mask)
         same = unchanged_latents(cells, clean_sites, corrupted_sites)
+        if same:  # a latent with the same value in both runs of every pair: no effect, no forward, no row
+            self._say_unchanged(len(same), sum(c.kind == "latent" for c in cells))
+            cells = [c for i, c in enumerate(cells) if i not in same]
         top_k = self.p.top_k if self.p.mode is PatchMode.attribution_topk else None
         parts: list[Columns] = []
         for n, direction in enumerate(self.p.directions):
@@ -92,7 +98,7 @@ class LmPatching(CorruptedPairsMethod):
             # A cell before the first position where the two runs differ patches a value into a run that already
             # has it (the causal mask: nothing there sees the difference): its metric is the receiving run's.
             patched = run.metric.float().cpu().expand(len(cells), b).clone()
-            live = [i for i, c in enumerate(cells) if (c.position is None or c.position >= first) and i not in same]
+            live = [i for i, c in enumerate(cells) if c.position is None or c.position >= first]
             if live:
                 patched[live] = self.exact.patched_metrics(model, run.ids, mask, run.edit, run.sources,
                                                            [cells[i] for i in live], metrics.answers,
@@ -101,6 +107,14 @@ class LmPatching(CorruptedPairsMethod):
         self.hooks.clear()
         columns = concat_columns(parts)
         return BatchOutput(predicted=clean_logits.argmax(dim=1), tables={self.table: columns})
+
+    def _say_unchanged(self, unchanged: int, latents: int) -> None:
+        """Log, once a run, that a dictionary's unchanged latent cells have no rows (their restoration would be 0)."""
+        if "unchanged_latents" in self.warned:
+            return
+        self.warned.add("unchanged_latents")
+        log.info("lm_patching: %d of %d latent cells of the first batch have the same value in the clean and the"
+                 " corrupted run of every pair (their restoration is 0): no rows for them", unchanged, latents)  # fmt: skip
 
     def _logits(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(N, V) float32 next-token logits at the last position (left padding: the same index for every row)."""
