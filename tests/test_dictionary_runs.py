@@ -276,3 +276,17 @@ def test_runner_layers_lists_the_latents_and_error_where_a_dictionary_is(spliced
     assert any("latent.1" in line and f"[1, 4, {width}, 1]" in line and " * " in line for line in lines)
     assert any("error.1" in line for line in lines) and any("latent.0" in line for line in lines)
     assert sum("latent." in line for line in done.stdout.splitlines()) == 2  # one per dictionary, none elsewhere
+
+
+def test_attribution_patching_of_latents_and_error_adds_up_to_the_sites(spliced: dict, tmp_path: Path) -> None:
+    """First order, the decoder is linear: the latents' estimates (each at every position) plus the error's (per
+    position) equal the stream's estimates summed over positions, pair by pair; the latents without rows (unchanged in
+    every pair) add nothing."""
+    app.run(make_config(*spliced["run"], "method=lm_patching", "method.patching.mode=attribution",
+                        "method.patching.sites=[latent,error,resid_post]", "method.patching.layers=[1]"),
+            tmp_path)  # fmt: skip
+    frame = load(tmp_path, "lm_patching").assign(effect=lambda f: f["patched"] - f["corrupted"])
+    parts = frame[frame.site.isin(["latent", "error"])].groupby("sample")["effect"].sum()
+    whole = frame[frame.site == "resid_post"].groupby("sample")["effect"].sum()
+    assert (frame.patch_method == "attribution").all() and whole.abs().min() > 1e-3
+    assert ((parts - whole).abs() <= 1e-4 * whole.abs().max()).all()
