@@ -303,3 +303,24 @@ def test_a_cli_run_writes_a_saelens_folder_that_gives_its_fvu(induction: tuple, 
     again = app.run(make_config(*QUICK), tmp_path)  # the run is complete: nothing is trained again
     assert pd.read_parquet(again.tables["train_sae"]).equals(tables["train_sae"])
     assert (tmp_path / "dictionary" / "sae_weights.safetensors").stat().st_mtime_ns == before
+
+
+def test_the_ioi_source_is_data_iois_sentences_whole() -> None:
+    """Each sentence of data.source=ioi is a data=ioi template filled with two names of its list, the subject twice,
+    then the indirect object: "When Mary and John went to the store, John gave a drink to Mary."."""
+    import re
+
+    from runner.options.data.ioi import NAMES, TEMPLATES
+    from runner.options.data.text import documents
+
+    found = documents("ioi")
+    assert len(found) == 400 and found == documents("ioi")  # a fixed seed: the same text every time
+    patterns = [re.escape(t).replace(r"\{name1\}", r"(\w+)").replace(r"\{name2\}", r"(\w+)").replace(r"\{S\}", r"(\w+)")
+                for t in TEMPLATES]  # fmt: skip
+    text, matched = found[0], 0
+    while text:  # each sentence in turn: a template's words, then the indirect object and a full stop
+        hit = next(h for h in (re.match(pattern + r" (\w+)\.( |$)", text) for pattern in patterns) if h)
+        first, second, subject, io = hit.groups()[:4]
+        assert {first, second} == {subject, io} and subject != io and {subject, io} <= set(NAMES)
+        text, matched = text[hit.end() :], matched + 1
+    assert matched == 8

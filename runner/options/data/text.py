@@ -8,6 +8,10 @@ The text comes from `data.source`:
     dictionary learns from it is what this kind of text makes the model do.
   - `induction`: text for the shipped induction model (whose tokenizer reads only t00 .. t63): 500 documents, each a
     run of 8 random tokens written twice, as the model was trained on, made from a fixed seed (no file).
+  - `ioi`: the indirect-object sentences of data=ioi, whole ("When Mary and John went to the store, John gave a drink
+    to Mary."): every template of runner/options/data/ioi.py with names drawn from its list, both name orders, 8
+    sentences a document, 400 documents from a fixed seed (no file): the text of a task, for a dictionary of the
+    task's own activations (the worked example in docs/dictionaries.md).
   - a `.txt` file: paragraphs separated by blank lines;
   - a `.jsonl` file: one JSON object per line with a "text" field.
 Each is read and checked with the config, before any model loads: a missing file, an empty one and a JSON line without
@@ -28,7 +32,8 @@ from runner.schema import DataConfig
 
 PYTHON_DOCS = "python_docs"  # data.source of the text that ships with Python
 INDUCTION = "induction"  # data.source of the shipped induction model's text, made in code
-BUILT_IN = (PYTHON_DOCS, INDUCTION)
+IOI = "ioi"  # data.source of data=ioi's sentences, whole, made in code
+BUILT_IN = (PYTHON_DOCS, INDUCTION, IOI)
 SUFFIXES = (".txt", ".jsonl")
 MAX_CONTEXT = 8192  # a bound that keeps a typo from making one window of a million tokens
 
@@ -81,10 +86,13 @@ def documents(source: str) -> list[str]:
         return [topics[key] for key in sorted(topics)]
     if source == INDUCTION:
         return induction_documents()
+    if source == IOI:
+        return ioi_documents()
     file = Path(source).expanduser()
     if file.suffix.lower() not in SUFFIXES:
         raise RunnerError(
-            f"data.source={source}: give {PYTHON_DOCS} (the documentation that ships with Python), {INDUCTION}, a .txt file"
+            f"data.source={source}: give {PYTHON_DOCS} (the documentation that ships with Python), {INDUCTION}, {IOI},"
+            " a .txt file"
             ' (paragraphs separated by blank lines) or a .jsonl file (a "text" field per line).'
         )
     if not file.is_file():
@@ -114,6 +122,25 @@ def induction_documents(count: int = 500, run: int = 8, seed: int = 0) -> list[s
     draw = random.Random(seed)
     runs = [[f"t{draw.randrange(64):02d}" for _ in range(run)] for _ in range(count)]
     return [" ".join(tokens + tokens) for tokens in runs]
+
+
+def ioi_documents(count: int = 400, sentences: int = 8, seed: int = 0) -> list[str]:
+    """`count` documents of `sentences` IOI sentences each, whole: a template of data=ioi filled with two names drawn
+    from its list (IO and S, in either order), then the indirect object and a full stop."""
+    import random
+
+    from runner.options.data.ioi import NAMES, TEMPLATES
+
+    draw = random.Random(seed)
+    out = []
+    for _ in range(count):
+        told = []
+        for _ in range(sentences):
+            io, s = draw.sample(NAMES, 2)
+            first, second = (io, s) if draw.random() < 0.5 else (s, io)  # ABBA or BABA
+            told.append(draw.choice(TEMPLATES).format(name1=first, name2=second, S=s) + f" {io}.")
+        out.append(" ".join(told))
+    return out
 
 
 def _json_texts(file: Path, raw: str) -> list[str]:
