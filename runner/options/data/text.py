@@ -45,7 +45,8 @@ class TextConfig(DataConfig):
 
     name: str = "text"
     # python_docs (CPython's documentation topics, shipped with Python), induction (repeated random runs of t00 .. t63
-    # for the shipped induction model), or a .txt (paragraphs) or .jsonl file (a "text" field per line)
+    # for the shipped induction model), ioi (data=ioi's sentences, whole), or a .txt (paragraphs) or .jsonl file (a
+    # "text" field per line)
     source: str = PYTHON_DOCS
     context: int = 128  # tokens per window, the BOS included where one is prepended
     bos: bool = True  # prepend the tokenizer's BOS token to every window (where the tokenizer has one)
