@@ -31,7 +31,17 @@ from runner.options.data.text import TextConfig
 from tests.conftest import make_config, run_cli
 
 INDUCTION = Path(runner.models.__file__).parent / "lm_induction"
-QUICK = ["experiment=train_sae_induction", "method.steps=60", "data.windows=60"]
+QUICK = ["experiment=train_sae_induction", "method.steps=60", "data.windows=60", "threads=1"]  # threads: one_thread
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> object:
+    """One torch thread: these small tensors gain nothing from two, and on a shared machine two threads spin-wait on
+    each other (a loaded two-core machine ran this file 10x slower with them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +282,17 @@ def test_a_context_marks_its_token(induction: tuple) -> None:
     assert marked_context(tokenizer, ids, 1, first=1) == "«t01» t02 t03 t04..."
 
 
+def folder_fvu(model: torch.nn.Module, tokenizer: object, folder: Path) -> float:
+    """The FVU of the dictionary in `folder` (loaded as any SAELens folder) on QUICK's held-out windows, their stream
+    after block 0 read from a plain forward."""
+    loaded = load_dictionary(folder)
+    data = windows_of(tokenizer, windows=60)
+    with torch.no_grad():
+        x = model(input_ids=data.windows[sorted(data.held_out)], output_hidden_states=True).hidden_states[1]
+        x = x[:, 1:].reshape(-1, 64)  # every position but the BOS
+        return float((x - loaded(x)).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+
+
 def test_a_cli_run_writes_a_saelens_folder_that_gives_its_fvu(induction: tuple, tmp_path: Path) -> None:
     model, tokenizer = induction
     result = app.run(make_config(*QUICK), tmp_path)
@@ -291,13 +312,7 @@ def test_a_cli_run_writes_a_saelens_folder_that_gives_its_fvu(induction: tuple, 
     cfg = json.loads((tmp_path / "dictionary" / "cfg.json").read_text())
     assert cfg["metadata"]["hook_name"] == "blocks.0.hook_resid_post" and cfg["architecture"] == "topk"
     assert (cfg["metadata"]["runner_site"], cfg["metadata"]["runner_layer"]) == ("resid_post", 0)
-    loaded = load_dictionary(tmp_path / "dictionary")
-    data = windows_of(tokenizer, windows=60)
-    ids = data.windows[sorted(data.held_out)]
-    with torch.no_grad():
-        x = model(input_ids=ids, output_hidden_states=True).hidden_states[1][:, 1:].reshape(-1, 64)
-        x_hat = loaded(x)
-    assert float((x - x_hat).pow(2).sum() / (x - x.mean(0)).pow(2).sum()) == pytest.approx(evaluation["fvu"], rel=1e-4)
+    assert folder_fvu(model, tokenizer, tmp_path / "dictionary") == pytest.approx(evaluation["fvu"], rel=1e-4)
 
     before = (tmp_path / "dictionary" / "sae_weights.safetensors").stat().st_mtime_ns
     again = app.run(make_config(*QUICK), tmp_path)  # the run is complete: nothing is trained again
@@ -324,3 +339,14 @@ def test_the_ioi_source_is_data_iois_sentences_whole() -> None:
         assert {first, second} == {subject, io} and subject != io and {subject, io} <= set(NAMES)
         text, matched = text[hit.end() :], matched + 1
     assert matched == 8
+
+
+def test_a_jumprelu_run_writes_its_thresholds(induction: tuple, tmp_path: Path) -> None:
+    model, tokenizer = induction
+    result = app.run(make_config(*QUICK, "method.architecture=jumprelu"), tmp_path)
+    evaluation = pd.read_parquet(result.tables["train_sae"]).iloc[0]
+    assert evaluation["architecture"] == "jumprelu" and pd.isna(evaluation["k"])
+    cfg = json.loads((tmp_path / "dictionary" / "cfg.json").read_text())
+    loaded = load_dictionary(tmp_path / "dictionary")
+    assert cfg["architecture"] == loaded.spec.architecture == "jumprelu" and bool((loaded.threshold > 0).all())
+    assert folder_fvu(model, tokenizer, tmp_path / "dictionary") == pytest.approx(evaluation["fvu"], rel=1e-4)
