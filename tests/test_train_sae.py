@@ -22,6 +22,7 @@ from runner.data.text import text_source
 from runner.dictionaries.formats import load_dictionary
 from runner.errors import RunnerError
 from runner.hooks import HookSession
+from runner.methods.train_sae import collect_activations
 from runner.methods.train_sae.activations import SiteReader, check_buffer
 from runner.methods.train_sae.evaluation import reconstruction, recovered, spliced_losses
 from runner.methods.train_sae.features import marked_context
@@ -222,6 +223,7 @@ def test_every_evaluation_figure_equals_a_computation_written_here(induction: tu
         dictionary.b_enc[:3] = -1e4  # never among a position's top k: dead
         dictionary.b_enc[3] = 1e4  # always among them: dense
     x = stream[held].reshape(-1, 64)
+    assert torch.allclose(collect_activations(model, data.windows[held], "resid_post", 0, batch_size=3), x, atol=1e-6)
     f, x_hat = hand_encode(dictionary, x)
     rec = reconstruction(dictionary, x)
     fires = (f > 0).sum(0)

@@ -23,7 +23,7 @@ from torch import nn
 from runner.errors import RunnerError
 from runner.hooks import HookSession
 from runner.hooks.sites import Cell, SiteHooks
-from runner.models.lm_sites import LanguageModelLayout, SiteSpec
+from runner.models.lm_sites import LanguageModelLayout, SiteSpec, layout_of
 
 # The planned buffer may take at most this share of the device's free memory (the model, its forwards and the
 # training's own tensors need the rest).
@@ -81,6 +81,19 @@ class SiteReader:
         if self.spec.name not in kept:
             raise RunnerError(f"method=train_sae: the forward never reached {self.spec.name}.")
         return kept[self.spec.name].float()
+
+
+def collect_activations(
+    model: nn.Module, ids: torch.Tensor, site: str, layer: int, first: int = 1, batch_size: int = 8
+) -> torch.Tensor:
+    """A library call: the activations (N, d) float32 at `site` of block `layer` over windows `ids` (B, T), positions
+    `first`.. of each window (1: not the BOS), window after window, `batch_size` windows per forward; the hooks are
+    registered in a session of their own and removed again."""
+    layout = layout_of(model)
+    with HookSession(model, []) as session:
+        reader = SiteReader(model, layout, layout.site(site, layer), session)
+        parts = [reader.read(part)[:, first:].flatten(0, 1) for part in ids.split(batch_size)]  # each (b x T', d)
+    return torch.cat(parts)
 
 
 def check_buffer(tokens: int, d_in: int, width: int, batch_tokens: int, free: int | None) -> None:
