@@ -352,9 +352,11 @@ def whole_run(args: argparse.Namespace, layer: int) -> None:
     from runner.app import run
 
     width = args.width
+    # the run's threads are this process's (a run's default is every CPU: two threads each on a loaded machine)
     overrides = [f"experiment={EXPERIMENTS[args.model][1]}", f"model.name={args.model}", f"method.layer={layer}",
                  f"method.width={width}", f"method.k={args.k}", f"method.steps={args.cli_steps}",
-                 f"data.windows={args.cli_windows}", f"device={args.device}"]  # fmt: skip
+                 f"data.windows={args.cli_windows}", f"device={args.device}",
+                 f"threads={torch.get_num_threads()}"]  # fmt: skip
     out = Path(tempfile.mkdtemp(prefix="bench_dictionaries_run_"))
     logging.getLogger("runner").setLevel(logging.WARNING)
     started = time.perf_counter()
