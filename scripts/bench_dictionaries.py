@@ -9,8 +9,10 @@ training one (method=train_sae), on SmolLM2-135M; figures are ratios and rates o
    experiment: IOI for SmolLM2 (experiment=ioi_smollm2's template), the shipped pairs for the induction model). A TopK
    SAE of --width latents, k = --k, reads resid_post of --layer (default the middle block); without --dictionary its
    weights are random (written with save_saelens and read back with load_dictionary, as a trained one is): a random
-   TopK dictionary reconstructs nothing useful, but it fires exactly k latents per position, which is what decides
-   how many latents differ between the clean and corrupted runs and so what exact latent patching costs. Contenders,
+   TopK dictionary reconstructs nothing useful, but it fires exactly k latents per position, as a trained one does.
+   What exact latent patching costs is how many latents differ between the clean and corrupted runs somewhere in the
+   batch, and a random encoder's top k follow the stream's few large directions: on SmolLM2 a trained dictionary
+   had about twice the random one's live latents (benchmarks/RESULTS.md), so prefer --dictionary. Contenders,
    each on its own copy of the model (the dictionary spliced into the copies that read its sites,
    runner.dictionaries.splice.attach), timed interleaved and round-robin (scripts/benchtools.py):
      site         exact patching of resid_post at the layer: one cell per position (the reference)
