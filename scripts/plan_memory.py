@@ -61,8 +61,6 @@ def overrides(case: str, mode: str | None) -> list[str]:
     ]  # fmt: skip
 
 
-
-
 def peak_rss(arguments: list[str]) -> int:
     """The peak resident memory (bytes) of `python -m runner ARGUMENTS` run as its own process, into a temporary
     directory."""
