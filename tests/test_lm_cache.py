@@ -173,7 +173,7 @@ def test_a_bfloat16_model_is_cached_in_float32_exactly(llama, tmp_path: Path) ->
     [
         (["method.sites=[resid_pre,resid_psot]"],
          "method.sites=['resid_pre', 'resid_psot']: each one of resid_pre, resid_mid, resid_post, attn_out, mlp_out,"
-         " head, q, k, v, pattern, once (at least one). Did you mean: resid_post,"),
+         " head, q, k, v, pattern, latent, error, once (at least one). Did you mean: resid_post,"),
         (["method.sites=[head,head]"], "method.sites=['head', 'head']: each one of resid_pre,"),
         (["method.layers=[1,0,1]"], "method.layers=[1, 0, 1] names layer(s) [1] twice: give each layer once."),
         (["method.layers=[]"], "method.layers=[]: give at least one layer (null: every layer)."),
