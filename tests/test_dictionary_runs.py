@@ -290,3 +290,17 @@ def test_attribution_patching_of_latents_and_error_adds_up_to_the_sites(spliced:
     whole = frame[frame.site == "resid_post"].groupby("sample")["effect"].sum()
     assert (frame.patch_method == "attribution").all() and whole.abs().min() > 1e-3
     assert ((parts - whole).abs() <= 1e-4 * whole.abs().max()).all()
+
+
+def test_edges_of_the_spliced_model_are_the_models(spliced: dict, tmp_path: Path) -> None:
+    """lm_edges reads the model's own components: with the dictionaries spliced in (their error terms exact), every
+    edge's score is the unspliced model's to float rounding."""
+    plain = [o for o in spliced["run"] if not o.startswith("model.dictionaries")]
+    settings = ["method=lm_edges", "method.edges.mode=eap", "method.edges.resamples=0"]
+    app.run(make_config(*spliced["run"], *settings), tmp_path / "spliced")
+    app.run(make_config(*plain, *settings), tmp_path / "plain")
+    with_dictionaries, without = (
+        load(tmp_path / n, "lm_edges").set_index("edge")["score"] for n in ("spliced", "plain")
+    )
+    assert len(without) > 50 and set(with_dictionaries.index) == set(without.index)
+    assert (with_dictionaries - without).abs().max() <= 1e-5 * without.abs().max()
