@@ -13,6 +13,8 @@ The runner and its methods register no hook themselves; they ask the session (`H
     (torch refuses an in-place op on their outputs), held as one more removable handle (inplace.py);
   - re-initialises modules in place for randomisation tests (MPRT, sanity) as a reversible edit, one more
     handle whose removal restores the original values (edits.py);
+  - routes the sites of a language model with sparse dictionaries spliced in (model.dictionaries) through them,
+    registering the splice's hooks before any other (runner/dictionaries/splice.py);
   - keeps state per batch only (`end_batch` returns it and drops it);
   - draws `add_noise` noise per sample, keyed by (hook seed, sample index, layer, role, call), so a sample's
     noise does not depend on the batch size, an OOM split or a resume (runner/randomness.py);
