@@ -66,6 +66,11 @@ class Spliced:
     layer: int
 
 
+def placed_at(layout: LanguageModelLayout, site: str, layer: int, width: int) -> Placement:
+    """Where a dictionary of `width` latents reading `site` of block `layer` sits: its block's child `dictionary`."""
+    return Placement(site, layer, width, f"{layout.arch.blocks}.{layer}.{CHILD}")
+
+
 def attach(model: nn.Module, layout: LanguageModelLayout, dictionaries: list[Spliced]) -> LanguageModelLayout:
     """Add each dictionary to its block as a child module (on the model's device); the layout with them placed. The
     hooks that route the sites through them come with each hook session (`splice_hooks`)."""
@@ -74,9 +79,7 @@ def attach(model: nn.Module, layout: LanguageModelLayout, dictionaries: list[Spl
         block = model.get_submodule(f"{layout.arch.blocks}.{item.layer}")
         if hasattr(block, CHILD):
             raise RunnerError(f"model.dictionaries: layer {item.layer} has a dictionary already; give one per layer.")
-        placement = Placement(
-            item.site, item.layer, item.dictionary.width, f"{layout.arch.blocks}.{item.layer}.{CHILD}"
-        )
+        placement = placed_at(layout, item.site, item.layer, item.dictionary.width)
         device = next(block.parameters()).device
         block.add_module(CHILD, DictionarySplice(item.dictionary.to(device), placement))
         placed.append(placement)

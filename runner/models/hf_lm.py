@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runner.dictionaries.formats import check_fits, load_dictionary, read_spec
-from runner.dictionaries.splice import CHILD, Spliced, attach
+from runner.dictionaries.splice import Spliced, attach, placed_at
 from runner.errors import RunnerError, suggest
 from runner.models.base import ModelBundle, ModelSource
 from runner.models.hf import (
@@ -30,7 +30,7 @@ from runner.models.hf import (
     refuse_remote_code,
     transformers_module,
 )
-from runner.models.lm_sites import LanguageModelLayout, Placement, layout_of, layout_of_config
+from runner.models.lm_sites import LanguageModelLayout, layout_of, layout_of_config
 from runner.models.packaged_lm import converted_folder
 from runner.options.model.hf_lm import PACKAGED_LMS, SHIPPED_LM, DictionaryConfig, HfLmModelConfig
 from runner.schema import ModelConfig
@@ -173,7 +173,7 @@ def planned_dictionaries(
                 " (it reads the MLP's input and writes its output), an SAE at a stream or branch site."
             )
         check_fits(spec, d_model, f"{key} ({item.site}.{item.layer})")
-        placed.append(Placement(item.site, item.layer, spec.width, f"{layout.arch.blocks}.{item.layer}.{CHILD}"))
+        placed.append(placed_at(layout, item.site, item.layer, spec.width))
     return replace(layout, dictionaries=tuple(placed))
 
 

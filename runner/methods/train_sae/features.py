@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from runner.data.prompts import decoded
 from runner.dictionaries.dictionary import Dictionary
 from runner.methods.train_sae.evaluation import DENSE
 from runner.tables import Presentation, declare
@@ -103,9 +104,7 @@ def marked_context(tokenizer: Any, ids: list[int], position: int, first: int) ->
 
 def token_texts(tokenizer: Any, ids: torch.Tensor) -> list[list[str]]:
     """Each row of token ids (W, n) as the text each token stands for (" if" for `Ġif`)."""
-    return [
-        [tokenizer.convert_tokens_to_string([t]) for t in tokenizer.convert_ids_to_tokens(row)] for row in ids.tolist()
-    ]
+    return [decoded(tokenizer, tokenizer.convert_ids_to_tokens(row)) for row in ids.tolist()]
 
 
 def feature_columns(
